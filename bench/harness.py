@@ -1,0 +1,125 @@
+"""The one benchmark harness: timing, result rows, tables, JSON.
+
+Every benchmark module builds ``Row`` objects through ``measure`` and hands them to ``report``.
+Rows are keyed by op, provider, shape, dtype, device and git sha, so results from different
+machines and versions can be stored side by side and compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: str = "cpu") -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()}"
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    provider: str
+    shape: str
+    dtype: str
+    device: str
+    time_ms: float
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sha: str = dataclasses.field(default_factory=git_sha)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(d.pop("metrics"))
+        return d
+
+
+def time_cpu(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 10, min_time_s: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in milliseconds (``time.perf_counter`` loop)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - start) < min_time_s:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if len(times) >= 10 * reps:
+            break
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_fn(fn: Callable[[], Any], device: str = "cpu", **kw) -> float:
+    """Median time in ms: ``triton.testing.do_bench`` on CUDA, a perf_counter loop on CPU."""
+    if device.startswith("cuda"):
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, return_mode="median"))
+    return time_cpu(fn, **kw)
+
+
+def format_table(rows: Iterable[Row], columns: list[str] | None = None) -> str:
+    dicts = [r.as_dict() for r in rows]
+    if not dicts:
+        return "(no rows)"
+    if columns is None:
+        columns = [k for k in dicts[0] if k not in ("sha", "device")]
+        for d in dicts[1:]:
+            columns += [k for k in d if k not in columns and k not in ("sha", "device")]
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "" if v is None else str(v)
+
+    cells = [[fmt(d.get(c)) for c in columns] for d in dicts]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def report(rows: list[Row], json_path: str | None = None, title: str | None = None, file=sys.stdout) -> None:
+    """Print ``rows`` as a table and, if ``json_path`` is given, append them there as JSON lines."""
+    if title:
+        print(f"\n== {title} ==", file=file)
+    print(format_table(rows), file=file)
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r.as_dict()) + "\n")
+
+
+def base_parser(description: str):
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", metavar="FILE", help="append result rows to FILE as JSON lines")
+    p.add_argument("--full", action="store_true", help="the full sweep instead of the quick one")
+    return p

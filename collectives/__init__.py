@@ -1,0 +1,1 @@
+"""Everything that talks between ranks (``mmbalance.collectives``)."""

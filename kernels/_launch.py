@@ -1,0 +1,29 @@
+"""The one launch shim every launcher goes through.
+
+Under ``TRITON_INTERPRET=1`` the raw ``@triton.jit`` function is launched (the interpreter runs it on
+CPU tensors); otherwise it is wrapped with ``torch.library.wrap_triton`` so ``torch.compile`` can
+trace through the custom ops that call it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def launchable(kernel):
+    """Return ``kernel`` in the form that can be indexed with a grid and called."""
+    if INTERPRET or not hasattr(torch.library, "wrap_triton"):
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernel (rather than the torch reference) should run on ``t``.
+
+    CUDA tensors always take the kernel; CPU tensors take it only under the interpreter.
+    """
+    return t.is_cuda or INTERPRET

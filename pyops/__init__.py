@@ -1,0 +1,4 @@
+"""``torch.library`` custom ops, namespace ``torch.ops.mmbalance`` (``mmbalance.pyops``).
+
+Importing this package registers every op.
+"""

@@ -1,0 +1,27 @@
+"""Build of the compiled planner core, ``mmbalance._core`` (C++17, pybind11, no torch)."""
+
+import sys
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+extra = ["-O3", "-fvisibility=hidden"] if sys.platform != "win32" else ["/O2"]
+
+ext_modules = [
+    Pybind11Extension(
+        "mmbalance._core",
+        sorted(
+            [
+                "csrc/bindings.cpp",
+                "csrc/balance.cpp",
+                "csrc/locality.cpp",
+                "csrc/node_perm.cpp",
+            ]
+        ),
+        include_dirs=["csrc"],
+        cxx_std=17,
+        extra_compile_args=extra,
+    )
+]
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})
