@@ -1,0 +1,227 @@
+"""``Plan``: where every example goes, as data.
+
+A plan maps example ``i`` (a global index; with :func:`mmbalance.collectives.gather_lengths` it is
+rank-major sampling order) from its source position ``(src_rank[i], src_slot[i])`` to its
+destination ``(dst_rank[i], dst_slot[i])``. It is a pure value: identical bytes on every rank for
+identical inputs, which is what lets every rank compute it independently and still agree on one
+all-to-all. Plans compose like the rearrangements of OrchMLLM section 6: ``b.compose(a)`` is "a,
+then b", and ``p.inverse()`` moves every example back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+POLICIES = ("sum", "padded", "quadratic", "conv")
+
+
+def _slots(ranks: np.ndarray, num_ranks: int) -> np.ndarray:
+    """Position of each example among the examples of its rank, in index order."""
+    order = np.argsort(ranks, kind="stable")
+    starts = np.zeros(num_ranks + 1, dtype=np.int64)
+    np.cumsum(np.bincount(ranks, minlength=num_ranks), out=starts[1:])
+    slot = np.empty_like(ranks)
+    slot[order] = np.arange(ranks.shape[0], dtype=np.int64) - starts[ranks[order]]
+    return slot
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A rearrangement of ``n`` examples over ``num_ranks`` ranks.
+
+    Attributes:
+        dst_rank: int64 ``[n]``, the rank that receives example ``i``.
+        dst_slot: int64 ``[n]``, position of example ``i`` in that rank's new batch. Slots of one rank
+            are ``0..count-1``, in order of (source rank, source slot), so an all-to-all receive
+            buffer is already in slot order.
+        costs: float64 ``[num_ranks]``, each new batch's cost under ``policy``.
+        num_ranks: number of ranks.
+        lengths: int64 ``[n]``, the lengths the plan was made for.
+        src_rank / src_slot: int64 ``[n]``, where example ``i`` is before the move (slots in index
+            order). ``None`` when the planner was not told the sources (``src_ranks=None``); such a
+            plan describes the new batches but cannot drive a move.
+        policy, alpha, beta: the cost model the plan was made for.
+    """
+
+    dst_rank: np.ndarray
+    dst_slot: np.ndarray
+    costs: np.ndarray
+    num_ranks: int
+    lengths: np.ndarray
+    src_rank: np.ndarray | None = None
+    src_slot: np.ndarray | None = None
+    policy: str = "sum"
+    alpha: float = 1.0
+    beta: float = 0.0
+    info: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        for name in ("dst_rank", "dst_slot", "costs", "lengths", "src_rank", "src_slot"):
+            value = getattr(self, name)
+            if value is not None:
+                value.setflags(write=False)
+
+    # ------------------------------------------------------------------ summary numbers
+    @property
+    def num_examples(self) -> int:
+        return int(self.dst_rank.shape[0])
+
+    @property
+    def makespan(self) -> float:
+        """Largest batch cost."""
+        return float(self.costs.max()) if self.costs.size else 0.0
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Examples received by each rank, int64 ``[num_ranks]``."""
+        return np.bincount(self.dst_rank, minlength=self.num_ranks).astype(np.int64)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Tokens (sum of lengths) received by each rank, int64 ``[num_ranks]``."""
+        return np.bincount(self.dst_rank, weights=self.lengths, minlength=self.num_ranks).astype(np.int64)
+
+    def moved(self) -> np.ndarray:
+        """Boolean ``[n]``: examples whose rank changes (requires a source)."""
+        self._need_source("moved")
+        return self.dst_rank != self.src_rank
+
+    def moved_tokens(self) -> int:
+        return int(self.lengths[self.moved()].sum())
+
+    def send_matrix(self) -> np.ndarray:
+        """Tokens sent from rank ``s`` to rank ``d``: int64 ``[num_ranks, num_ranks]``."""
+        self._need_source("send_matrix")
+        m = np.zeros(self.num_ranks * self.num_ranks, dtype=np.int64)
+        np.add.at(m, self.src_rank * self.num_ranks + self.dst_rank, self.lengths)
+        return m.reshape(self.num_ranks, self.num_ranks)
+
+    def off_node_send(self, ranks_per_node: int) -> np.ndarray:
+        """Tokens each source rank sends to other nodes, int64 ``[num_ranks]`` (eq. 5 of OrchMLLM)."""
+        self._need_source("off_node_send")
+        off = (self.src_rank // ranks_per_node) != (self.dst_rank // ranks_per_node)
+        return np.bincount(self.src_rank[off], weights=self.lengths[off], minlength=self.num_ranks).astype(np.int64)
+
+    def digest(self) -> bytes:
+        """SHA-256 of the plan's arrays: equal on every rank iff the plans are identical."""
+        h = hashlib.sha256()
+        h.update(np.int64(self.num_ranks).tobytes())
+        for a in (self.dst_rank, self.dst_slot, self.src_rank, self.src_slot, self.lengths):
+            h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes())
+        return h.digest()
+
+    # ------------------------------------------------------------------ per-rank views
+    def send_order(self, rank: int) -> np.ndarray:
+        """Source slots of ``rank``'s examples in send order (by destination rank, then slot)."""
+        self._need_source("send_order")
+        idx = np.flatnonzero(self.src_rank == rank)
+        key = np.lexsort((self.dst_slot[idx], self.dst_rank[idx]))
+        return self.src_slot[idx[key]]
+
+    def send_counts(self, rank: int) -> np.ndarray:
+        """Examples ``rank`` sends to each rank, int64 ``[num_ranks]``."""
+        self._need_source("send_counts")
+        sel = self.src_rank == rank
+        return np.bincount(self.dst_rank[sel], minlength=self.num_ranks).astype(np.int64)
+
+    def recv_order(self, rank: int) -> np.ndarray:
+        """Global ids of the examples ``rank`` receives, in slot order."""
+        idx = np.flatnonzero(self.dst_rank == rank)
+        out = np.empty_like(idx)
+        out[self.dst_slot[idx]] = idx
+        return out
+
+    def source_order(self, rank: int) -> np.ndarray:
+        """Global ids of the examples on ``rank`` before the move, in source-slot order."""
+        self._need_source("source_order")
+        idx = np.flatnonzero(self.src_rank == rank)
+        out = np.empty_like(idx)
+        out[self.src_slot[idx]] = idx
+        return out
+
+    # ------------------------------------------------------------------ algebra
+    def inverse(self) -> Plan:
+        """The plan that moves every example back to where it came from."""
+        self._need_source("inverse")
+        return Plan(
+            dst_rank=self.src_rank.copy(),
+            dst_slot=self.src_slot.copy(),
+            costs=_costs_of(self.lengths, self.src_rank, self.num_ranks, self.policy, self.alpha, self.beta),
+            num_ranks=self.num_ranks,
+            lengths=self.lengths,
+            src_rank=self.dst_rank.copy(),
+            src_slot=self.dst_slot.copy(),
+            policy=self.policy,
+            alpha=self.alpha,
+            beta=self.beta,
+        )
+
+    def compose(self, first: Plan) -> Plan:
+        """``first`` followed by ``self``, as one plan (one all-to-all instead of two).
+
+        ``first``'s destination layout must be ``self``'s source layout, example by example; the
+        result moves from ``first``'s source straight to ``self``'s destination. The usual use is
+        ``plan_llm.compose(plan_encoder.inverse())``: encoder outputs go straight to the LLM layout.
+        Lengths may differ between the two plans (an encoder's tokens vs the LLM's); the result
+        carries ``first``'s lengths (the payload that actually moves) and ``self``'s cost model.
+        """
+        if not isinstance(first, Plan):
+            raise TypeError(f"first must be a Plan, got {type(first).__name__}")
+        if first.num_ranks != self.num_ranks:
+            raise ValueError(f"first has {first.num_ranks} ranks, this plan {self.num_ranks}")
+        if first.num_examples != self.num_examples:
+            raise ValueError(f"first has {first.num_examples} examples, this plan {self.num_examples}")
+        self._need_source("compose")
+        if not (np.array_equal(first.dst_rank, self.src_rank) and np.array_equal(first.dst_slot, self.src_slot)):
+            raise ValueError("first's destination layout is not this plan's source layout")
+        return Plan(
+            dst_rank=self.dst_rank.copy(),
+            dst_slot=self.dst_slot.copy(),
+            costs=_costs_of(first.lengths, self.dst_rank, self.num_ranks, self.policy, self.alpha, self.beta),
+            num_ranks=self.num_ranks,
+            lengths=first.lengths,
+            src_rank=None if first.src_rank is None else first.src_rank.copy(),
+            src_slot=None if first.src_slot is None else first.src_slot.copy(),
+            policy=self.policy,
+            alpha=self.alpha,
+            beta=self.beta,
+        )
+
+    def with_lengths(self, lengths) -> Plan:
+        """The same moves for another payload of the same examples (e.g. labels, encoder outputs)."""
+        from ._validate import as_lengths
+
+        lengths = as_lengths(lengths)
+        if lengths.shape[0] != self.num_examples:
+            raise ValueError(f"lengths must have {self.num_examples} entries, got {lengths.shape[0]}")
+        return Plan(
+            dst_rank=self.dst_rank,
+            dst_slot=self.dst_slot,
+            costs=_costs_of(lengths, self.dst_rank, self.num_ranks, self.policy, self.alpha, self.beta),
+            num_ranks=self.num_ranks,
+            lengths=lengths,
+            src_rank=self.src_rank,
+            src_slot=self.src_slot,
+            policy=self.policy,
+            alpha=self.alpha,
+            beta=self.beta,
+        )
+
+    def _need_source(self, what: str) -> None:
+        if self.src_rank is None:
+            raise ValueError(f"Plan.{what} needs the source layout: plan with src_ranks=...")
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(n={self.num_examples}, num_ranks={self.num_ranks}, policy={self.policy!r}, "
+            f"makespan={self.makespan:.6g}, located={self.src_rank is not None})"
+        )
+
+
+def _costs_of(lengths, dst_rank, num_ranks, policy, alpha, beta) -> np.ndarray:
+    from . import _core_api
+
+    return _core_api.batch_costs(lengths, dst_rank, num_ranks, policy, alpha, beta)

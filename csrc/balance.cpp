@@ -1,0 +1,466 @@
+// Plain post-balancing: LPT (OrchMLLM alg. 1) with local search, the exact padded partition
+// (better than alg. 2), quadratic (better than alg. 4) and conv (better than alg. 5).
+#include "balance.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+#include <stdexcept>
+
+namespace mmb {
+
+namespace {
+
+// Tournament (winner) tree over the ranks, keyed by (load, rank): the root holds the least loaded
+// rank, and adding load to it replays one leaf-to-root path with a single comparison per level.
+// Nodes hold their (load, rank) by value, so a level costs two adjacent loads and a select:
+// log2(d) short, predictable steps per LPT item.
+class LoadHeap {
+ public:
+  struct Node {
+    double load;
+    Index rank;
+  };
+  LoadHeap(Index d, const std::vector<double>& load) {
+    size_ = 1;
+    while (size_ < d) size_ <<= 1;
+    tree_.assign(2 * size_, Node{std::numeric_limits<double>::infinity(), 0});
+    for (Index i = 0; i < size_; ++i) tree_[size_ + i] = {i < d ? load[i] : std::numeric_limits<double>::infinity(), i};
+    for (Index v = size_ - 1; v >= 1; --v) tree_[v] = pick(tree_[2 * v], tree_[2 * v + 1]);
+  }
+  Index top() const { return tree_[1].rank; }
+  // Add `w` to the load of the top rank and restore the tree.
+  void add_to_top(double w) {
+    Index v = size_ + tree_[1].rank;
+    tree_[v].load += w;
+    for (v >>= 1; v >= 1; v >>= 1) tree_[v] = pick(tree_[2 * v], tree_[2 * v + 1]);
+  }
+
+ private:
+  // Left child has the lower ranks, so ties go left: the lower rank wins.
+  static Node pick(const Node& l, const Node& r) { return r.load < l.load ? r : l; }
+  Index size_ = 1;
+  std::vector<Node> tree_;
+};
+
+Index argmax(const std::vector<double>& v) {
+  Index best = 0;
+  for (Index i = 1; i < static_cast<Index>(v.size()); ++i)
+    if (v[i] > v[best]) best = i;
+  return best;
+}
+
+Index argmin(const std::vector<double>& v) {
+  Index best = 0;
+  for (Index i = 1; i < static_cast<Index>(v.size()); ++i)
+    if (v[i] < v[best]) best = i;
+  return best;
+}
+
+}  // namespace
+
+std::vector<Index> order_by_length_desc(const int64_t* lengths, Index n) {
+  std::vector<Index> order(n);
+  if (n == 0) return order;
+  int64_t mx = 0;
+  for (Index i = 0; i < n; ++i) mx = std::max(mx, lengths[i]);
+  // Sort key mx - l ascending == l descending; LSD radix is stable, so ties stay in index order.
+  std::vector<uint64_t> key(n), key_tmp(n);
+  std::vector<Index> tmp(n);
+  for (Index i = 0; i < n; ++i) {
+    order[i] = i;
+    key[i] = static_cast<uint64_t>(mx - lengths[i]);
+  }
+  constexpr int kBits = 11;
+  constexpr uint64_t kMask = (1u << kBits) - 1;
+  std::vector<Index> count(1u << kBits);
+  const uint64_t range = static_cast<uint64_t>(mx);
+  for (int shift = 0; shift < 64 && (range >> shift) != 0; shift += kBits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (Index i = 0; i < n; ++i) ++count[(key[i] >> shift) & kMask];
+    Index acc = 0;
+    for (auto& c : count) {
+      const Index t = c;
+      c = acc;
+      acc += t;
+    }
+    for (Index i = 0; i < n; ++i) {
+      const Index slot = count[(key[i] >> shift) & kMask]++;
+      tmp[slot] = order[i];
+      key_tmp[slot] = key[i];
+    }
+    order.swap(tmp);
+    key.swap(key_tmp);
+  }
+  return order;
+}
+
+double item_weight(int64_t length, const CostModel& cm) {
+  const double l = static_cast<double>(length);
+  if (cm.policy == Policy::Sum) return l;
+  return cm.alpha * l + cm.beta * l * l;
+}
+
+std::vector<double> batch_costs(const int64_t* lengths, Index n, const Index* dst, Index d, const CostModel& cm) {
+  std::vector<double> sum(d, 0.0), sq(d, 0.0);
+  std::vector<int64_t> count(d, 0), mx(d, 0);
+  for (Index i = 0; i < n; ++i) {
+    const Index r = dst[i];
+    const double l = static_cast<double>(lengths[i]);
+    sum[r] += l;
+    sq[r] += l * l;
+    count[r] += 1;
+    mx[r] = std::max(mx[r], lengths[i]);
+  }
+  std::vector<double> cost(d);
+  for (Index r = 0; r < d; ++r) {
+    const double m = static_cast<double>(mx[r]);
+    const double b = static_cast<double>(count[r]);
+    switch (cm.policy) {
+      case Policy::Sum: cost[r] = sum[r]; break;
+      case Policy::Padded: cost[r] = b * m; break;
+      case Policy::Quadratic: cost[r] = cm.alpha * sum[r] + cm.beta * sq[r]; break;
+      case Policy::Conv: cost[r] = cm.alpha * sum[r] + cm.beta * b * m * m; break;
+    }
+  }
+  return cost;
+}
+
+double max_cost(const int64_t* lengths, Index n, const std::vector<Index>& dst, Index d, const CostModel& cm) {
+  const auto c = batch_costs(lengths, n, dst.data(), d, cm);
+  return c.empty() ? 0.0 : *std::max_element(c.begin(), c.end());
+}
+
+std::vector<Index> lpt(const double* w, const std::vector<Index>& order, Index d) {
+  std::vector<Index> dst(order.size());
+  LoadHeap heap(d, std::vector<double>(d, 0.0));
+  for (Index i : order) {
+    dst[i] = heap.top();
+    heap.add_to_top(w[i]);
+  }
+  return dst;
+}
+
+void refine_additive(const double* w, Index n, Index d, std::vector<Index>& dst, Index max_iters) {
+  if (d < 2 || n == 0) return;
+  std::vector<double> load(d, 0.0);
+  std::vector<std::vector<Index>> items(d);
+  for (Index i = 0; i < n; ++i) {
+    load[dst[i]] += w[i];
+    items[dst[i]].push_back(i);
+  }
+  // Nothing can beat max(largest item, total / d); with integral weights, its ceiling.
+  double total = 0.0, wmax = 0.0;
+  bool integral = true;
+  for (Index i = 0; i < n; ++i) {
+    total += w[i];
+    wmax = std::max(wmax, w[i]);
+    integral = integral && w[i] == std::floor(w[i]);
+  }
+  const double avg = total / static_cast<double>(d);
+  const double bound = std::max(wmax, integral ? std::ceil(avg) : avg);
+  // Ranks ordered by (load, rank): the extremes in O(1), updates in O(log d).
+  std::set<std::pair<double, Index>> by_load;
+  for (Index r = 0; r < d; ++r) by_load.insert({load[r], r});
+  auto shift = [&](Index r, double delta) {
+    by_load.erase({load[r], r});
+    load[r] += delta;
+    by_load.insert({load[r], r});
+  };
+  std::vector<Index> sorted_b;
+  for (Index it = 0; it < max_iters; ++it) {
+    // The most loaded rank with the lowest index among equals, and the least loaded one.
+    const double top = by_load.rbegin()->first;
+    const Index a = by_load.lower_bound({top, std::numeric_limits<Index>::min()})->second;
+    const Index b = by_load.begin()->second;
+    const double gap = load[a] - load[b];
+    if (!(gap > 0) || load[a] <= bound) break;
+    // Best single move a -> b: the weight closest to gap / 2 among those below gap.
+    double best_max = load[a];
+    Index best_x = -1, best_y = -1;
+    for (Index x : items[a]) {
+      if (w[x] > 0 && w[x] < gap) {
+        const double m = std::max(load[a] - w[x], load[b] + w[x]);
+        if (m < best_max) best_max = m, best_x = x, best_y = -1;
+      }
+    }
+    // Best swap x (on a) <-> y (on b): w_x - w_y in (0, gap), closest to gap / 2.
+    sorted_b = items[b];
+    std::sort(sorted_b.begin(), sorted_b.end(), [&](Index p, Index q) { return w[p] < w[q] || (w[p] == w[q] && p < q); });
+    for (Index x : items[a]) {
+      const double target = w[x] - gap / 2;
+      auto it2 = std::lower_bound(sorted_b.begin(), sorted_b.end(), target,
+                                  [&](Index q, double t) { return w[q] < t; });
+      for (int k = 0; k < 2; ++k) {
+        auto cand = (k == 0) ? it2 : (it2 == sorted_b.begin() ? sorted_b.end() : it2 - 1);
+        if (cand == sorted_b.end()) continue;
+        const Index y = *cand;
+        const double delta = w[x] - w[y];
+        if (!(delta > 0 && delta < gap)) continue;
+        const double m = std::max(load[a] - delta, load[b] + delta);
+        if (m < best_max) best_max = m, best_x = x, best_y = y;
+      }
+    }
+    if (best_x < 0) break;
+    auto erase = [](std::vector<Index>& v, Index x) { v.erase(std::find(v.begin(), v.end(), x)); };
+    erase(items[a], best_x);
+    items[b].push_back(best_x);
+    dst[best_x] = b;
+    double delta = w[best_x];
+    if (best_y >= 0) {
+      erase(items[b], best_y);
+      items[a].push_back(best_y);
+      dst[best_y] = a;
+      delta -= w[best_y];
+    }
+    shift(a, -delta);
+    shift(b, delta);
+  }
+}
+
+namespace {
+
+struct RankState {
+  std::vector<Index> items;  // sorted by length descending, ties by index
+  double sum = 0.0;
+};
+
+double conv_cost(const CostModel& cm, double sum, double count, double mx) {
+  if (cm.policy == Policy::Padded) return count * mx;
+  return cm.alpha * sum + cm.beta * count * mx * mx;
+}
+
+}  // namespace
+
+void refine_general(const int64_t* lengths, Index n, Index d, const CostModel& cm, std::vector<Index>& dst,
+                    Index max_iters) {
+  if (d < 2 || n == 0) return;
+  auto before = [&](Index p, Index q) { return lengths[p] > lengths[q] || (lengths[p] == lengths[q] && p < q); };
+  std::vector<RankState> st(d);
+  for (Index i = 0; i < n; ++i) st[dst[i]].items.push_back(i);
+  for (auto& s : st) {
+    std::sort(s.items.begin(), s.items.end(), before);
+    for (Index i : s.items) s.sum += static_cast<double>(lengths[i]);
+  }
+  auto cost_of = [&](const RankState& s) {
+    if (s.items.empty()) return 0.0;
+    return conv_cost(cm, s.sum, static_cast<double>(s.items.size()), static_cast<double>(lengths[s.items[0]]));
+  };
+  std::vector<double> cost(d);
+  for (Index r = 0; r < d; ++r) cost[r] = cost_of(st[r]);
+  constexpr Index kReceivers = 8;
+  std::vector<Index> ranks(d);
+  for (Index it = 0; it < max_iters; ++it) {
+    const Index a = argmax(cost);
+    const RankState& A = st[a];
+    if (A.items.empty()) break;
+    for (Index r = 0; r < d; ++r) ranks[r] = r;
+    const Index k = std::min<Index>(kReceivers, d - 1);
+    std::nth_element(ranks.begin(), ranks.begin() + k, ranks.end(), [&](Index p, Index q) {
+      return cost[p] < cost[q] || (cost[p] == cost[q] && p < q);
+    });
+    std::sort(ranks.begin(), ranks.begin() + k + 1,
+              [&](Index p, Index q) { return cost[p] < cost[q] || (cost[p] == cost[q] && p < q); });
+    const double ca = static_cast<double>(A.items.size());
+    double best = cost[a];
+    Index bx = -1, by = -1, bb = -1;
+    for (Index j = 0; j <= k; ++j) {
+      const Index b = ranks[j];
+      if (b == a) continue;
+      const RankState& B = st[b];
+      const double cb = static_cast<double>(B.items.size());
+      const double mb = B.items.empty() ? 0.0 : static_cast<double>(lengths[B.items[0]]);
+      for (size_t xi = 0; xi < A.items.size(); ++xi) {
+        const Index x = A.items[xi];
+        const double lx = static_cast<double>(lengths[x]);
+        // A without x: its max is the next item when x is the first.
+        const double ma_wo = (xi == 0) ? (A.items.size() > 1 ? static_cast<double>(lengths[A.items[1]]) : 0.0)
+                                       : static_cast<double>(lengths[A.items[0]]);
+        const double new_a = (A.items.size() == 1) ? 0.0 : conv_cost(cm, A.sum - lx, ca - 1, ma_wo);
+        const double new_b = conv_cost(cm, B.sum + lx, cb + 1, std::max(mb, lx));
+        const double m = std::max(new_a, new_b);
+        if (m < best) best = m, bx = x, by = -1, bb = b;
+        // Swaps with every y on B (batches are small; bounded by kReceivers ranks).
+        for (size_t yi = 0; yi < B.items.size(); ++yi) {
+          const Index y = B.items[yi];
+          const double ly = static_cast<double>(lengths[y]);
+          if (ly == lx) continue;
+          const double ma2 = std::max(ma_wo, ly);
+          const double mb_wo = (yi == 0) ? (B.items.size() > 1 ? static_cast<double>(lengths[B.items[1]]) : 0.0) : mb;
+          const double mb2 = std::max(mb_wo, lx);
+          const double m2 = std::max(conv_cost(cm, A.sum - lx + ly, ca, ma2), conv_cost(cm, B.sum - ly + lx, cb, mb2));
+          if (m2 < best) best = m2, bx = x, by = y, bb = b;
+        }
+      }
+    }
+    if (bx < 0) break;
+    auto move = [&](Index x, Index from, Index to) {
+      auto& f = st[from].items;
+      f.erase(std::find(f.begin(), f.end(), x));
+      auto& t = st[to].items;
+      t.insert(std::lower_bound(t.begin(), t.end(), x, before), x);
+      st[from].sum -= static_cast<double>(lengths[x]);
+      st[to].sum += static_cast<double>(lengths[x]);
+      dst[x] = to;
+    };
+    move(bx, a, bb);
+    if (by >= 0) move(by, bb, a);
+    cost[a] = cost_of(st[a]);
+    cost[bb] = cost_of(st[bb]);
+  }
+}
+
+namespace {
+
+// Groups of a descending-sorted sequence under padded bound B: each group starts at its largest
+// item l and holds at most floor(B / l) items. Returns the number of groups (stops past `limit`).
+Index greedy_groups_desc(const int64_t* lengths, const std::vector<Index>& order, int64_t bound, Index limit,
+                         std::vector<Index>* dst) {
+  const Index n = static_cast<Index>(order.size());
+  Index groups = 0, i = 0;
+  while (i < n) {
+    if (groups == limit) return limit + 1;
+    const int64_t first = lengths[order[i]];
+    const Index cap = first == 0 ? n : static_cast<Index>(bound / first);
+    if (cap < 1) return limit + 1;
+    const Index end = std::min(n, i + cap);
+    if (dst)
+      for (Index j = i; j < end; ++j) (*dst)[order[j]] = groups;
+    i = end;
+    ++groups;
+  }
+  return groups;
+}
+
+}  // namespace
+
+std::vector<Index> padded_optimal(const int64_t* lengths, Index n, Index d) {
+  std::vector<Index> dst(n, 0);
+  if (n == 0) return dst;
+  const auto order = order_by_length_desc(lengths, n);
+  const int64_t lmax = lengths[order[0]];
+  // Exchange argument: for a bound B some optimal partition puts the largest item with the next
+  // floor(B/l_max)-1 largest ones, recursively; so the greedy decides feasibility exactly and the
+  // binary search finds the optimal min-max padded cost.
+  int64_t lo = lmax, hi = lmax * ((n + d - 1) / d);
+  if (hi < lo) hi = lo;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (greedy_groups_desc(lengths, order, mid, d, nullptr) <= d)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  greedy_groups_desc(lengths, order, lo, d, &dst);
+  return dst;
+}
+
+std::vector<Index> paper_padded(const int64_t* lengths, Index n, Index d) {
+  std::vector<Index> dst(n, 0);
+  if (n == 0) return dst;
+  auto order = order_by_length_desc(lengths, n);
+  std::reverse(order.begin(), order.end());  // ascending
+  auto groups_for = [&](int64_t b, std::vector<Index>* out) {
+    Index g = 0, size = 0;
+    for (Index i : order) {
+      if (size > 0 && (size + 1) * lengths[i] > b) ++g, size = 0;
+      if (out) (*out)[i] = g;
+      ++size;
+    }
+    return g + 1;
+  };
+  int64_t left = lengths[order[0]];
+  int64_t right = std::max<int64_t>(lengths[order.back()] * (n / d + 1), left);
+  while (left < right) {
+    const int64_t mid = left + (right - left) / 2;
+    if (groups_for(mid, nullptr) <= d)
+      right = mid;
+    else
+      left = mid + 1;
+  }
+  groups_for(left, &dst);
+  // The paper's search range can end infeasible when items are all zero; clamp like the paper
+  // implicitly does by merging overflow groups into the last rank.
+  for (auto& r : dst) r = std::min(r, d - 1);
+  return dst;
+}
+
+std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index d) {
+  std::vector<Index> dst(n, 0);
+  if (n == 0) return dst;
+  const auto order = order_by_length_desc(lengths, n);
+  std::vector<double> w(n);
+  for (Index i = 0; i < n; ++i) w[i] = static_cast<double>(lengths[i]);
+  const auto base = lpt(w.data(), order, d);
+  const double bound = max_cost(lengths, n, base, d, CostModel{Policy::Sum, 1.0, 0.0});
+  std::vector<double> load(d, 0.0);
+  Index g = 0, size = 0, pos = 0;
+  for (; pos < n; ++pos) {
+    const Index i = order[pos];
+    if (static_cast<double>(size + 1) * static_cast<double>(lengths[i]) > bound) {
+      if (g + 1 >= d) break;
+      ++g, size = 0;
+    }
+    dst[i] = g;
+    load[g] += w[i];
+    ++size;
+  }
+  LoadHeap heap(d, load);
+  for (; pos < n; ++pos) {
+    const Index i = order[pos];
+    dst[i] = heap.top();
+    heap.add_to_top(w[i]);
+  }
+  return dst;
+}
+
+std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostModel& cm) {
+  if (d < 1) throw std::invalid_argument("num_ranks must be >= 1");
+  if (n == 0) return {};
+  if (d == 1) return std::vector<Index>(n, 0);
+  // Each local-search step costs O(d + b log b); the bound keeps planning in milliseconds at
+  // thousands of ranks while still fixing the LPT tail.
+  const Index iters = std::min<Index>(4 * d + 64, 512);
+  switch (cm.policy) {
+    case Policy::Sum:
+    case Policy::Quadratic: {
+      const auto order = order_by_length_desc(lengths, n);
+      std::vector<double> w(n);
+      for (Index i = 0; i < n; ++i) w[i] = item_weight(lengths[i], cm);
+      auto best = lpt(w.data(), order, d);
+      refine_additive(w.data(), n, d, best, iters);
+      if (cm.policy == Policy::Quadratic && cm.beta != 0.0) {
+        // Algorithm 4 with a zero tolerance interval is LPT on plain sums: keep it as a candidate.
+        std::vector<double> s(n);
+        for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
+        auto alt = lpt(s.data(), order, d);
+        refine_additive(w.data(), n, d, alt, iters);
+        if (max_cost(lengths, n, alt, d, cm) < max_cost(lengths, n, best, d, cm)) best.swap(alt);
+      }
+      return best;
+    }
+    case Policy::Padded:
+      return padded_optimal(lengths, n, d);
+    case Policy::Conv: {
+      const auto order = order_by_length_desc(lengths, n);
+      std::vector<std::vector<Index>> cands;
+      cands.push_back(paper_conv(lengths, n, d));
+      std::vector<double> s(n);
+      for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
+      cands.push_back(lpt(s.data(), order, d));
+      cands.push_back(padded_optimal(lengths, n, d));
+      std::vector<Index> best;
+      double best_cost = std::numeric_limits<double>::infinity();
+      for (auto& c : cands) {
+        refine_general(lengths, n, d, cm, c, iters);
+        const double mc = max_cost(lengths, n, c, d, cm);
+        if (mc < best_cost) best_cost = mc, best = c;
+      }
+      return best;
+    }
+  }
+  throw std::invalid_argument("unknown policy");
+}
+
+}  // namespace mmb

@@ -1,0 +1,86 @@
+// Post-balancing planners (OrchMLLM section 5.1 and appendix A, and improvements on them).
+//
+// Everything here is plain C++17 on arrays of example lengths: no Python, no torch. Every function
+// is a deterministic pure function of its inputs: ties are broken by index, floating-point work is
+// done in one fixed order, so every process that calls it computes byte-identical plans.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace mmb {
+
+enum class Policy : int { Sum = 0, Padded = 1, Quadratic = 2, Conv = 3 };
+
+struct CostModel {
+  Policy policy = Policy::Sum;
+  double alpha = 1.0;
+  double beta = 0.0;
+};
+
+using Index = int64_t;
+
+// Indices 0..n-1 sorted by length descending, ties by index ascending (LSD radix sort, O(n)).
+std::vector<Index> order_by_length_desc(const int64_t* lengths, Index n);
+
+// Additive per-example weight for the "sum" and "quadratic" policies.
+double item_weight(int64_t length, const CostModel& cm);
+
+// Cost of every rank's batch under `cm` given the destination of each example.
+std::vector<double> batch_costs(const int64_t* lengths, Index n, const Index* dst, Index num_ranks,
+                                const CostModel& cm);
+
+// Plain balancing (no source information): destination rank of each example.
+std::vector<Index> balance(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm);
+
+// --- building blocks, exposed for tests and benchmarks --------------------------------------
+
+// OrchMLLM algorithm 1 (LPT on `weights`, items visited in `order`).
+std::vector<Index> lpt(const double* weights, const std::vector<Index>& order, Index num_ranks);
+
+// Move/swap local search between the most and least loaded ranks; never raises the makespan.
+void refine_additive(const double* weights, Index n, Index num_ranks, std::vector<Index>& dst,
+                     Index max_iters);
+
+// General local search under any cost model (used for "conv"); never raises the makespan.
+void refine_general(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm,
+                    std::vector<Index>& dst, Index max_iters);
+
+// Exact min-max "padded" partition (count * max length) into at most num_ranks groups.
+std::vector<Index> padded_optimal(const int64_t* lengths, Index n, Index num_ranks);
+
+// OrchMLLM algorithm 2 (ascending greedy + binary search), for reference and benchmarks.
+std::vector<Index> paper_padded(const int64_t* lengths, Index n, Index num_ranks);
+
+// OrchMLLM algorithm 5 (long sequences grouped under the sum bound, the rest by LPT).
+std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index num_ranks);
+
+double max_cost(const int64_t* lengths, Index n, const std::vector<Index>& dst, Index num_ranks,
+                const CostModel& cm);
+
+// --- locality (locality.cpp) ----------------------------------------------------------------
+
+// Balancing that keeps examples on their source rank unless moving them is needed to reach the
+// makespan of `balance`, and prefers destinations on the source's node.
+std::vector<Index> balance_local(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm,
+                                 const Index* src, Index ranks_per_node, double tolerance);
+
+// Assign whole groups (dst of a plain plan) to ranks maximizing the tokens that stay on their
+// source rank, then on their source node. Returns group -> rank.
+std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* group, const Index* src,
+                                 Index num_ranks, Index ranks_per_node);
+
+// --- node-wise permutation (node_perm.cpp), OrchMLLM algorithm 3 -----------------------------
+
+// Permutation batch -> rank minimizing the largest per-source-rank off-node send volume
+// (greedy assignment of batches to nodes plus swap local search), then ranks within each node
+// chosen to keep the most tokens in place.
+std::vector<Index> node_permutation(const int64_t* lengths, Index n, const Index* batch, const Index* src,
+                                    Index num_ranks, Index ranks_per_node, Index max_iters);
+
+// Within-node step only: given batch -> node, choose batch -> rank.
+std::vector<Index> place_within_nodes(const int64_t* lengths, Index n, const Index* batch, const Index* src,
+                                      Index num_ranks, Index ranks_per_node,
+                                      const std::vector<Index>& node_of_batch);
+
+}  // namespace mmb

@@ -1,0 +1,183 @@
+// pybind11 bindings of the planner core: ``mmbalance._core``.
+//
+// Arrays cross the boundary as contiguous int64/float64 numpy arrays; the GIL is released while
+// planning so a background planning thread overlaps the training step.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "balance.hpp"
+
+namespace py = pybind11;
+using mmb::Index;
+
+namespace {
+
+using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+I64 to_array(const std::vector<Index>& v) {
+  I64 out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+py::array_t<double> to_array(const std::vector<double>& v) {
+  py::array_t<double> out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+void check_common(const I64& lengths, Index d) {
+  if (lengths.ndim() != 1) throw std::invalid_argument("lengths must be 1-D");
+  if (d < 1) throw std::invalid_argument("num_ranks must be >= 1");
+  const int64_t* l = lengths.data();
+  for (py::ssize_t i = 0; i < lengths.shape(0); ++i)
+    if (l[i] < 0) throw std::invalid_argument("lengths must be non-negative");
+}
+
+void check_ranks(const I64& a, py::ssize_t n, Index d, const char* name) {
+  if (a.ndim() != 1 || a.shape(0) != n)
+    throw std::invalid_argument(std::string(name) + " must be 1-D with one entry per example");
+  for (py::ssize_t i = 0; i < n; ++i)
+    if (a.data()[i] < 0 || a.data()[i] >= d) throw std::invalid_argument(std::string(name) + " out of range");
+}
+
+mmb::CostModel model(int policy, double alpha, double beta) {
+  if (policy < 0 || policy > 3) throw std::invalid_argument("unknown policy");
+  return mmb::CostModel{static_cast<mmb::Policy>(policy), alpha, beta};
+}
+
+std::vector<Index> slots_of(const std::vector<Index>& dst, Index d) {
+  std::vector<Index> next(d, 0), slot(dst.size());
+  for (size_t i = 0; i < dst.size(); ++i) slot[i] = next[dst[i]]++;
+  return slot;
+}
+
+// Slots in (source rank, index) order: what an all-to-all receive buffer holds, so no reordering
+// is needed after the exchange.
+std::vector<Index> slots_by_source(const std::vector<Index>& dst, const Index* src, Index d) {
+  const size_t n = dst.size();
+  std::vector<Index> start(d + 1, 0), order(n);
+  for (size_t i = 0; i < n; ++i) ++start[src[i] + 1];
+  for (Index r = 0; r < d; ++r) start[r + 1] += start[r];
+  for (size_t i = 0; i < n; ++i) order[start[src[i]]++] = static_cast<Index>(i);
+  std::vector<Index> next(d, 0), slot(n);
+  for (Index i : order) slot[i] = next[dst[i]]++;
+  return slot;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "Compiled planners of mmbalance (C++17). Use mmbalance.balancing, not this module.";
+
+  m.def(
+      "plan",
+      [](const I64& lengths, Index d, int policy, double alpha, double beta, py::object src, Index rpn,
+         double tolerance) {
+        check_common(lengths, d);
+        const auto cm = model(policy, alpha, beta);
+        const Index n = lengths.shape(0);
+        std::vector<Index> dst, slot;
+        std::vector<double> costs;
+        if (src.is_none()) {
+          py::gil_scoped_release nogil;
+          dst = mmb::balance(lengths.data(), n, d, cm);
+          slot = slots_of(dst, d);
+          costs = mmb::batch_costs(lengths.data(), n, dst.data(), d, cm);
+        } else {
+          I64 s = src.cast<I64>();
+          check_ranks(s, n, d, "src_ranks");
+          if (rpn < 0 || (rpn > 0 && d % rpn != 0)) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+          py::gil_scoped_release nogil;
+          dst = mmb::balance_local(lengths.data(), n, d, cm, s.data(), rpn, tolerance);
+          slot = slots_by_source(dst, s.data(), d);
+          costs = mmb::batch_costs(lengths.data(), n, dst.data(), d, cm);
+        }
+        return py::make_tuple(to_array(dst), to_array(slot), to_array(costs));
+      },
+      py::arg("lengths"), py::arg("num_ranks"), py::arg("policy"), py::arg("alpha"), py::arg("beta"),
+      py::arg("src_ranks"), py::arg("ranks_per_node"), py::arg("tolerance"),
+      "Plan one phase: returns (dst_rank, dst_slot, costs).");
+
+  m.def(
+      "batch_costs",
+      [](const I64& lengths, const I64& dst, Index d, int policy, double alpha, double beta) {
+        check_common(lengths, d);
+        check_ranks(dst, lengths.shape(0), d, "dst_rank");
+        return to_array(mmb::batch_costs(lengths.data(), lengths.shape(0), dst.data(), d, model(policy, alpha, beta)));
+      },
+      py::arg("lengths"), py::arg("dst_rank"), py::arg("num_ranks"), py::arg("policy"), py::arg("alpha"),
+      py::arg("beta"));
+
+  m.def(
+      "slots",
+      [](const I64& dst, Index d, py::object src) {
+        check_ranks(dst, dst.shape(0), d, "dst_rank");
+        std::vector<Index> v(dst.data(), dst.data() + dst.shape(0));
+        if (src.is_none()) return to_array(slots_of(v, d));
+        I64 s = src.cast<I64>();
+        check_ranks(s, dst.shape(0), d, "src_ranks");
+        return to_array(slots_by_source(v, s.data(), d));
+      },
+      py::arg("dst_rank"), py::arg("num_ranks"), py::arg("src_ranks") = py::none(),
+      "Slot of each example among its rank's examples: index order, or (source rank, index) order.");
+
+  m.def(
+      "node_permutation",
+      [](const I64& lengths, const I64& batch, const I64& src, Index d, Index rpn, Index max_iters) {
+        check_common(lengths, d);
+        const Index n = lengths.shape(0);
+        check_ranks(batch, n, d, "batch");
+        check_ranks(src, n, d, "src_ranks");
+        if (rpn < 1 || d % rpn != 0) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+        std::vector<Index> perm;
+        {
+          py::gil_scoped_release nogil;
+          perm = mmb::node_permutation(lengths.data(), n, batch.data(), src.data(), d, rpn, max_iters);
+        }
+        return to_array(perm);
+      },
+      py::arg("lengths"), py::arg("batch"), py::arg("src_ranks"), py::arg("num_ranks"), py::arg("ranks_per_node"),
+      py::arg("max_iters"), "Batch -> rank permutation minimizing the worst off-node send (heuristic).");
+
+  m.def(
+      "place_within_nodes",
+      [](const I64& lengths, const I64& batch, const I64& src, Index d, Index rpn, const I64& node_of_batch) {
+        check_common(lengths, d);
+        const Index n = lengths.shape(0);
+        check_ranks(batch, n, d, "batch");
+        check_ranks(src, n, d, "src_ranks");
+        if (rpn < 1 || d % rpn != 0) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+        check_ranks(node_of_batch, d, d / rpn, "node_of_batch");
+        std::vector<Index> nob(node_of_batch.data(), node_of_batch.data() + d);
+        return to_array(mmb::place_within_nodes(lengths.data(), n, batch.data(), src.data(), d, rpn, nob));
+      },
+      py::arg("lengths"), py::arg("batch"), py::arg("src_ranks"), py::arg("num_ranks"), py::arg("ranks_per_node"),
+      py::arg("node_of_batch"));
+
+  // Reference algorithms of the paper, exposed for tests and benchmarks.
+  m.def(
+      "paper_algorithm",
+      [](const I64& lengths, Index d, int alg) {
+        check_common(lengths, d);
+        const Index n = lengths.shape(0);
+        std::vector<Index> dst;
+        py::gil_scoped_release nogil;
+        if (alg == 1) {
+          std::vector<double> w(lengths.data(), lengths.data() + n);
+          dst = mmb::lpt(w.data(), mmb::order_by_length_desc(lengths.data(), n), d);
+        } else if (alg == 2) {
+          dst = mmb::paper_padded(lengths.data(), n, d);
+        } else if (alg == 5) {
+          dst = mmb::paper_conv(lengths.data(), n, d);
+        } else {
+          throw std::invalid_argument("alg must be 1, 2 or 5");
+        }
+        py::gil_scoped_acquire gil;
+        return to_array(dst);
+      },
+      py::arg("lengths"), py::arg("num_ranks"), py::arg("alg"));
+}

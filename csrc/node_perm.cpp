@@ -1,0 +1,168 @@
+// Node-wise rearrangement (OrchMLLM section 5.2.2, algorithm 3).
+//
+// Permuting the new batches over ranks leaves every batch's cost unchanged but decides how many
+// tokens cross node boundaries. The objective is the largest off-node send volume of any source
+// rank (the straggler of the all-to-all). The paper solves an ILP; this is the fast heuristic for
+// large clusters: batches go to the node that sampled most of their tokens (greedy, with node
+// capacity), then pairwise swaps of batches between nodes that lower the worst rank's volume.
+#include <algorithm>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+
+#include "balance.hpp"
+
+namespace mmb {
+
+namespace {
+
+struct Sparse {
+  // rows[k] in [start[x], start[x+1]) hold (other, tokens) pairs for key x
+  std::vector<Index> start;
+  std::vector<std::pair<Index, int64_t>> rows;
+};
+
+// Aggregate tokens by (key_of_item, other_of_item): row per key, sorted by other.
+Sparse aggregate(const int64_t* lengths, Index n, const Index* key, const Index* other, Index num_keys,
+                 Index num_other) {
+  std::vector<std::pair<Index, Index>> ks(n);
+  for (Index i = 0; i < n; ++i) ks[i] = {key[i] * num_other + other[i], i};
+  std::sort(ks.begin(), ks.end());
+  Sparse s;
+  s.start.assign(num_keys + 1, 0);
+  for (Index k = 0; k < n;) {
+    Index j = k;
+    int64_t tok = 0;
+    while (j < n && ks[j].first == ks[k].first) tok += lengths[ks[j].second], ++j;
+    s.rows.emplace_back(ks[k].first % num_other, tok);
+    ++s.start[ks[k].first / num_other + 1];
+    k = j;
+  }
+  for (Index x = 0; x < num_keys; ++x) s.start[x + 1] += s.start[x];
+  return s;
+}
+
+}  // namespace
+
+std::vector<Index> place_within_nodes(const int64_t* lengths, Index n, const Index* batch, const Index* src, Index d,
+                                      Index rpn, const std::vector<Index>& node_of_batch) {
+  const Index per = rpn;
+  const Sparse by_batch = aggregate(lengths, n, batch, src, d, d);
+  std::vector<std::tuple<int64_t, Index, Index>> entries;  // (-tokens, batch, rank) within one node
+  for (Index b = 0; b < d; ++b) {
+    for (Index k = by_batch.start[b]; k < by_batch.start[b + 1]; ++k) {
+      const auto [r, tok] = by_batch.rows[k];
+      if (r / per == node_of_batch[b]) entries.emplace_back(-tok, b, r);
+    }
+  }
+  std::sort(entries.begin(), entries.end());
+  std::vector<Index> rank_of(d, -1), taken(d, 0);
+  for (auto& [neg, b, r] : entries)
+    if (rank_of[b] < 0 && !taken[r]) rank_of[b] = r, taken[r] = 1;
+  std::vector<Index> next(d / per, 0);
+  for (Index b = 0; b < d; ++b) {
+    if (rank_of[b] >= 0) continue;
+    const Index m = node_of_batch[b];
+    Index& r = next[m];
+    while (taken[m * per + r]) ++r;
+    rank_of[b] = m * per + r;
+    taken[m * per + r] = 1;
+  }
+  return rank_of;
+}
+
+std::vector<Index> node_permutation(const int64_t* lengths, Index n, const Index* batch, const Index* src, Index d,
+                                    Index rpn, Index max_iters) {
+  const Index per = rpn;
+  const Index nodes = d / per;
+  std::vector<Index> src_node(n);
+  for (Index i = 0; i < n; ++i) src_node[i] = src[i] / per;
+  const Sparse batch_node = aggregate(lengths, n, batch, src_node.data(), d, nodes);
+  const Sparse batch_src = aggregate(lengths, n, batch, src, d, d);
+  const Sparse src_batch = aggregate(lengths, n, src, batch, d, d);
+
+  // Greedy: largest (batch, node) token counts first, at most `per` batches per node.
+  std::vector<std::tuple<int64_t, Index, Index>> entries;
+  for (Index b = 0; b < d; ++b)
+    for (Index k = batch_node.start[b]; k < batch_node.start[b + 1]; ++k)
+      entries.emplace_back(-batch_node.rows[k].second, b, batch_node.rows[k].first);
+  std::sort(entries.begin(), entries.end());
+  std::vector<Index> node_of(d, -1), fill(nodes, 0);
+  for (auto& [neg, b, m] : entries)
+    if (node_of[b] < 0 && fill[m] < per) node_of[b] = m, ++fill[m];
+  Index m = 0;
+  for (Index b = 0; b < d; ++b) {
+    if (node_of[b] >= 0) continue;
+    while (fill[m] >= per) ++m;
+    node_of[b] = m, ++fill[m];
+  }
+  std::vector<std::vector<Index>> on_node(nodes);
+  for (Index b = 0; b < d; ++b) on_node[node_of[b]].push_back(b);
+
+  // off[s]: tokens rank s sends to batches on other nodes.
+  std::vector<int64_t> off(d, 0);
+  for (Index s = 0; s < d; ++s)
+    for (Index k = src_batch.start[s]; k < src_batch.start[s + 1]; ++k)
+      if (node_of[src_batch.rows[k].first] != s / per) off[s] += src_batch.rows[k].second;
+
+  std::unordered_map<Index, int64_t> delta;
+  for (Index it = 0; it < max_iters && nodes > 1; ++it) {
+    Index worst = 0;
+    for (Index s = 1; s < d; ++s)
+      if (off[s] > off[worst]) worst = s;
+    const int64_t F = off[worst];
+    if (F == 0) break;
+    const Index home = worst / per;
+    // Batches the worst rank feeds on other nodes, largest first.
+    std::vector<std::pair<int64_t, Index>> cand;
+    for (Index k = src_batch.start[worst]; k < src_batch.start[worst + 1]; ++k) {
+      const auto [b, tok] = src_batch.rows[k];
+      if (node_of[b] != home) cand.emplace_back(-tok, b);
+    }
+    std::sort(cand.begin(), cand.end());
+    if (cand.size() > 8) cand.resize(8);
+    int64_t best = F;
+    Index best_b = -1, best_c = -1;
+    for (auto& [neg, b] : cand) {
+      const Index mb = node_of[b];
+      for (Index c : on_node[home]) {
+        // Swap: b moves to `home`, c moves to `mb`.
+        delta.clear();
+        for (Index k = batch_src.start[b]; k < batch_src.start[b + 1]; ++k) {
+          const auto [s, tok] = batch_src.rows[k];
+          if (s / per == mb) delta[s] += tok;
+          if (s / per == home) delta[s] -= tok;
+        }
+        for (Index k = batch_src.start[c]; k < batch_src.start[c + 1]; ++k) {
+          const auto [s, tok] = batch_src.rows[k];
+          if (s / per == home) delta[s] += tok;
+          if (s / per == mb) delta[s] -= tok;
+        }
+        int64_t worst_new = 0;
+        for (auto& [s, dl] : delta) worst_new = std::max(worst_new, off[s] + dl);
+        if (delta.find(worst) == delta.end()) worst_new = std::max(worst_new, F);
+        if (worst_new < best) best = worst_new, best_b = b, best_c = c;
+      }
+    }
+    if (best_b < 0) break;
+    const Index mb = node_of[best_b];
+    for (Index k = batch_src.start[best_b]; k < batch_src.start[best_b + 1]; ++k) {
+      const auto [s, tok] = batch_src.rows[k];
+      if (s / per == mb) off[s] += tok;
+      if (s / per == home) off[s] -= tok;
+    }
+    for (Index k = batch_src.start[best_c]; k < batch_src.start[best_c + 1]; ++k) {
+      const auto [s, tok] = batch_src.rows[k];
+      if (s / per == home) off[s] += tok;
+      if (s / per == mb) off[s] -= tok;
+    }
+    node_of[best_b] = home, node_of[best_c] = mb;
+    auto& hv = on_node[home];
+    *std::find(hv.begin(), hv.end(), best_c) = best_b;
+    auto& mv = on_node[mb];
+    *std::find(mv.begin(), mv.end(), best_b) = best_c;
+  }
+  return place_within_nodes(lengths, n, batch, src, d, rpn, node_of);
+}
+
+}  // namespace mmb
