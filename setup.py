@@ -1,5 +1,6 @@
 """Build of the compiled planner core, ``mmbalance._core`` (C++17, pybind11, no torch)."""
 
+import glob
 import sys
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -10,14 +11,7 @@ extra = ["-O3", "-fvisibility=hidden"] if sys.platform != "win32" else ["/O2"]
 ext_modules = [
     Pybind11Extension(
         "mmbalance._core",
-        sorted(
-            [
-                "csrc/bindings.cpp",
-                "csrc/balance.cpp",
-                "csrc/locality.cpp",
-                "csrc/node_perm.cpp",
-            ]
-        ),
+        sorted(glob.glob("csrc/*.cpp")),
         include_dirs=["csrc"],
         cxx_std=17,
         extra_compile_args=extra,

@@ -13,35 +13,41 @@ namespace mmb {
 namespace {
 
 // Tournament (winner) tree over the ranks, keyed by (load, rank): the root holds the least loaded
-// rank, and adding load to it replays one leaf-to-root path with a single comparison per level.
-// Nodes hold their (load, rank) by value, so a level costs two adjacent loads and a select:
-// log2(d) short, predictable steps per LPT item.
+// rank, and adding load to it replays one leaf-to-root path with one comparison per level. Loads
+// and ranks live in two arrays indexed by tree node and each level is a branch-free select (minsd
+// and a conditional move), so an LPT step is log2(d) short, well-pipelined steps with no
+// mispredicted branches.
 class LoadHeap {
  public:
-  struct Node {
-    double load;
-    Index rank;
-  };
   LoadHeap(Index d, const std::vector<double>& load) {
     size_ = 1;
     while (size_ < d) size_ <<= 1;
-    tree_.assign(2 * size_, Node{std::numeric_limits<double>::infinity(), 0});
-    for (Index i = 0; i < size_; ++i) tree_[size_ + i] = {i < d ? load[i] : std::numeric_limits<double>::infinity(), i};
-    for (Index v = size_ - 1; v >= 1; --v) tree_[v] = pick(tree_[2 * v], tree_[2 * v + 1]);
+    key_.assign(2 * size_, std::numeric_limits<double>::infinity());
+    who_.assign(2 * size_, 0);
+    for (Index i = 0; i < size_; ++i) {
+      key_[size_ + i] = i < d ? load[i] : std::numeric_limits<double>::infinity();
+      who_[size_ + i] = static_cast<int32_t>(i);
+    }
+    for (Index v = size_ - 1; v >= 1; --v) pull(v);
   }
-  Index top() const { return tree_[1].rank; }
+  Index top() const { return who_[1]; }
   // Add `w` to the load of the top rank and restore the tree.
   void add_to_top(double w) {
-    Index v = size_ + tree_[1].rank;
-    tree_[v].load += w;
-    for (v >>= 1; v >= 1; v >>= 1) tree_[v] = pick(tree_[2 * v], tree_[2 * v + 1]);
+    Index v = size_ + who_[1];
+    key_[v] += w;
+    for (v >>= 1; v >= 1; v >>= 1) pull(v);
   }
 
  private:
-  // Left child has the lower ranks, so ties go left: the lower rank wins.
-  static Node pick(const Node& l, const Node& r) { return r.load < l.load ? r : l; }
+  // The left child holds the lower ranks, so on equal loads the left (lower rank) wins.
+  void pull(Index v) {
+    const Index c = 2 * v + static_cast<Index>(key_[2 * v + 1] < key_[2 * v]);
+    key_[v] = key_[c];
+    who_[v] = who_[c];
+  }
   Index size_ = 1;
-  std::vector<Node> tree_;
+  std::vector<double> key_;
+  std::vector<int32_t> who_;
 };
 
 Index argmax(const std::vector<double>& v) {
@@ -421,7 +427,7 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
   if (d == 1) return std::vector<Index>(n, 0);
   // Each local-search step costs O(d + b log b); the bound keeps planning in milliseconds at
   // thousands of ranks while still fixing the LPT tail.
-  const Index iters = std::min<Index>(4 * d + 64, 512);
+  const Index iters = std::min<Index>(4 * d + 64, 256);
   switch (cm.policy) {
     case Policy::Sum:
     case Policy::Quadratic: {

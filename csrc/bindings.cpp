@@ -13,6 +13,10 @@
 namespace py = pybind11;
 using mmb::Index;
 
+namespace mmb {
+void bind_planners(py::module_& m);  // planners_bind.cpp
+}
+
 namespace {
 
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
@@ -72,6 +76,7 @@ std::vector<Index> slots_by_source(const std::vector<Index>& dst, const Index* s
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "Compiled planners of mmbalance (C++17). Use mmbalance.balancing, not this module.";
+  mmb::bind_planners(m);
 
   m.def(
       "plan",

@@ -310,11 +310,15 @@ std::vector<Index> balance_local(const int64_t* lengths, Index n, Index d, const
   }
   if (max_cost(lengths, n, dst, d, cm) <= target) {
     if (per < d) level_off_node(w.data(), n, d, per, src, target, dst);
-    return dst;
+  } else {
+    // The repair rounds did not converge (rare: no small examples to fill the gaps): keep the
+    // plain plan's balance and only choose which rank gets which of its batches.
+    dst = regroup(plain);
   }
-  // The repair rounds did not converge (rare: no small examples to fill the gaps): keep the
-  // plain plan's balance and only choose which rank gets which of its batches.
-  return regroup(plain);
+  // Examples that cost nothing have no reason to travel.
+  for (Index i = 0; i < n; ++i)
+    if (w[i] == 0.0) dst[i] = src[i];
+  return dst;
 }
 
 }  // namespace mmb

@@ -1,0 +1,195 @@
+"""Properties of post_balance: validity, exact costs, never worse than the paper, determinism."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mmbalance.balancing import Plan, lower_bound, paper_algorithm, post_balance
+
+from . import reference as ref
+
+POLICIES = ["sum", "padded", "quadratic", "conv"]
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+lengths_st = st.lists(st.integers(0, 5000), min_size=0, max_size=80)
+heavy_st = st.lists(st.one_of(st.integers(0, 50), st.integers(100, 20000)), min_size=1, max_size=80)
+ranks_st = st.integers(1, 12)
+coef_st = st.sampled_from([(1.0, 0.0), (1.0, 1e-4), (0.5, 2e-3), (0.0, 1.0)])
+
+
+def check_valid(plan: Plan, lengths, num_ranks: int) -> None:
+    n = len(lengths)
+    assert plan.dst_rank.dtype == np.int64 and plan.dst_slot.dtype == np.int64
+    assert plan.dst_rank.shape == (n,) and plan.dst_slot.shape == (n,)
+    assert plan.costs.shape == (num_ranks,) and plan.costs.dtype == np.float64
+    if n:
+        assert plan.dst_rank.min() >= 0 and plan.dst_rank.max() < num_ranks
+    # every example exactly once: (rank, slot) pairs are unique and slots are 0..count-1 per rank
+    for r in range(num_ranks):
+        slots = np.sort(plan.dst_slot[plan.dst_rank == r])
+        np.testing.assert_array_equal(slots, np.arange(slots.size))
+    # loads add up
+    assert int(np.sum(plan.tokens)) == int(np.sum(lengths))
+
+
+@SETTINGS
+@given(lengths=lengths_st, num_ranks=ranks_st, policy=st.sampled_from(POLICIES), coef=coef_st)
+def test_plan_is_valid_and_costs_are_exact(lengths, num_ranks, policy, coef):
+    alpha, beta = coef
+    plan = post_balance(lengths, num_ranks, policy, alpha=alpha, beta=beta)
+    check_valid(plan, lengths, num_ranks)
+    expect = ref.costs_of(lengths, plan.dst_rank, num_ranks, policy, alpha, beta)
+    np.testing.assert_allclose(plan.costs, expect, rtol=1e-12, atol=1e-9)
+
+
+@SETTINGS
+@given(lengths=st.one_of(lengths_st, heavy_st), num_ranks=ranks_st)
+def test_sum_never_worse_than_algorithm_1(lengths, num_ranks):
+    plan = post_balance(lengths, num_ranks, "sum")
+    paper = max(ref.costs_of(lengths, ref.alg1(lengths, num_ranks), num_ranks, "sum"), default=0.0)
+    assert plan.makespan <= paper
+    assert plan.makespan >= lower_bound(lengths, num_ranks, "sum") - 1e-9
+
+
+@SETTINGS
+@given(lengths=st.one_of(lengths_st, heavy_st), num_ranks=ranks_st)
+def test_padded_never_worse_than_algorithm_2(lengths, num_ranks):
+    plan = post_balance(lengths, num_ranks, "padded")
+    paper = max(ref.costs_of(lengths, ref.alg2(lengths, num_ranks), num_ranks, "padded"), default=0.0)
+    assert plan.makespan <= paper
+    assert plan.makespan >= lower_bound(lengths, num_ranks, "padded") - 1e-9
+
+
+@SETTINGS
+@given(
+    lengths=st.one_of(lengths_st, heavy_st),
+    num_ranks=ranks_st,
+    coef=coef_st,
+    tol=st.sampled_from([0.0, 1.0, 50.0, 1000.0]),
+)
+def test_quadratic_never_worse_than_algorithm_4(lengths, num_ranks, coef, tol):
+    alpha, beta = coef
+    plan = post_balance(lengths, num_ranks, "quadratic", alpha=alpha, beta=beta)
+    paper = ref.costs_of(lengths, ref.alg4(lengths, num_ranks, tol), num_ranks, "quadratic", alpha, beta)
+    assert plan.makespan <= max(paper, default=0.0) * (1 + 1e-12)
+
+
+@SETTINGS
+@given(lengths=st.one_of(lengths_st, heavy_st), num_ranks=ranks_st, coef=coef_st)
+def test_conv_never_worse_than_algorithm_5(lengths, num_ranks, coef):
+    alpha, beta = coef
+    plan = post_balance(lengths, num_ranks, "conv", alpha=alpha, beta=beta)
+    paper = ref.costs_of(lengths, ref.alg5(lengths, num_ranks), num_ranks, "conv", alpha, beta)
+    assert plan.makespan <= max(paper, default=0.0) * (1 + 1e-12)
+
+
+def test_compiled_paper_algorithms_match_the_reference():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        d = int(rng.integers(1, 9))
+        lengths = rng.integers(0, 3000, size=int(rng.integers(0, 60))).tolist()
+        assert paper_algorithm(lengths, d, 1).tolist() == ref.alg1(lengths, d)
+        assert paper_algorithm(lengths, d, 5).tolist() == ref.alg5(lengths, d)
+
+
+def _brute_force(lengths, d, policy, alpha=1.0, beta=0.0):
+    best = float("inf")
+    for assign in itertools.product(range(d), repeat=len(lengths)):
+        best = min(best, max(ref.costs_of(lengths, assign, d, policy, alpha, beta)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_padded_is_optimal_on_small_inputs(seed):
+    rng = np.random.default_rng(seed)
+    d = int(rng.integers(1, 4))
+    lengths = rng.integers(0, 20, size=int(rng.integers(1, 8))).tolist()
+    plan = post_balance(lengths, d, "padded")
+    assert plan.makespan == _brute_force(lengths, d, "padded")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fewer_examples_than_ranks(policy):
+    plan = post_balance([5, 3], 4, policy)
+    check_valid(plan, [5, 3], 4)
+    assert sorted(plan.counts.tolist()) == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_empty_input(policy):
+    plan = post_balance([], 3, policy)
+    assert plan.num_examples == 0 and plan.costs.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_single_rank_keeps_order():
+    plan = post_balance([4, 1, 3], 1)
+    assert plan.dst_rank.tolist() == [0, 0, 0] and plan.dst_slot.tolist() == [0, 1, 2]
+
+
+def test_lengths_from_numpy_and_integral_floats():
+    a = post_balance(np.array([3, 1, 2], dtype=np.int32), 2)
+    b = post_balance([3.0, 1.0, 2.0], 2)
+    assert a.digest() == b.digest()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "word"),
+    [
+        (dict(lengths=[1, -2, 3], num_ranks=2), ValueError, "lengths"),
+        (dict(lengths=[1, 2.5], num_ranks=2), ValueError, "lengths"),
+        (dict(lengths=[[1, 2]], num_ranks=2), ValueError, "lengths"),
+        (dict(lengths=["a"], num_ranks=2), TypeError, "lengths"),
+        (dict(lengths=[1, float("nan")], num_ranks=2), ValueError, "lengths"),
+        (dict(lengths=[True, False], num_ranks=2), TypeError, "lengths"),
+        (dict(lengths=[1, 2], num_ranks=0), ValueError, "num_ranks"),
+        (dict(lengths=[1, 2], num_ranks=2.0), TypeError, "num_ranks"),
+        (dict(lengths=[1, 2], num_ranks=2, policy="max"), ValueError, "policy"),
+        (dict(lengths=[1, 2], num_ranks=2, src_ranks=[0]), ValueError, "src_ranks"),
+        (dict(lengths=[1, 2], num_ranks=2, src_ranks=[0, 2]), ValueError, "src_ranks"),
+        (dict(lengths=[1, 2], num_ranks=2, src_ranks=[0, -1]), ValueError, "src_ranks"),
+        (dict(lengths=[1, 2], num_ranks=4, src_ranks=[0, 1], ranks_per_node=3), ValueError, "ranks_per_node"),
+        (dict(lengths=[1, 2], num_ranks=4, ranks_per_node=0), ValueError, "ranks_per_node"),
+        (dict(lengths=[1, 2], num_ranks=2, alpha=-1.0), ValueError, "alpha"),
+        (dict(lengths=[1, 2], num_ranks=2, beta=float("inf")), ValueError, "beta"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_input_raises_naming_the_argument(kwargs, exc, word):
+    with pytest.raises(exc, match=word):
+        post_balance(**kwargs)
+
+
+_DIGEST_SCRIPT = """
+import numpy as np, sys
+from mmbalance.balancing import post_balance
+rng = np.random.default_rng(7)
+out = []
+for policy in ["sum", "padded", "quadratic", "conv"]:
+    l = rng.integers(0, 4000, size=600)
+    src = np.repeat(np.arange(12), 50)
+    out.append(post_balance(l, 12, policy, alpha=1.0, beta=1e-3).digest().hex())
+    out.append(post_balance(l, 12, policy, src_ranks=src, ranks_per_node=4, alpha=1.0, beta=1e-3).digest().hex())
+print(" ".join(out))
+"""
+
+
+def test_plans_are_identical_across_processes():
+    outs = set()
+    for seed in ("0", "1"):
+        res = subprocess.run(
+            [sys.executable, "-c", _DIGEST_SCRIPT],
+            capture_output=True,
+            text=True,
+            env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr
+        outs.add(res.stdout.strip())
+    assert len(outs) == 1
