@@ -1,0 +1,269 @@
+"""Tensor-parallel linears with sequence parallelism, built on the overlapped collectives.
+
+A transformer MLP (or attention projection pair) over ``W`` tensor-parallel ranks::
+
+    x_r [T_r, H]  --ColumnParallelLinear-->  [T, F_r]  --activation-->  --RowParallelLinear-->  [T_r, H]
+                   all-gather + GEMM (sliced)                            GEMM + reduce-scatter (sliced)
+
+Activations outside the pair are sharded along the sequence (dim 0, ``T_r`` rows on rank ``r``,
+uneven allowed); inside it they are full-length and sharded along the features. The modules are
+drop-in for ``nn.Linear`` at those two places: same constructor arguments, same initialization
+distribution, any number of middle dimensions (``[T_r, *, H]``, the sequence first).
+
+The per-rank sequence lengths ``T_r`` must be known to both modules. Pass them per call
+(``shard_sizes=``), or once for a whole block with ``with sequence_shards(sizes): ...``. Without
+either, ``ColumnParallelLinear`` exchanges them (one small all-gather) and ``RowParallelLinear``
+assumes the even ``torch.tensor_split`` split of ``T``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .overlap import all_gather_matmul, matmul_reduce_scatter
+from .overlap_plan import ShardLayout
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "sequence_shards"]
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def sequence_shards(sizes: Sequence[int] | ShardLayout) -> Iterator[ShardLayout]:
+    """Within the block, tensor-parallel linears use ``sizes`` (per-rank ``T_r``) as their sequence layout."""
+    layout = ShardLayout.from_sizes(sizes)
+    stack = getattr(_STATE, "stack", None)
+    if stack is None:
+        stack = _STATE.stack = []
+    stack.append(layout)
+    try:
+        yield layout
+    finally:
+        stack.pop()
+
+
+def _current_shards() -> ShardLayout | None:
+    stack = getattr(_STATE, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _scaled(layout: ShardLayout | None, per_row: int) -> ShardLayout | None:
+    if layout is None or per_row == 1:
+        return layout
+    return ShardLayout(tuple(s * per_row for s in layout.sizes))
+
+
+def _check_features(x: torch.Tensor, features: int, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 2 or x.shape[-1] != features:
+        raise ValueError(f"input must be [T, *, {features}] ({name}), got shape {tuple(x.shape)}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = all_gather(x) @ weight.T + bias`` with the output features split over the group.
+
+    Args:
+        in_features: ``H``, the full input width (every rank sees all of it).
+        out_features: ``F``, the full output width; rank ``r`` holds ``F_r`` of them (the
+            ``torch.tensor_split`` split: the first ``F % W`` ranks get one more).
+        bias: learn an additive bias (split like the outputs).
+        group: the tensor-parallel process group (``None``: the default group).
+        chunks, backend, save_gathered: passed to ``all_gather_matmul``.
+
+    Shapes: input ``[T_r, *, H]`` (this rank's sequence shard) -> output ``[T, *, F_r]``.
+    ``weight`` is ``[F_r, H]``, ``bias`` ``[F_r]``; initialized as ``nn.Linear(H, F)`` would be.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: dist.ProcessGroup | None = None,
+        chunks: int | None = None,
+        backend: str | None = None,
+        save_gathered: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        rank, world = _group_info(group)
+        if out_features < world:
+            raise ValueError(f"out_features ({out_features}) must be at least the group size ({world})")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group = group
+        self.chunks = chunks
+        self.backend = backend
+        self.save_gathered = save_gathered
+        split = ShardLayout.even(out_features, world)
+        self.out_slice = split.rows(rank)
+        self.weight = nn.Parameter(torch.empty(split.sizes[rank], in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(split.sizes[rank], device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's distribution: U(-1/sqrt(H), 1/sqrt(H)) for both, fan-in is the full H here.
+        bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw
+    ) -> ColumnParallelLinear:
+        """This rank's shard of an existing ``nn.Linear`` (same values, copied)."""
+        mod = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group=group,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            **kw,
+        )
+        with torch.no_grad():
+            mod.weight.copy_(linear.weight[mod.out_slice])
+            if mod.bias is not None and linear.bias is not None:
+                mod.bias.copy_(linear.bias[mod.out_slice])
+        return mod
+
+    def forward(
+        self, input: torch.Tensor, shard_sizes: Sequence[int] | ShardLayout | None = None
+    ) -> torch.Tensor:
+        _check_features(input, self.in_features, "in_features")
+        mid = tuple(input.shape[1:-1])
+        per_row = math.prod(mid)
+        layout = ShardLayout.from_sizes(shard_sizes) if shard_sizes is not None else _current_shards()
+        y = all_gather_matmul(
+            input.reshape(-1, self.in_features),
+            self.weight,
+            self.group,
+            chunks=self.chunks,
+            bias=self.bias,
+            shard_sizes=_scaled(layout, per_row),
+            backend=self.backend,
+            save_gathered=self.save_gathered,
+        )
+        return y.view(-1, *mid, self.weight.shape[0])
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), bias={self.bias is not None}, chunks={self.chunks}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``z = reduce_scatter(x @ weight.T) + bias`` with the input features split over the group.
+
+    Args:
+        in_features: ``F``, the full input width; rank ``r`` holds ``F_r`` of them (the
+            ``torch.tensor_split`` split, matching ``ColumnParallelLinear``'s outputs).
+        out_features: ``H``, the full output width.
+        bias: learn an additive bias. It is replicated on every rank, added after the reduction,
+            and its gradient is summed over the group in the backward, so every rank holds the
+            full gradient (no extra sequence-parallel gradient reduction is needed).
+        group: the tensor-parallel process group (``None``: the default group).
+        chunks, backend: passed to ``matmul_reduce_scatter``.
+
+    Shapes: input ``[T, *, F_r]`` -> output ``[T_r, *, H]`` (this rank's sequence shard).
+    ``weight`` is ``[H, F_r]``, ``bias`` ``[H]``; initialized as ``nn.Linear(F, H)`` would be.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: dist.ProcessGroup | None = None,
+        chunks: int | None = None,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        rank, world = _group_info(group)
+        if in_features < world:
+            raise ValueError(f"in_features ({in_features}) must be at least the group size ({world})")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group = group
+        self.chunks = chunks
+        self.backend = backend
+        split = ShardLayout.even(in_features, world)
+        self.in_slice = split.rows(rank)
+        self.weight = nn.Parameter(torch.empty(out_features, split.sizes[rank], device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            # Replicated: every rank must start from the same values. Seed identically (or copy
+            # from rank 0) before training; from_linear does this by construction.
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw
+    ) -> RowParallelLinear:
+        """This rank's shard of an existing ``nn.Linear`` (same values, copied)."""
+        mod = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group=group,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            **kw,
+        )
+        with torch.no_grad():
+            mod.weight.copy_(linear.weight[:, mod.in_slice])
+            if mod.bias is not None and linear.bias is not None:
+                mod.bias.copy_(linear.bias)
+        return mod
+
+    def forward(
+        self, input: torch.Tensor, shard_sizes: Sequence[int] | ShardLayout | None = None
+    ) -> torch.Tensor:
+        _check_features(input, self.weight.shape[1], "this rank's in_features")
+        mid = tuple(input.shape[1:-1])
+        per_row = math.prod(mid)
+        layout = ShardLayout.from_sizes(shard_sizes) if shard_sizes is not None else _current_shards()
+        if layout is None:
+            layout = ShardLayout.even(input.shape[0], dist.get_world_size(self.group))
+        z = matmul_reduce_scatter(
+            input.reshape(-1, self.weight.shape[1]),
+            self.weight,
+            self.group,
+            chunks=self.chunks,
+            bias=self.bias,
+            shard_sizes=_scaled(layout, per_row),
+            backend=self.backend,
+        )
+        return z.view(-1, *mid, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), "
+            f"out_features={self.out_features}, bias={self.bias is not None}, chunks={self.chunks}"
+        )
