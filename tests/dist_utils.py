@@ -10,6 +10,7 @@ hangs).
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import tempfile
 import traceback
 from datetime import timedelta
@@ -59,9 +60,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, pg_timeo
             for _ in range(world_size):
                 try:
                     rank, ok, value = queue.get(timeout=timeout)
-                except Exception as exc:  # queue.Empty
+                except queue_mod.Empty as exc:
                     raise TimeoutError(
                         f"distributed test did not finish within {timeout:.0f}s; finished ranks: {sorted(results)}"
+                    ) from exc
+                except Exception as exc:
+                    raise RuntimeError(
+                        "could not receive a rank's result (return numpy arrays or Python values, not "
+                        "tensors: tensors travel as shared-memory handles that die with the worker)"
                     ) from exc
                 (results if ok else errors)[rank] = value
                 if errors:

@@ -1,0 +1,314 @@
+"""All-to-all batch communicator (OrchMLLM section 5.2.1): move examples between ranks by a plan.
+
+Only lengths are all-gathered (:func:`gather_lengths`); every rank computes the same
+:class:`~mmbalance.balancing.Plan`; :func:`rebalance` then moves the varlen payloads with one
+``all_to_all_single`` per tensor. The send buffer is one ``segment_gather`` of the local examples
+in destination order, all split sizes come from the plan on the host (no device sync), and the
+receive buffer is already in destination-slot order for plans made by ``post_balance`` (otherwise
+one more ``segment_gather`` puts it there). ``rebalance`` is differentiable: backward moves the
+gradients back along the inverse plan.
+
+Safety: before the first move of a plan every rank all-gathers a hash of its plan and whether its
+inputs agree with it (example count, token count, and per-example lengths where that needs no
+device sync); any disagreement raises the same ``RuntimeError`` on every rank instead of
+deadlocking in the all-to-all. The process group's timeout bounds every wait.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mmbalance.balancing import Plan
+from mmbalance.balancing._validate import as_lengths
+from mmbalance.pyops import segment_gather
+
+__all__ = ["gather_lengths", "rebalance", "Route", "route_of", "verify_plan"]
+
+
+def _debug() -> bool:
+    return os.environ.get("MMBALANCE_DEBUG", "0") not in ("", "0")
+
+
+def _world(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _comm_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gather_lengths(local_lengths, group=None) -> tuple[np.ndarray, np.ndarray]:
+    """All-gather every rank's per-example lengths (a few KB; no payload moves).
+
+    Args:
+        local_lengths: ``[n_r]`` or ``[n_r, k]`` non-negative integers (a sequence, numpy array or
+            tensor): this rank's examples in sampling order; ``k`` columns for several modalities.
+        group: process group (default: the world).
+
+    Returns:
+        ``(lengths, src_ranks)``: int64 numpy arrays ``[n]`` (or ``[n, k]``) and ``[n]``, rank-major
+        (rank 0's examples first, each rank's in its own order): exactly what ``post_balance``
+        takes, identical on every rank.
+    """
+    rank, world = _world(group)
+    if isinstance(local_lengths, Tensor):
+        local_lengths = local_lengths.detach().cpu().numpy()
+    arr = np.asarray(local_lengths)
+    if arr.ndim == 2:
+        cols = [as_lengths(arr[:, j], "local_lengths") for j in range(arr.shape[1])]
+        mat = np.stack(cols, axis=1) if cols else np.zeros((arr.shape[0], 0), dtype=np.int64)
+    elif arr.ndim == 1 or arr.size == 0:
+        mat = as_lengths(arr.reshape(-1), "local_lengths")[:, None]
+    else:
+        raise ValueError(f"local_lengths must be 1-D or 2-D, got shape {arr.shape}")
+    k = mat.shape[1]
+    dev = _comm_device(group)
+    # One small all-gather of (count, columns) so that ranks with a different k fail loudly.
+    meta = torch.tensor([mat.shape[0], k], dtype=torch.int64, device=dev)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+    metas_np = torch.stack(metas).cpu().numpy()
+    if np.any(metas_np[:, 1] != k):
+        raise ValueError(f"local_lengths has {k} columns here but {metas_np[:, 1].tolist()} across ranks")
+    counts = metas_np[:, 0]
+    width = int(counts.max()) if world else 0
+    buf = torch.zeros((max(width, 1), k), dtype=torch.int64, device=dev)
+    buf[: mat.shape[0]] = torch.from_numpy(mat).to(dev)
+    bufs = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    parts = [b[: int(c)].cpu().numpy() for b, c in zip(bufs, counts)]
+    lengths = np.concatenate(parts, axis=0) if parts else np.zeros((0, k), dtype=np.int64)
+    src = np.repeat(np.arange(world, dtype=np.int64), counts)
+    if arr.ndim != 2:
+        lengths = lengths[:, 0]
+    return np.ascontiguousarray(lengths), src
+
+
+@dataclass(frozen=True)
+class Route:
+    """One rank's side of a plan, all on the host.
+
+    ``send_order``: local segment ids in send order (by destination rank, then slot);
+    ``send_tokens`` / ``recv_tokens``: rows to / from each rank; ``recv_perm``: segment ids of the
+    receive buffer in slot order, ``None`` when it already is; ``in_lengths``: this rank's examples'
+    lengths before the move; ``out_lengths``: after, in slot order.
+    """
+
+    send_order: np.ndarray
+    send_tokens: list[int]
+    recv_tokens: list[int]
+    recv_perm: np.ndarray | None
+    in_lengths: np.ndarray
+    out_lengths: np.ndarray
+
+    @property
+    def in_tokens(self) -> int:
+        return int(self.in_lengths.sum())
+
+    @property
+    def out_tokens(self) -> int:
+        return int(self.out_lengths.sum())
+
+
+_ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def route_of(plan: Plan, rank: int) -> Route:
+    """The :class:`Route` of ``plan`` for ``rank`` (cached per plan)."""
+    cache = _ROUTES.setdefault(plan, {})
+    if rank in cache:
+        return cache[rank]
+    if plan.src_rank is None:
+        raise ValueError("plan has no source layout: make it with post_balance(..., src_ranks=...)")
+    w = plan.num_ranks
+    lengths = plan.lengths
+    mine = plan.source_order(rank)  # global ids in local (source slot) order
+    key = np.lexsort((plan.dst_slot[mine], plan.dst_rank[mine]))
+    send_ids = mine[key]
+    send_order = plan.src_slot[send_ids]
+    send_tokens = np.bincount(plan.dst_rank[mine], weights=lengths[mine], minlength=w).astype(np.int64)
+    incoming = np.flatnonzero(plan.dst_rank == rank)
+    recv_seq = incoming[np.lexsort((plan.dst_slot[incoming], plan.src_rank[incoming]))]
+    recv_tokens = np.bincount(plan.src_rank[incoming], weights=lengths[incoming], minlength=w).astype(np.int64)
+    slots = plan.dst_slot[recv_seq]  # slot of the j-th received example
+    recv_perm = None
+    if not np.array_equal(slots, np.arange(slots.size)):
+        recv_perm = np.empty_like(slots)
+        recv_perm[slots] = np.arange(slots.size)
+    out_ids = plan.recv_order(rank)
+    route = Route(
+        send_order=np.ascontiguousarray(send_order, dtype=np.int64),
+        send_tokens=send_tokens.tolist(),
+        recv_tokens=recv_tokens.tolist(),
+        recv_perm=recv_perm,
+        in_lengths=lengths[mine],
+        out_lengths=lengths[out_ids],
+    )
+    cache[rank] = route
+    return route
+
+
+def _cu(lengths: np.ndarray, device) -> Tensor:
+    cu = np.zeros(lengths.size + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    return torch.from_numpy(cu).to(device)
+
+
+def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route) -> list[str]:
+    """What is wrong with this rank's inputs for this route (host-side checks, plus values on CPU)."""
+    problems = []
+    n = route.in_lengths.size
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != n + 1:
+        problems.append(f"cu_seqlens has {cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else '?'} examples, the plan {n}")
+    for k, t in enumerate(tensors):
+        if t.dim() < 1 or t.shape[0] != route.in_tokens:
+            problems.append(f"tensor {k} has {t.shape[0] if t.dim() else 0} rows, the plan {route.in_tokens} tokens")
+    if not problems and (cu_seqlens.device.type == "cpu" or _debug()):
+        got = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu().numpy()
+        if not np.array_equal(got, route.in_lengths):
+            bad = int(np.flatnonzero(got != route.in_lengths)[0])
+            problems.append(f"example {bad} has length {got[bad]}, the plan {route.in_lengths[bad]}")
+    return problems
+
+
+def verify_plan(plan: Plan, problems: list[str] | None = None, group=None) -> None:
+    """Collective check that every rank holds the same plan and inputs that fit it.
+
+    Raises the same ``RuntimeError`` on every rank when plans differ (by hash) or some rank reported
+    ``problems``; returns on every rank otherwise.
+    """
+    rank, world = _world(group)
+    h = int.from_bytes(plan.digest()[:8], "little", signed=True)
+    mine = torch.tensor([h, 0 if problems else 1], dtype=torch.int64, device=_comm_device(group))
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    every = torch.stack(every).cpu().numpy()
+    msgs = []
+    if len(set(every[:, 0].tolist())) > 1:
+        msgs.append(f"ranks computed different plans (plan hash by rank: {[hex(int(x) & (2**64 - 1)) for x in every[:, 0]]})")
+    bad = np.flatnonzero(every[:, 1] == 0).tolist()
+    if bad:
+        msgs.append(f"inputs disagree with the plan on ranks {bad}" + (f"; here: {'; '.join(problems)}" if problems else ""))
+    if msgs:
+        raise RuntimeError("rebalance refused: " + " and ".join(msgs))
+
+
+def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, group) -> list[Tensor | None]:
+    order = torch.from_numpy(route.send_order).to(cu_seqlens.device)
+    recv_cu = None
+    outs: list[Tensor | None] = []
+    for t in tensors:
+        if t is None:
+            outs.append(None)
+            continue
+        send = segment_gather(t, cu_seqlens, order, route.in_tokens).contiguous()
+        recv = torch.empty((route.out_tokens, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_to_all_single(
+            recv, send, output_split_sizes=route.recv_tokens, input_split_sizes=route.send_tokens, group=group
+        )
+        if route.recv_perm is not None:
+            if recv_cu is None:
+                seq_lengths = np.empty_like(route.out_lengths)
+                seq_lengths[route.recv_perm] = route.out_lengths
+                recv_cu = _cu(seq_lengths, t.device)
+            perm = torch.from_numpy(route.recv_perm).to(t.device)
+            recv = segment_gather(recv, recv_cu, perm, route.out_tokens)
+        outs.append(recv)
+    return outs
+
+
+class _Rebalance(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, group, rank, cu_seqlens, *tensors):
+        route = route_of(plan, rank)
+        ctx.plan, ctx.group, ctx.rank = plan, group, rank
+        ctx.cu_device = cu_seqlens.device
+        return tuple(_exchange(list(tensors), cu_seqlens, route, group))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inverse = _inverse_of(ctx.plan)
+        route = route_of(inverse, ctx.rank)
+        fwd = route_of(ctx.plan, ctx.rank)
+        cu_out = _cu(fwd.out_lengths, ctx.cu_device)
+        grads = [None if g is None else g.contiguous() for g in grads]
+        back = _exchange(grads, cu_out, route, ctx.group)
+        return (None, None, None, None, *back)
+
+
+_INVERSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _inverse_of(plan: Plan) -> Plan:
+    if plan not in _INVERSES:
+        _INVERSES[plan] = plan.inverse()
+    return _INVERSES[plan]
+
+
+def rebalance(
+    packed: Tensor | list[Tensor] | tuple[Tensor, ...],
+    cu_seqlens: Tensor,
+    plan: Plan,
+    group=None,
+    *,
+    check: bool = True,
+):
+    """Move this rank's examples to where ``plan`` sends them; receive the ones it sends here.
+
+    Args:
+        packed: ``[T, *]`` this rank's examples back to back in sampling order, or a list/tuple of
+            such tensors sharing ``cu_seqlens`` (tokens, labels, position ids ...: one plan moves
+            them all; any dtypes and trailing shapes).
+        cu_seqlens: ``[n_r + 1]`` int32/int64 boundaries of the local examples (on the payload's
+            device); example lengths must equal ``plan.lengths`` (use ``plan.with_lengths`` for a
+            payload of other lengths, e.g. encoder outputs).
+        plan: a plan with a source layout, identical on every rank (``post_balance(...,
+            src_ranks=...)`` on the all-gathered lengths).
+        group: process group of ``plan.num_ranks`` ranks (default: the world).
+        check: all-gather a hash of the plan and a flag of whether the inputs fit it before the
+            first move of each plan (default ``True``); every rank then raises on a mismatch.
+
+    Returns:
+        ``(out, out_cu_seqlens)``: the examples the plan sends to this rank in ``dst_slot`` order
+        (a list if ``packed`` was a list/tuple), and their int32 ``cu_seqlens``. Differentiable in
+        every floating-point input: backward sends gradients back along the inverse plan.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+    many = isinstance(packed, (list, tuple))
+    tensors = list(packed) if many else [packed]
+    if not tensors or not all(isinstance(t, Tensor) for t in tensors):
+        raise TypeError("packed must be a tensor or a non-empty list of tensors")
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError("cu_seqlens must be an int32 or int64 tensor")
+    for k, t in enumerate(tensors):
+        if t.device != cu_seqlens.device:
+            raise ValueError(f"packed[{k}] is on {t.device} but cu_seqlens on {cu_seqlens.device}")
+    rank, world = _world(group)
+    if plan.num_ranks != world:
+        raise ValueError(f"plan is for {plan.num_ranks} ranks but the group has {world}")
+    if plan.src_rank is None:
+        raise ValueError("plan has no source layout: make it with post_balance(..., src_ranks=...)")
+    route = route_of(plan, rank)
+    problems = _local_problems(tensors, cu_seqlens, route)
+    if check and not _VERIFIED.get(plan, False):
+        verify_plan(plan, problems, group)
+        _VERIFIED[plan] = True
+    elif problems:
+        raise ValueError("rebalance: " + "; ".join(problems))
+    outs = _Rebalance.apply(plan, group, rank, cu_seqlens, *tensors)
+    out_cu = _cu(route.out_lengths, cu_seqlens.device)
+    return (list(outs) if many else outs[0]), out_cu
