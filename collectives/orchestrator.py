@@ -1,0 +1,303 @@
+"""The multi-phase orchestrator (OrchMLLM section 6): one plan per phase, composed moves.
+
+Every rank hands in the per-modality sizes of the examples it sampled. The orchestrator
+all-gathers them, and (in a background thread, overlapping the previous step) plans
+
+* one post-balancing plan per encoder phase over that encoder's input lengths (examples without
+  the modality stay where they are), with the phase's own policy (``"sum"`` for a packed ViT,
+  ``"padded"``/``"conv"`` for a padded audio encoder, ...);
+* one plan for the LLM over the interleaved sequence length of each example: its text plus every
+  encoder's output after the connector (``ceil(len / downsample)`` tokens);
+* the composed moves ``plan_llm ∘ plan_encoder⁻¹``, so encoder outputs go straight from the encoder
+  layout to the rank where the LLM needs them: one all-to-all instead of two, forward and backward.
+
+:meth:`StepPlan.assemble` then interleaves each example's text and encoder subsequences in the
+example's declared order ("subsequences assembly"), with one ``segment_gather``.
+
+Loss normalization: the rearrangement does not change the result only if the loss is a sum over
+tokens divided by the *global* token count (all ranks together). A per-rank mean averaged over ranks
+weights tokens by the size of the batch they landed in, so it depends on the placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mmbalance.balancing import Plan, post_balance
+from mmbalance.balancing._core_api import batch_costs, core
+
+from .alltoall import _world, gather_lengths, rebalance
+
+__all__ = ["PhaseSpec", "Orchestrator", "StepPlan", "TEXT"]
+
+TEXT = "text"
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """How one phase is balanced.
+
+    ``policy``/``alpha``/``beta``: the cost model of :func:`~mmbalance.balancing.post_balance`.
+    ``downsample``: encoder tokens per LLM token after the connector (e.g. 4 for a 2x2 pixel
+    shuffle, 2 for an audio adapter); ignored for the LLM phase.
+    """
+
+    policy: str = "sum"
+    alpha: float = 1.0
+    beta: float = 0.0
+    downsample: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.downsample, int) or self.downsample < 1:
+            raise ValueError(f"downsample must be an int >= 1, got {self.downsample!r}")
+
+
+def _phase_plan(lengths: np.ndarray, world: int, spec: PhaseSpec, src: np.ndarray, rpn: int | None) -> Plan:
+    """Plan over the examples that have this modality; the others stay home (and cost nothing)."""
+    sel = np.flatnonzero(lengths > 0)
+    sub = post_balance(
+        lengths[sel], world, spec.policy, src_ranks=src[sel], ranks_per_node=rpn, alpha=spec.alpha, beta=spec.beta
+    )
+    dst = src.copy()
+    dst[sel] = sub.dst_rank
+    return Plan(
+        dst_rank=dst,
+        dst_slot=core().slots(dst, world, src),
+        costs=np.asarray(batch_costs(lengths[sel], sub.dst_rank, world, spec.policy, spec.alpha, spec.beta)),
+        num_ranks=world,
+        lengths=lengths,
+        src_rank=src,
+        src_slot=core().slots(src, world),
+        policy=spec.policy,
+        alpha=spec.alpha,
+        beta=spec.beta,
+    )
+
+
+def connector_lengths(lengths: np.ndarray, downsample: int) -> np.ndarray:
+    """LLM tokens an encoder output of ``lengths`` tokens becomes: ``ceil(lengths / downsample)``."""
+    return (lengths + downsample - 1) // downsample
+
+
+@dataclass
+class StepPlan:
+    """All plans of one training step, identical on every rank, and the moves that use them."""
+
+    rank: int
+    world: int
+    src_ranks: np.ndarray
+    sizes: dict[str, np.ndarray]  # global per-example encoder-input lengths per modality, and text
+    llm_parts: dict[str, np.ndarray]  # per-example LLM tokens of every part (text and modalities)
+    orders: list[tuple[str, ...]]
+    order_ids: np.ndarray
+    encoder: dict[str, Plan]
+    llm: Plan
+    moves: dict[str, Plan] = field(default_factory=dict)  # part -> plan into the LLM layout
+    group: object = None
+    check: bool = True
+
+    # ------------------------------------------------------------------ moves
+    def to_encoder(self, modality: str, packed, cu_seqlens: Tensor):
+        """Encoder inputs of this rank's sampled examples -> the encoder's balanced layout."""
+        return rebalance(packed, cu_seqlens, self._enc(modality), self.group, check=self.check)
+
+    def to_llm(self, part: str, packed, cu_seqlens: Tensor):
+        """Move a part into the LLM layout: encoder outputs (``ceil(len/downsample)`` tokens per
+        example, in the encoder layout) in one composed all-to-all, or ``"text"`` from the sampling
+        layout."""
+        if part not in self.moves:
+            raise ValueError(f"unknown part {part!r}; known: {sorted(self.moves)}")
+        return rebalance(packed, cu_seqlens, self.moves[part], self.group, check=self.check)
+
+    def _enc(self, modality: str) -> Plan:
+        if modality not in self.encoder:
+            raise ValueError(f"unknown modality {modality!r}; known: {sorted(self.encoder)}")
+        return self.encoder[modality]
+
+    # ------------------------------------------------------------------ assembly
+    @property
+    def llm_examples(self) -> np.ndarray:
+        """Global ids of the examples this rank's LLM processes, in slot order."""
+        return self.llm.recv_order(self.rank)
+
+    @property
+    def llm_lengths(self) -> np.ndarray:
+        return self.llm.lengths[self.llm_examples]
+
+    def assemble(self, parts: Mapping[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Interleave every example's parts (all in the LLM layout) in its declared order.
+
+        Args:
+            parts: part name -> ``(packed, cu_seqlens)`` in the LLM layout, as returned by
+                :meth:`to_llm`; all with the same trailing shape and dtype.
+
+        Returns:
+            ``(sequence, cu_seqlens)`` of this rank's LLM batch.
+        """
+        names = list(self.llm_parts)
+        missing = [p for p in names if p not in parts]
+        if missing:
+            raise ValueError(f"assemble needs every part; missing {missing}")
+        ids = self.llm_examples
+        m = ids.size
+        pieces, cus, offset = [], [], 0
+        for p in names:
+            x, cu = parts[p]
+            if cu.shape[0] != m + 1:
+                raise ValueError(f"part {p!r} has {cu.shape[0] - 1} examples, the LLM layout {m}")
+            pieces.append(x)
+            cus.append(cu[:-1].to(torch.int64) + offset)
+            offset += x.shape[0]
+        device = pieces[0].device
+        allx = torch.cat(pieces, dim=0)
+        all_cu = torch.cat([*cus, torch.tensor([offset], dtype=torch.int64, device=device)])
+        index = {p: k for k, p in enumerate(names)}
+        seg = [index[p] * m + j for j in range(m) for p in self.orders[self.order_ids[ids[j]]]]
+        order = torch.tensor(seg, dtype=torch.int64, device=device)
+        lengths = self.llm_lengths
+        seq = torch.ops.mmbalance.segment_gather(allx, all_cu, order, int(lengths.sum()))
+        cu_out = np.zeros(m + 1, dtype=np.int32)
+        np.cumsum(lengths, out=cu_out[1:])
+        return seq, torch.from_numpy(cu_out).to(device)
+
+    # ------------------------------------------------------------------ numbers
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per phase: max/mean cost before (sampling layout) and after, and tokens moved."""
+        out = {}
+        phases = {**self.encoder, "llm": self.llm}
+        for name, plan in phases.items():
+            before = batch_costs(plan.lengths, plan.src_rank, self.world, plan.policy, plan.alpha, plan.beta)
+            mean_b = before.mean() if before.size else 0.0
+            mean_a = plan.costs.mean() if plan.costs.size else 0.0
+            out[name] = {
+                "before": float(before.max() / mean_b) if mean_b else 1.0,
+                "after": float(plan.costs.max() / mean_a) if mean_a else 1.0,
+                "moved_tokens": int(plan.moved_tokens()),
+            }
+        return out
+
+
+class Orchestrator:
+    """Plans every phase of each step, ahead of time, identically on every rank.
+
+    Args:
+        encoders: modality name -> :class:`PhaseSpec` (e.g. ``{"vision": PhaseSpec("sum",
+            downsample=4), "audio": PhaseSpec("conv", beta=1e-3, downsample=2)}``).
+        llm: the LLM phase's :class:`PhaseSpec` (``"sum"`` or ``"quadratic"``).
+        orders: the possible interleavings of an example's parts; default one order: every
+            modality in the given order, then ``"text"``.
+        group: the data-parallel process group.
+        ranks_per_node: enables node-aware placement of moved examples.
+        check_plans: verify before each move that all ranks hold the same plan (a small
+            all-gather per plan).
+        background: plan in a worker thread (``submit`` returns at once).
+
+    Example::
+
+        orch = Orchestrator({"vision": PhaseSpec("sum", downsample=4)})
+        step = orch.submit({"vision": vit_lens, "text": text_lens}).result()
+        patches, cu = step.to_encoder("vision", patches, cu)
+        feats, feats_cu = step.to_llm("vision", connector(vit(patches, cu)), step_cu)
+    """
+
+    def __init__(
+        self,
+        encoders: Mapping[str, PhaseSpec],
+        *,
+        llm: PhaseSpec = PhaseSpec(),
+        orders: Sequence[Sequence[str]] | None = None,
+        group=None,
+        ranks_per_node: int | None = None,
+        check_plans: bool = True,
+        background: bool = True,
+    ):
+        if not isinstance(encoders, Mapping) or not encoders:
+            raise ValueError("encoders must be a non-empty mapping of modality -> PhaseSpec")
+        for name, spec in encoders.items():
+            if name == TEXT or not isinstance(name, str):
+                raise ValueError(f"invalid modality name {name!r}")
+            if not isinstance(spec, PhaseSpec):
+                raise TypeError(f"encoders[{name!r}] must be a PhaseSpec")
+        self.encoders = dict(encoders)
+        self.llm = llm
+        parts = [*self.encoders, TEXT]
+        self.orders = [tuple(o) for o in (orders or [parts])]
+        for o in self.orders:
+            if sorted(o) != sorted(set(o)) or not set(o) <= set(parts) or TEXT not in o:
+                raise ValueError(f"order {o} must name distinct parts from {parts}, including 'text'")
+        self.group = group
+        self.ranks_per_node = ranks_per_node
+        self.check_plans = check_plans
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmbalance-plan") if background else None
+
+    def submit(self, sizes: Mapping[str, Sequence[int]], order_ids=None) -> Future:
+        """All-gather this rank's example sizes now (collective), plan in the background.
+
+        Args:
+            sizes: ``{modality: [n_r] encoder input lengths, ..., "text": [n_r] text tokens}`` for
+                the examples this rank sampled (0 where an example lacks a modality).
+            order_ids: ``[n_r]`` index into ``orders`` per example (default 0).
+
+        Returns:
+            A future of the step's :class:`StepPlan`.
+        """
+        names = [*self.encoders, TEXT]
+        missing = [n for n in names if n not in sizes]
+        if missing:
+            raise ValueError(f"sizes is missing {missing}")
+        cols = [np.asarray(sizes[n]).reshape(-1) for n in names]
+        n_local = cols[0].size
+        if any(c.size != n_local for c in cols):
+            raise ValueError(f"sizes must have one entry per example for every part: {[c.size for c in cols]}")
+        ids = np.zeros(n_local, dtype=np.int64) if order_ids is None else np.asarray(order_ids).reshape(-1)
+        if ids.size != n_local or (ids.size and (ids.min() < 0 or ids.max() >= len(self.orders))):
+            raise ValueError(f"order_ids must be {n_local} indices into the {len(self.orders)} orders")
+        mat = np.stack([*cols, ids], axis=1) if n_local else np.zeros((0, len(names) + 1), dtype=np.int64)
+        table, src = gather_lengths(mat, self.group)
+        rank, world = _world(self.group)
+        job = (table, src, rank, world)
+        if self._pool is None:
+            fut: Future = Future()
+            fut.set_result(self._plan(*job))
+            return fut
+        return self._pool.submit(self._plan, *job)
+
+    def plan(self, sizes, order_ids=None) -> StepPlan:
+        """:meth:`submit` and wait."""
+        return self.submit(sizes, order_ids).result()
+
+    def _plan(self, table: np.ndarray, src: np.ndarray, rank: int, world: int) -> StepPlan:
+        names = [*self.encoders, TEXT]
+        sizes = {n: np.ascontiguousarray(table[:, k]) for k, n in enumerate(names)}
+        order_ids = np.ascontiguousarray(table[:, -1])
+        rpn = self.ranks_per_node
+        encoder = {m: _phase_plan(sizes[m], world, spec, src, rpn) for m, spec in self.encoders.items()}
+        llm_parts = {m: connector_lengths(sizes[m], spec.downsample) for m, spec in self.encoders.items()}
+        llm_parts[TEXT] = sizes[TEXT]
+        total = sum(llm_parts.values())
+        llm = post_balance(total, world, self.llm.policy, src_ranks=src, ranks_per_node=rpn, alpha=self.llm.alpha, beta=self.llm.beta)
+        moves = {TEXT: llm.with_lengths(llm_parts[TEXT])}
+        for m in self.encoders:
+            out_len = llm_parts[m]
+            moves[m] = llm.with_lengths(out_len).compose(encoder[m].with_lengths(out_len).inverse())
+        return StepPlan(
+            rank=rank, world=world, src_ranks=src, sizes=sizes, llm_parts=llm_parts, orders=self.orders,
+            order_ids=order_ids, encoder=encoder, llm=llm, moves=moves, group=self.group, check=self.check_plans,
+        )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+

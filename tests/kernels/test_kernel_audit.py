@@ -1,0 +1,83 @@
+"""``python -m bench.kernel_audit``: the PTX parsing, the registry, and one real sm_90 compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mmbalance.kernels import varlen
+
+from bench import kernel_audit
+
+REPO = Path(__file__).resolve().parents[2]
+
+PTX = """
+    ld.global.b32 %r1, [%rd1+0];
+    @%p1 ld.global.v4.b32 { %r2, %r3, %r4, %r5 }, [ %rd2 + 0 ];
+    @!%p2 ld.global.L1::evict_last.v2.b16 { %rs1, %rs2 }, [ %rd3 + 0 ];
+    ld.shared.v4.b32 { %r6, %r7, %r8, %r9 }, [ %r10 + 0 ];
+    cp.async.cg.shared.global [ %r11 + 0 ], [ %rd4 + 0 ], 16, %r12;
+    @%p3 st.global.v2.b32 [ %rd5 + 0 ], { %r13, %r14 };
+    st.global.b8 [ %rd6 + 0 ], %rs3;
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};
+"""
+
+
+def test_ptx_memory_widths():
+    widths = kernel_audit.ptx_memory_widths(PTX)
+    assert widths["load_bits"] == 128  # v4.b32 and the 16-byte cp.async; shared loads ignored
+    assert widths["store_bits"] == 64
+    assert widths["global_access_hist"] == {"ld.32": 2, "ld.128": 1, "cp.async.128": 1, "st.64": 1, "st.8": 1}
+
+
+def test_tensor_core_kind():
+    assert kernel_audit.tensor_core_kind(PTX) == "mma"
+    assert kernel_audit.tensor_core_kind("wgmma.mma_async.sync.aligned.m64n64k16") == "wgmma"
+    assert kernel_audit.tensor_core_kind(PTX.replace("mma.sync", "add.f32")) == "-"
+
+
+def test_expectations_fail_loudly():
+    row = {"load_bits": 64, "store_bits": 128, "spill_bytes": 8, "local_bytes": 0, "tensor_cores": "-"}
+    fails = kernel_audit.check_expectations(row, {"load_bits": 128, "spill_bytes": 0, "mma": True})
+    assert len(fails) == 3
+
+
+def test_every_varlen_kernel_is_registered():
+    kernels = {
+        name for name, obj in vars(varlen).items() if name.endswith("_kernel") and hasattr(obj, "arg_names")
+    }
+    audited = {cfg["kernel"].__name__ for cfg in varlen.AUDIT_CONFIGS}
+    assert kernels == audited
+    configs, errors = kernel_audit.discover("fwd_kernel[")
+    assert not [e for e in errors if "varlen" in e["name"]]
+    assert {c["name"] for c in varlen.AUDIT_CONFIGS} <= {c["name"] for c in configs}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(kernel_audit._ptxas(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
+def test_audit_compiles_varlen_kernels_to_128_bit_accesses(tmp_path, arch="sm_90"):
+    """A fresh process (the audit needs compilable, not interpreted, kernels)."""
+    out = tmp_path / "audit.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.kernel_audit",
+        "--arch",
+        arch,
+        "--only",
+        "row=4096",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["kernels"]
+    names = {r["name"] for r in rows}
+    assert {"_pack_fwd_kernel[fp16,row=4096]", "_unpack_fwd_kernel[fp16,row=4096]"} <= names
+    for r in rows:
+        assert r["load_bits"] == 128 and r["store_bits"] == 128 and r["spill_bytes"] == 0, r
