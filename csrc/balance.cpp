@@ -14,9 +14,8 @@ namespace {
 
 // Tournament (winner) tree over the ranks, keyed by (load, rank): the root holds the least loaded
 // rank, and adding load to it replays one leaf-to-root path with one comparison per level. Loads
-// and ranks live in two arrays indexed by tree node and each level is a branch-free select (minsd
-// and a conditional move), so an LPT step is log2(d) short, well-pipelined steps with no
-// mispredicted branches.
+// and ranks live in two arrays indexed by tree node and each level picks a child by index
+// arithmetic (no branch to mispredict), so an LPT step is log2(d) short steps.
 class LoadHeap {
  public:
   LoadHeap(Index d, const std::vector<double>& load) {
@@ -151,21 +150,23 @@ std::vector<Index> lpt(const double* w, const std::vector<Index>& order, Index d
 void refine_additive(const double* w, Index n, Index d, std::vector<Index>& dst, Index max_iters) {
   if (d < 2 || n == 0) return;
   std::vector<double> load(d, 0.0);
-  std::vector<std::vector<Index>> items(d);
-  for (Index i = 0; i < n; ++i) {
-    load[dst[i]] += w[i];
-    items[dst[i]].push_back(i);
-  }
+  std::vector<Index> count(d, 0);
   // Nothing can beat max(largest item, total / d); with integral weights, its ceiling.
   double total = 0.0, wmax = 0.0;
   bool integral = true;
   for (Index i = 0; i < n; ++i) {
+    load[dst[i]] += w[i];
+    ++count[dst[i]];
     total += w[i];
     wmax = std::max(wmax, w[i]);
     integral = integral && w[i] == std::floor(w[i]);
   }
   const double avg = total / static_cast<double>(d);
   const double bound = std::max(wmax, integral ? std::ceil(avg) : avg);
+  if (*std::max_element(load.begin(), load.end()) <= bound) return;  // already optimal
+  std::vector<std::vector<Index>> items(d);
+  for (Index r = 0; r < d; ++r) items[r].reserve(count[r] + 8);
+  for (Index i = 0; i < n; ++i) items[dst[i]].push_back(i);
   // Ranks ordered by (load, rank): the extremes in O(1), updates in O(log d).
   std::set<std::pair<double, Index>> by_load;
   for (Index r = 0; r < d; ++r) by_load.insert({load[r], r});

@@ -65,9 +65,9 @@ std::vector<Index> shed_set(const std::vector<Index>& items, const double* w, do
 }
 
 // Lower the largest per-rank off-node send (OrchMLLM eq. 5) by relays: when rank r sends x to
-// another node, a node-mate u can take x instead and send one of its own examples y of about the
-// same size to x's destination t. Loads stay within `target`; each relay moves y in addition, so
-// a relay is taken only when it strictly lowers max(off[r], off[u]).
+// another node, a node-mate u can take x instead and send a few of its own examples Y, of about
+// the same total size, to x's destination t. Loads stay within `target`; a relay moves Y in
+// addition, so it is taken only when it strictly lowers max(off[r], off[u]).
 void level_off_node(const double* w, Index n, Index d, Index per, const Index* src, double target,
                     std::vector<Index>& dst) {
   std::vector<double> load(d, 0.0), off(d, 0.0);
@@ -77,39 +77,52 @@ void level_off_node(const double* w, Index n, Index d, Index per, const Index* s
     if (dst[i] / per != src[i] / per) {
       off[src[i]] += w[i];
       sent[src[i]].push_back(i);
-    } else if (dst[i] == src[i]) {
+    } else if (dst[i] == src[i] && w[i] > 0) {
       kept[src[i]].push_back(i);
     }
   }
+  auto heavier = [&](Index p, Index q) { return w[p] > w[q] || (w[p] == w[q] && p < q); };
+  for (auto& k : kept) std::sort(k.begin(), k.end(), heavier);
+  std::vector<Index> ys, best_ys;
   for (Index it = 0; it < 4 * d; ++it) {
     Index r = 0;
     for (Index q = 1; q < d; ++q)
       if (off[q] > off[r]) r = q;
     if (off[r] <= 0) break;
     double best = off[r];
-    Index bx = -1, bu = -1, by = -1;
+    Index bx = -1, bu = -1;
     for (Index x : sent[r]) {
       const Index t = dst[x];
       for (Index u = (r / per) * per; u < (r / per + 1) * per; ++u) {
         if (u == r) continue;
         const double lo = w[x] - (target - load[u]), hi = w[x] + (target - load[t]);
+        // Largest-first subset of u's kept examples with a sum in [lo, hi].
+        ys.clear();
+        double sum = 0.0;
         for (Index y : kept[u]) {
-          if (w[y] < lo || w[y] > hi || w[y] <= 0) continue;
-          const double m = std::max(off[r] - w[x], off[u] + w[y]);
-          if (m < best || (m == best && bx >= 0 && w[y] < w[by])) best = m, bx = x, bu = u, by = y;
+          if (sum >= lo) break;
+          if (sum + w[y] <= hi) ys.push_back(y), sum += w[y];
         }
+        if (ys.empty() || sum < lo || sum > hi) continue;
+        const double m = std::max(off[r] - w[x], off[u] + sum);
+        if (m < best) best = m, bx = x, bu = u, best_ys = ys;
       }
     }
     if (bx < 0) break;
     const Index t = dst[bx];
-    dst[bx] = bu, dst[by] = t;
-    load[bu] += w[bx] - w[by];
-    load[t] += w[by] - w[bx];
+    double moved = 0.0;
+    dst[bx] = bu;
+    for (Index y : best_ys) {
+      dst[y] = t;
+      moved += w[y];
+      kept[bu].erase(std::find(kept[bu].begin(), kept[bu].end(), y));
+      sent[bu].push_back(y);
+    }
+    load[bu] += w[bx] - moved;
+    load[t] += moved - w[bx];
     off[r] -= w[bx];
-    off[bu] += w[by];
+    off[bu] += moved;
     sent[r].erase(std::find(sent[r].begin(), sent[r].end(), bx));
-    kept[bu].erase(std::find(kept[bu].begin(), kept[bu].end(), by));
-    sent[bu].push_back(by);
   }
 }
 
