@@ -29,6 +29,7 @@ peers: $(PEERS)
 
 run: $(STAMP) $(PEERS)
 	$(VENV)/bin/mmbalance bench planners
+	$(VENV)/bin/mmbalance demo --json results/demo.json --plot results/demo.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

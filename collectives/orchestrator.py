@@ -21,6 +21,7 @@ weights tokens by the size of the batch they landed in, so it depends on the pla
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from mmbalance.balancing._core_api import batch_costs, core
 
 from .alltoall import _world, gather_lengths, rebalance
 
-__all__ = ["PhaseSpec", "Orchestrator", "StepPlan", "TEXT"]
+__all__ = ["PhaseSpec", "Orchestrator", "StepPlan", "TEXT", "broadcast_from_leader", "connector_lengths"]
 
 TEXT = "text"
 
@@ -80,6 +81,43 @@ def _phase_plan(lengths: np.ndarray, world: int, spec: PhaseSpec, src: np.ndarra
     )
 
 
+def _relocated(plan_dst: np.ndarray, lengths: np.ndarray, world: int, src: np.ndarray, spec: PhaseSpec,
+               costs: np.ndarray | None = None) -> Plan:
+    """A world-level plan sending example ``i`` to rank ``plan_dst[i]``."""
+    dst = np.ascontiguousarray(plan_dst, dtype=np.int64)
+    if costs is None:
+        costs = batch_costs(lengths, dst, world, spec.policy, spec.alpha, spec.beta)
+    return Plan(
+        dst_rank=dst,
+        dst_slot=core().slots(dst, world, src),
+        costs=np.asarray(costs),
+        num_ranks=world,
+        lengths=lengths,
+        src_rank=src,
+        src_slot=core().slots(src, world),
+        policy=spec.policy,
+        alpha=spec.alpha,
+        beta=spec.beta,
+    )
+
+
+def _group_plan(lengths: np.ndarray, world: int, k: int, spec: PhaseSpec, src: np.ndarray, rpn: int | None,
+                balance: bool) -> Plan:
+    """LLM plan over ``world // k`` groups of ``k`` ranks (TP/CP groups); examples go to each group's
+    first rank. Without ``balance`` every example stays in its own rank's group."""
+    groups = world // k
+    gsrc = src // k
+    if balance:
+        grpn = rpn // k if rpn and rpn % k == 0 and rpn >= k else None
+        gplan = post_balance(lengths, groups, spec.policy, src_ranks=gsrc, ranks_per_node=grpn, alpha=spec.alpha, beta=spec.beta)
+        gdst = gplan.dst_rank
+    else:
+        gdst = gsrc
+    costs = np.zeros(world)
+    costs[::k] = batch_costs(lengths, gdst, groups, spec.policy, spec.alpha, spec.beta)
+    return _relocated(gdst * k, lengths, world, src, spec, costs)
+
+
 def connector_lengths(lengths: np.ndarray, downsample: int) -> np.ndarray:
     """LLM tokens an encoder output of ``lengths`` tokens becomes: ``ceil(lengths / downsample)``."""
     return (lengths + downsample - 1) // downsample
@@ -101,6 +139,8 @@ class StepPlan:
     moves: dict[str, Plan] = field(default_factory=dict)  # part -> plan into the LLM layout
     group: object = None
     check: bool = True
+    llm_group_size: int = 1
+    plan_ms: float = 0.0  # time spent planning (in the background thread)
 
     # ------------------------------------------------------------------ moves
     def to_encoder(self, modality: str, packed, cu_seqlens: Tensor):
@@ -168,19 +208,58 @@ class StepPlan:
 
     # ------------------------------------------------------------------ numbers
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per phase: max/mean cost before (sampling layout) and after, and tokens moved."""
+        """Per phase: max/mean cost over ranks (LLM: over LLM groups) before and after, tokens moved."""
         out = {}
+        k = self.llm_group_size
         phases = {**self.encoder, "llm": self.llm}
         for name, plan in phases.items():
-            before = batch_costs(plan.lengths, plan.src_rank, self.world, plan.policy, plan.alpha, plan.beta)
+            if name == "llm" and k > 1:
+                groups = self.world // k
+                before = batch_costs(plan.lengths, plan.src_rank // k, groups, plan.policy, plan.alpha, plan.beta)
+                after = plan.costs[::k]
+            else:
+                before = batch_costs(plan.lengths, plan.src_rank, self.world, plan.policy, plan.alpha, plan.beta)
+                after = plan.costs
             mean_b = before.mean() if before.size else 0.0
-            mean_a = plan.costs.mean() if plan.costs.size else 0.0
+            mean_a = after.mean() if after.size else 0.0
             out[name] = {
                 "before": float(before.max() / mean_b) if mean_b else 1.0,
-                "after": float(plan.costs.max() / mean_a) if mean_a else 1.0,
+                "after": float(after.max() / mean_a) if mean_a else 1.0,
                 "moved_tokens": int(plan.moved_tokens()),
             }
         return out
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shape, group, leader):
+        ctx.group, ctx.leader, ctx.in_shape = group, leader, x.shape
+        ctx.is_leader = torch.distributed.get_rank() == leader
+        buf = x.contiguous().clone() if ctx.is_leader else x.new_empty(tuple(shape))
+        torch.distributed.broadcast(buf, src=leader, group=group)
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        torch.distributed.reduce(grad, dst=ctx.leader, group=ctx.group)
+        if not ctx.is_leader:
+            grad = grad.new_zeros(ctx.in_shape)
+        return grad, None, None, None
+
+
+def broadcast_from_leader(x: Tensor, shape: Sequence[int], group, leader: int) -> Tensor:
+    """The leader's ``x`` on every rank of ``group``; differentiable (gradients are summed back to
+    the leader).
+
+    Non-leaders pass their own local tensor (for example the empty batch the plan gave them): it
+    is not read, but it keeps the non-leader's earlier collectives (the moves that produced it) in
+    the autograd graph, so their backward all-to-alls run on every rank. ``shape`` is the leader's
+    shape, known from the plan (no size exchange). ``leader`` is a global rank.
+    """
+    if torch.distributed.get_rank() == leader and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected {tuple(shape)}")
+    return _Broadcast.apply(x, tuple(shape), group, leader)
 
 
 class Orchestrator:
@@ -197,6 +276,11 @@ class Orchestrator:
         check_plans: verify before each move that all ranks hold the same plan (a small
             all-gather per plan).
         background: plan in a worker thread (``submit`` returns at once).
+        llm_group_size: ranks per LLM group (tensor/context parallel): the LLM phase is balanced
+            over ``world / llm_group_size`` groups and each example lands on its group's first
+            rank, which shares the assembled batch with the group (:func:`broadcast_from_leader`).
+        balance: ``False`` keeps every example where it was sampled (encoders on their rank, the
+            LLM on that rank's group): the same code path without balancing, for comparisons.
 
     Example::
 
@@ -216,6 +300,8 @@ class Orchestrator:
         ranks_per_node: int | None = None,
         check_plans: bool = True,
         background: bool = True,
+        llm_group_size: int = 1,
+        balance: bool = True,
     ):
         if not isinstance(encoders, Mapping) or not encoders:
             raise ValueError("encoders must be a non-empty mapping of modality -> PhaseSpec")
@@ -234,6 +320,10 @@ class Orchestrator:
         self.group = group
         self.ranks_per_node = ranks_per_node
         self.check_plans = check_plans
+        if not isinstance(llm_group_size, int) or llm_group_size < 1:
+            raise ValueError(f"llm_group_size must be an int >= 1, got {llm_group_size!r}")
+        self.llm_group_size = llm_group_size
+        self.balance = bool(balance)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmbalance-plan") if background else None
 
     def submit(self, sizes: Mapping[str, Sequence[int]], order_ids=None) -> Future:
@@ -273,15 +363,25 @@ class Orchestrator:
         return self.submit(sizes, order_ids).result()
 
     def _plan(self, table: np.ndarray, src: np.ndarray, rank: int, world: int) -> StepPlan:
+        t0 = time.perf_counter()
         names = [*self.encoders, TEXT]
         sizes = {n: np.ascontiguousarray(table[:, k]) for k, n in enumerate(names)}
         order_ids = np.ascontiguousarray(table[:, -1])
         rpn = self.ranks_per_node
-        encoder = {m: _phase_plan(sizes[m], world, spec, src, rpn) for m, spec in self.encoders.items()}
+        k = self.llm_group_size
+        if world % k:
+            raise ValueError(f"llm_group_size ({k}) must divide the world size ({world})")
+        if self.balance:
+            encoder = {m: _phase_plan(sizes[m], world, spec, src, rpn) for m, spec in self.encoders.items()}
+        else:
+            encoder = {m: _relocated(src, sizes[m], world, src, spec) for m, spec in self.encoders.items()}
         llm_parts = {m: connector_lengths(sizes[m], spec.downsample) for m, spec in self.encoders.items()}
         llm_parts[TEXT] = sizes[TEXT]
-        total = sum(llm_parts.values())
-        llm = post_balance(total, world, self.llm.policy, src_ranks=src, ranks_per_node=rpn, alpha=self.llm.alpha, beta=self.llm.beta)
+        total = np.ascontiguousarray(sum(llm_parts.values()), dtype=np.int64)
+        if k == 1 and self.balance:
+            llm = post_balance(total, world, self.llm.policy, src_ranks=src, ranks_per_node=rpn, alpha=self.llm.alpha, beta=self.llm.beta)
+        else:
+            llm = _group_plan(total, world, k, self.llm, src, rpn, self.balance)
         moves = {TEXT: llm.with_lengths(llm_parts[TEXT])}
         for m in self.encoders:
             out_len = llm_parts[m]
@@ -289,6 +389,7 @@ class Orchestrator:
         return StepPlan(
             rank=rank, world=world, src_ranks=src, sizes=sizes, llm_parts=llm_parts, orders=self.orders,
             order_ids=order_ids, encoder=encoder, llm=llm, moves=moves, group=self.group, check=self.check_plans,
+            llm_group_size=k, plan_ms=(time.perf_counter() - t0) * 1e3,
         )
 
     def close(self) -> None:

@@ -44,9 +44,26 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _delegate(module: str, argv: list[str]) -> int:
+    root = _repo_root()
+    if root is None:
+        print(f"mmbalance {module.split('.')[-1]} runs from a source checkout (bench/ is not installed)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, root)
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # demo and simulate own their flags; hand them everything after the subcommand
+    if argv and argv[0] == "demo":
+        return _delegate("bench.demo", argv[1:])
+    if argv and argv[0] == "simulate":
+        return _delegate("bench.simulate", argv[1:])
     p = argparse.ArgumentParser(prog="mmbalance", description="Load balancing for multimodal LLM training.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("demo", help="end-to-end balanced training on N ranks (mmbalance demo --help)")
+    sub.add_parser("simulate", help="what balancing gives at your scale (mmbalance simulate --help)")
     b = sub.add_parser("bench", help="run the benchmark suite (quick by default)")
     b.add_argument("only", nargs="*", choices=BENCHES, help="benchmarks to run (default: all)")
     b.add_argument("--full", action="store_true", help="the full sweep")
