@@ -256,6 +256,7 @@ def _report(result: dict, args) -> dict:
         report["step_ms_unbalanced"] = float(np.median(result["unbalanced"]["step_ms"][1:] or result["unbalanced"]["step_ms"]))
     _print(report, balanced="balanced" in result)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
@@ -304,6 +305,7 @@ def plot(rep: dict, path: str) -> None:
     b.legend()
     b.set_title("per-phase imbalance")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}")
 
