@@ -21,27 +21,65 @@ def _bench(args: argparse.Namespace) -> int:
         print("mmbalance bench runs from a source checkout (the bench/ folder is not installed)", file=sys.stderr)
         return 2
     sys.path.insert(0, root)
+    import json
+
+    json_path = args.json or os.path.join(root, "results", "bench.jsonl")
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    if not args.json and os.path.exists(json_path):
+        os.remove(json_path)
     names = args.only or list(BENCHES)
     failed = []
     for name in names:
+        print(f"\n#### bench.{name}", flush=True)
         try:
             mod = importlib.import_module(f"bench.{name}")
-        except ModuleNotFoundError as exc:
-            print(f"[{name}] not available: {exc}", file=sys.stderr)
+            mod.main((["--full"] if args.full else []) + ["--json", json_path])
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - one failing benchmark does not stop the rest
+            if isinstance(exc, SystemExit) and not exc.code:
+                continue
+            print(f"[{name}] failed: {exc!r}", file=sys.stderr)
             failed.append(name)
-            continue
-        argv = (["--full"] if args.full else []) + (["--json", args.json] if args.json else [])
-        print(f"\n#### bench.{name}")
-        mod.main(argv)
-    if "planners" in names or not args.only:
-        try:
-            audit = importlib.import_module("bench.kernel_audit")
-        except ModuleNotFoundError:
-            audit = None
-        if audit is not None and not args.only:
-            print("\n#### bench.kernel_audit (sm_90)")
-            audit.main(["--arch", "sm_90"] + (["--json", args.json] if args.json else []))
+    if not args.only:
+        print("\n#### bench.kernel_audit (sm_90, sm_80)", flush=True)
+        audit = importlib.import_module("bench.kernel_audit")
+        for arch in ("sm_90", "sm_80"):
+            try:
+                rc = audit.main(["--arch", arch, "--json", os.path.join(os.path.dirname(json_path), f"audit_{arch}.json")])
+            except SystemExit as exc:
+                rc = exc.code
+            if rc:
+                failed.append(f"kernel_audit[{arch}]")
+    _summary(json_path)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _summary(json_path: str) -> None:
+    """One line per (op, provider): rows, median time, and the headline metric where there is one."""
+    import json
+    import statistics
+
+    if not os.path.exists(json_path):
+        return
+    groups: dict[tuple[str, str], list[dict]] = {}
+    with open(json_path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                groups.setdefault((r.get("op", "?"), r.get("provider", "?")), []).append(r)
+    keys = ("makespan/lb", "ours_speedup", "frac_of_copy", "tflops", "ratio", "speedup_vs_none", "max_offnode_MB")
+    print(f"\n== summary ({json_path}) ==")
+    print(f"{'op':<28} {'provider':<20} {'rows':>4} {'median ms':>10}  headline")
+    for (op, prov), rows in sorted(groups.items()):
+        times = [r["time_ms"] for r in rows if isinstance(r.get("time_ms"), (int, float))]
+        head = []
+        for k in keys:
+            vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
+            if vals:
+                head.append(f"{k} {statistics.median(vals):.4g}")
+        med = f"{statistics.median(times):.4g}" if times else "-"
+        print(f"{op[:28]:<28} {prov[:20]:<20} {len(rows):>4} {med:>10}  {', '.join(head)}")
 
 
 def _delegate(module: str, argv: list[str]) -> int:
