@@ -25,4 +25,6 @@ def core():
 
 
 def batch_costs(lengths, dst_rank, num_ranks: int, policy: str, alpha: float, beta: float) -> np.ndarray:
-    return core().batch_costs(lengths, dst_rank, int(num_ranks), POLICY_IDS[policy], float(alpha), float(beta))
+    return core().batch_costs(
+        lengths, dst_rank, int(num_ranks), POLICY_IDS[policy], float(alpha), float(beta)
+    )

@@ -29,7 +29,9 @@ DEFAULT_WEIGHTS = {"image": 0.6, "video": 0.15, "speech_asr": 0.15, "speech_qa":
 
 
 def default_path() -> str:
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mmbalance", "data", "mm_sizes.npz")
+    return os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mmbalance", "data", "mm_sizes.npz"
+    )
 
 
 def _shipped_path() -> str:
@@ -76,7 +78,9 @@ class ExampleSizes:
         return int(self.text.shape[0])
 
     def take(self, idx) -> ExampleSizes:
-        return ExampleSizes(*(getattr(self, f)[idx] for f in ("vision", "audio", "vision_llm", "audio_llm", "text", "kind")))
+        return ExampleSizes(
+            *(getattr(self, f)[idx] for f in ("vision", "audio", "vision_llm", "audio_llm", "text", "kind"))
+        )
 
     def phase(self, name: str) -> np.ndarray:
         """Lengths of one phase: ``"vision"``, ``"audio"`` or ``"llm"``."""
@@ -124,7 +128,9 @@ def mixture(
 
     sel = np.flatnonzero(kind == 1)
     j = rng.integers(0, raw["video_duration_ms"].shape[0], size=sel.size)
-    frames = np.clip(np.round(raw["video_duration_ms"][j] / 1000.0 * video_fps), 1, video_max_frames).astype(np.int64)
+    frames = np.clip(np.round(raw["video_duration_ms"][j] / 1000.0 * video_fps), 1, video_max_frames).astype(
+        np.int64
+    )
     vision[sel] = frames * video_patches_per_frame
     vision_llm[sel] = frames * video_llm_per_frame
     text[sel] = np.round(raw["video_caption_words"][j] * 1.3).astype(np.int64) + 32

@@ -103,7 +103,9 @@ class Plan:
         """Tokens each source rank sends to other nodes, int64 ``[num_ranks]`` (eq. 5 of OrchMLLM)."""
         self._need_source("off_node_send")
         off = (self.src_rank // ranks_per_node) != (self.dst_rank // ranks_per_node)
-        return np.bincount(self.src_rank[off], weights=self.lengths[off], minlength=self.num_ranks).astype(np.int64)
+        return np.bincount(self.src_rank[off], weights=self.lengths[off], minlength=self.num_ranks).astype(
+            np.int64
+        )
 
     def digest(self) -> bytes:
         """SHA-256 of the plan's arrays: equal on every rank iff the plans are identical."""
@@ -175,7 +177,9 @@ class Plan:
         if first.num_examples != self.num_examples:
             raise ValueError(f"first has {first.num_examples} examples, this plan {self.num_examples}")
         self._need_source("compose")
-        if not (np.array_equal(first.dst_rank, self.src_rank) and np.array_equal(first.dst_slot, self.src_slot)):
+        if not (
+            np.array_equal(first.dst_rank, self.src_rank) and np.array_equal(first.dst_slot, self.src_slot)
+        ):
             raise ValueError("first's destination layout is not this plan's source layout")
         return Plan(
             dst_rank=self.dst_rank.copy(),

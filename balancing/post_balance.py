@@ -111,7 +111,9 @@ def post_balance(
     )
 
 
-def lower_bound(lengths, num_ranks: int, policy: str = "sum", *, alpha: float = 1.0, beta: float = 0.0) -> float:
+def lower_bound(
+    lengths, num_ranks: int, policy: str = "sum", *, alpha: float = 1.0, beta: float = 0.0
+) -> float:
     """A proven lower bound on the optimal makespan.
 
     ``"sum"``/``"quadratic"``: ``max(largest item, total / ranks)`` on the per-example weights.

@@ -36,7 +36,9 @@ def _worker(rank, world, init, args, queue):
         backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            backend, init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
         from mmbalance.balancing import node_wise_permutation, post_balance
         from mmbalance.balancing.datasets import mixture
         from mmbalance.collectives import gather_lengths, rebalance
@@ -55,14 +57,23 @@ def _worker(rank, world, init, args, queue):
             rpn = args.ranks_per_node
             plans = {
                 "none": post_balance(lengths, world, src_ranks=src).with_lengths(lengths),
-                "plain+alg3": node_wise_permutation(post_balance(lengths, world), rpn, src_ranks=src, method="fast"),
+                "plain+alg3": node_wise_permutation(
+                    post_balance(lengths, world), rpn, src_ranks=src, method="fast"
+                ),
                 "located": post_balance(lengths, world, src_ranks=src, ranks_per_node=rpn),
             }
             # "none": a plan that keeps every example where it is
             from mmbalance.balancing import Plan
 
-            keep = Plan(src.copy(), plans["located"].src_slot.copy(), np.bincount(src, weights=lengths, minlength=world).astype(float),
-                        world, lengths, src.copy(), plans["located"].src_slot.copy())
+            keep = Plan(
+                src.copy(),
+                plans["located"].src_slot.copy(),
+                np.bincount(src, weights=lengths, minlength=world).astype(float),
+                world,
+                lengths,
+                src.copy(),
+                plans["located"].src_slot.copy(),
+            )
             plans["none"] = keep
             for name, plan in plans.items():
                 rebalance(x, cu, plan)  # warm-up and plan check
@@ -83,9 +94,17 @@ def _worker(rank, world, init, args, queue):
                 offn = plan.off_node_send(rpn) if plan.src_rank is not None else np.zeros(world)
                 loads = np.bincount(plan.dst_rank, weights=lengths, minlength=world)
                 elt = x.element_size() * args.hidden
-                rows.append(dict(step=step, plan=name, time_ms=float(t), max_send_MB=sent.sum(1).max() * elt / 1e6,
-                                 max_offnode_MB=offn.max() * elt / 1e6, total_moved_MB=sent.sum() * elt / 1e6,
-                                 llm_max_over_mean=float(loads.max() / loads.mean())))
+                rows.append(
+                    dict(
+                        step=step,
+                        plan=name,
+                        time_ms=float(t),
+                        max_send_MB=sent.sum(1).max() * elt / 1e6,
+                        max_offnode_MB=offn.max() * elt / 1e6,
+                        total_moved_MB=sent.sum() * elt / 1e6,
+                        llm_max_over_mean=float(loads.max() / loads.mean()),
+                    )
+                )
         dist.destroy_process_group()
         queue.put((rank, rows if rank == 0 else None, None))
     except Exception as exc:  # noqa: BLE001
@@ -100,7 +119,9 @@ def run(args) -> list[Row]:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, queue)) for r in range(args.world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, args.world, init, args, queue)) for r in range(args.world)
+        ]
         for p in procs:
             p.start()
         result = None
@@ -116,8 +137,17 @@ def run(args) -> list[Row]:
     out = []
     for r in result:
         metrics = {k: v for k, v in r.items() if k not in ("plan", "time_ms")}
-        out.append(Row("rebalance", r["plan"], f"{args.world}x{PER_RANK}x{args.hidden}", "bf16" if torch.cuda.is_available() else "fp32",
-                       dev, r["time_ms"], metrics))
+        out.append(
+            Row(
+                "rebalance",
+                r["plan"],
+                f"{args.world}x{PER_RANK}x{args.hidden}",
+                "bf16" if torch.cuda.is_available() else "fp32",
+                dev,
+                r["time_ms"],
+                metrics,
+            )
+        )
     return out
 
 
@@ -128,7 +158,9 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--scale", type=int, default=4, help="divide lengths by this on CPU to keep payloads small")
+    p.add_argument(
+        "--scale", type=int, default=4, help="divide lengths by this on CPU to keep payloads small"
+    )
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 3 if args.full else 1

@@ -90,8 +90,14 @@ def _train(rank, world, args, balance: bool, pair, shard_dp, device, dtype):
     params = [*vision.parameters(), *audio.parameters(), *llm.parameters()]
     opt = torch.optim.SGD(params, lr=args.lr)
     orch = Orchestrator(
-        {"vision": PhaseSpec("sum", downsample=4), "audio": PhaseSpec("conv", alpha=1.0, beta=1.0 / 64, downsample=2)},
-        orders=ORDERS, ranks_per_node=args.ranks_per_node, llm_group_size=GROUP, balance=balance,
+        {
+            "vision": PhaseSpec("sum", downsample=4),
+            "audio": PhaseSpec("conv", alpha=1.0, beta=1.0 / 64, downsample=2),
+        },
+        orders=ORDERS,
+        ranks_per_node=args.ranks_per_node,
+        llm_group_size=GROUP,
+        balance=balance,
     )
     leader = (rank // GROUP) * GROUP
     losses, times, summaries, plan_ms, wait_ms = [], [], [], [], []
@@ -114,10 +120,16 @@ def _train(rank, world, args, balance: bool, pair, shard_dp, device, dtype):
             lens = plan.encoder[name].lengths[plan.encoder[name].recv_order(rank)]
             feats = enc(xe, cue, int(lens.max()) if lens.size else 0)
             parts[name] = plan.to_llm(name, feats, torch.div(cue, ds, rounding_mode="floor").to(torch.int32))
-        (emb, labels), tcu = plan.to_llm("text", [llm.embed(mv("text_ids")), mv("labels")], data["cu"]["text"].to(device))
+        (emb, labels), tcu = plan.to_llm(
+            "text", [llm.embed(mv("text_ids")), mv("labels")], data["cu"]["text"].to(device)
+        )
         parts["text"] = (emb, tcu)
         seq, cu = plan.assemble(parts)
-        ignore = {n: (torch.full((p[0].shape[0],), -100, dtype=torch.int64, device=device), p[1]) for n, p in parts.items() if n != "text"}
+        ignore = {
+            n: (torch.full((p[0].shape[0],), -100, dtype=torch.int64, device=device), p[1])
+            for n, p in parts.items()
+            if n != "text"
+        }
         lab, _ = plan.assemble({**ignore, "text": (labels, tcu)})
         # the LLM group: the leader's batch, sequence-sharded over the group (zigzag)
         lens = plan.llm.lengths[plan.llm.recv_order(leader)]
@@ -132,8 +144,15 @@ def _train(rank, world, args, balance: bool, pair, shard_dp, device, dtype):
         shard_sizes = list(ring_plan(cu_global, GROUP, "zigzag").tokens)
         logits = llm(x_local, cu_t, shard_sizes)
         text_tokens = int(plan.sizes["text"].sum())  # global, known from the plan: no reduction
-        loss = F.cross_entropy(logits.float() if dtype != torch.float64 else logits, lab_local, ignore_index=-100,
-                               reduction="sum") / text_tokens
+        loss = (
+            F.cross_entropy(
+                logits.float() if dtype != torch.float64 else logits,
+                lab_local,
+                ignore_index=-100,
+                reduction="sum",
+            )
+            / text_tokens
+        )
         opt.zero_grad(set_to_none=False)
         loss.backward()
         for p in params:
@@ -152,8 +171,14 @@ def _train(rank, world, args, balance: bool, pair, shard_dp, device, dtype):
             _progress(step + 1, args.steps, "balanced" if balance else "unbalanced", losses[-1], times[-1])
         data = nxt if step + 1 < args.steps else None
     orch.close()
-    return {"losses": losses, "step_ms": times, "summary": summaries, "plan_ms": plan_ms, "wait_ms": wait_ms,
-            "offnode": _offnode(plan, args.ranks_per_node) if balance else None}
+    return {
+        "losses": losses,
+        "step_ms": times,
+        "summary": summaries,
+        "plan_ms": plan_ms,
+        "wait_ms": wait_ms,
+        "offnode": _offnode(plan, args.ranks_per_node) if balance else None,
+    }
 
 
 def _offnode(plan, rpn):
@@ -169,7 +194,11 @@ def _progress(done: int, total: int, label: str, loss: float, ms: float) -> None
     tty = sys.stdout.isatty()
     end = "\n" if done == total or not tty else ""
     prefix = "\r" if tty else ""
-    print(f"{prefix}{label:>10} [{bar}] step {done}/{total}  loss {loss:.6f}  {ms:7.1f} ms/step", end=end, flush=True)
+    print(
+        f"{prefix}{label:>10} [{bar}] step {done}/{total}  loss {loss:.6f}  {ms:7.1f} ms/step",
+        end=end,
+        flush=True,
+    )
 
 
 def _worker(rank, world, init, args, queue):
@@ -179,14 +208,21 @@ def _worker(rank, world, init, args, queue):
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=args.timeout))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"file://{init}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=args.timeout),
+        )
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         pair, shard_dp = _groups(world)
         result = {}
         modes = [False] if args.no_balance else [True, False]
         for balance in modes:
-            result["balanced" if balance else "unbalanced"] = _train(rank, world, args, balance, pair, shard_dp, device, dtype)
+            result["balanced" if balance else "unbalanced"] = _train(
+                rank, world, args, balance, pair, shard_dp, device, dtype
+            )
         dist.barrier()
         dist.destroy_process_group()
         queue.put((rank, result if rank == 0 else None, None))
@@ -206,7 +242,10 @@ def run(args) -> dict:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_worker, args=(r, args.ranks, init, args, queue), daemon=True) for r in range(args.ranks)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, args.ranks, init, args, queue), daemon=True)
+            for r in range(args.ranks)
+        ]
         for p in procs:
             p.start()
         result, errors = None, []
@@ -253,7 +292,9 @@ def _report(result: dict, args) -> dict:
         b, u = np.array(result["balanced"]["losses"]), np.array(result["unbalanced"]["losses"])
         report["losses_unbalanced"] = u.tolist()
         report["max_relative_loss_difference"] = float(np.max(np.abs(b - u) / np.maximum(np.abs(u), 1e-30)))
-        report["step_ms_unbalanced"] = float(np.median(result["unbalanced"]["step_ms"][1:] or result["unbalanced"]["step_ms"]))
+        report["step_ms_unbalanced"] = float(
+            np.median(result["unbalanced"]["step_ms"][1:] or result["unbalanced"]["step_ms"])
+        )
     _print(report, balanced="balanced" in result)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -265,14 +306,24 @@ def _report(result: dict, args) -> dict:
 
 
 def _print(rep: dict, balanced: bool) -> None:
-    print(f"\nper phase over {rep['steps']} steps on {rep['ranks']} ranks (LLM: {rep['ranks'] // GROUP} groups of {GROUP}):")
-    print(f"{'phase':<8} {'max/mean before':>16} {'max/mean after':>15} {'tokens moved':>13} {'off-node (last)':>16}")
+    print(
+        f"\nper phase over {rep['steps']} steps on {rep['ranks']} ranks (LLM: {rep['ranks'] // GROUP} groups of {GROUP}):"
+    )
+    print(
+        f"{'phase':<8} {'max/mean before':>16} {'max/mean after':>15} {'tokens moved':>13} {'off-node (last)':>16}"
+    )
     for name, p in rep["phases"].items():
-        print(f"{name:<8} {p['before']:>16.3f} {p['after']:>15.3f} {p['moved_tokens']:>13d} {p.get('offnode_tokens_last_step', 0):>16d}")
-    print(f"\nplanning: {rep['plan_ms']:.1f} ms per step in a background thread, one step ahead; "
-          f"the step waited {rep['plan_wait_ms']:.1f} ms for it")
+        print(
+            f"{name:<8} {p['before']:>16.3f} {p['after']:>15.3f} {p['moved_tokens']:>13d} {p.get('offnode_tokens_last_step', 0):>16d}"
+        )
+    print(
+        f"\nplanning: {rep['plan_ms']:.1f} ms per step in a background thread, one step ahead; "
+        f"the step waited {rep['plan_wait_ms']:.1f} ms for it"
+    )
     if "step_ms_unbalanced" in rep:
-        print(f"step time: balanced {rep['step_ms']:.1f} ms, unbalanced {rep['step_ms_unbalanced']:.1f} ms (median, slowest rank)")
+        print(
+            f"step time: balanced {rep['step_ms']:.1f} ms, unbalanced {rep['step_ms_unbalanced']:.1f} ms (median, slowest rank)"
+        )
         print("losses (balanced / unbalanced):")
         for k, (a, b) in enumerate(zip(rep["losses"], rep["losses_unbalanced"])):
             print(f"  step {k}: {a:.10f}  {b:.10f}")
@@ -334,7 +385,9 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"mmbalance demo: {exc}", file=sys.stderr)
         return 2
-    if "max_relative_loss_difference" in rep and rep["max_relative_loss_difference"] > (1e-6 if args.dtype == "float64" else 1e-3):
+    if "max_relative_loss_difference" in rep and rep["max_relative_loss_difference"] > (
+        1e-6 if args.dtype == "float64" else 1e-3
+    ):
         print("balanced and unbalanced losses disagree", file=sys.stderr)
         return 1
     return 0

@@ -41,14 +41,25 @@ class VisionEncoder(nn.Module):
         self.embed = nn.Linear(PATCH_DIM, hidden, dtype=dtype)
         self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
         self.proj = nn.Linear(hidden, hidden, dtype=dtype)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden, dtype=dtype), nn.GELU(), nn.Linear(2 * hidden, hidden, dtype=dtype))
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden, 2 * hidden, dtype=dtype), nn.GELU(), nn.Linear(2 * hidden, hidden, dtype=dtype)
+        )
         self.connector = nn.Linear(VISION_DOWNSAMPLE * hidden, llm_hidden, dtype=dtype)
 
     def forward(self, patches, cu_seqlens, max_seqlen: int):
         x = self.embed(patches)
         t, h = x.shape[0], self.heads
         q, k, v = self.qkv(x).view(t, 3, h, -1).unbind(1)
-        att, _ = attention_block(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, backend="reference" if x.dtype == torch.float64 else "auto")
+        att, _ = attention_block(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            backend="reference" if x.dtype == torch.float64 else "auto",
+        )
         x = x + self.proj(att.reshape(t, -1))
         x = x + self.mlp(x)
         # every image/video has a multiple of 4 patches, so groups never straddle two examples
@@ -98,8 +109,15 @@ class LLMBlock(nn.Module):
     def forward(self, x_local, cu_seqlens_global, shard_sizes):
         t, h = x_local.shape[0], self.heads
         q, k, v = self.qkv(self.norm1(x_local)).view(t, 3, h, -1).unbind(1)
-        att = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_global, causal=True, group=self.group,
-                             backend="reference" if x_local.dtype == torch.float64 else "auto")
+        att = ring_attention(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            cu_seqlens_global,
+            causal=True,
+            group=self.group,
+            backend="reference" if x_local.dtype == torch.float64 else "auto",
+        )
         x = x_local + self.proj(att.reshape(t, -1))
         y = self.down(F.gelu(self.up(self.norm2(x), shard_sizes=shard_sizes)), shard_sizes=shard_sizes)
         return self.head(x + y)

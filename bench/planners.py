@@ -60,7 +60,7 @@ def bench_speed(full: bool) -> list[Row]:
     rows = []
     dev = device_name()
     kk = _verl()
-    for d in ([64, 512, 2560] if not full else [64, 256, 512, 1024, 2560]):
+    for d in [64, 512, 2560] if not full else [64, 256, 512, 1024, 2560]:
         lengths = mixture(PER_RANK * d, d).llm
         src = np.repeat(np.arange(d), PER_RANK)
         lb = lower_bound(lengths, d)
@@ -69,18 +69,37 @@ def bench_speed(full: bool) -> list[Row]:
 
         t = time_cpu(lambda: post_balance(lengths, d), reps=reps)
         ours = post_balance(lengths, d)
-        rows.append(Row("post_balance[sum]", "mmbalance", shape, "int64", dev, t, {"makespan/lb": ours.makespan / lb}))
-        t_loc = time_cpu(lambda: post_balance(lengths, d, src_ranks=src, ranks_per_node=RANKS_PER_NODE), reps=reps)
+        rows.append(
+            Row("post_balance[sum]", "mmbalance", shape, "int64", dev, t, {"makespan/lb": ours.makespan / lb})
+        )
+        t_loc = time_cpu(
+            lambda: post_balance(lengths, d, src_ranks=src, ranks_per_node=RANKS_PER_NODE), reps=reps
+        )
         loc = post_balance(lengths, d, src_ranks=src, ranks_per_node=RANKS_PER_NODE)
         rows.append(
-            Row("post_balance[sum]", "mmbalance+locality", shape, "int64", dev, t_loc, {"makespan/lb": loc.makespan / lb})
+            Row(
+                "post_balance[sum]",
+                "mmbalance+locality",
+                shape,
+                "int64",
+                dev,
+                t_loc,
+                {"makespan/lb": loc.makespan / lb},
+            )
         )
         as_list = lengths.tolist()
         t_py = time_cpu(lambda: python_lpt(as_list, d), warmup=1, reps=3)
         py = np.asarray(python_lpt(as_list, d))
         rows.append(
-            Row("post_balance[sum]", "python-lpt", shape, "int64", dev, t_py,
-                {"makespan/lb": _makespan(lengths, py, d) / lb, "ours_speedup": t_py / t})
+            Row(
+                "post_balance[sum]",
+                "python-lpt",
+                shape,
+                "int64",
+                dev,
+                t_py,
+                {"makespan/lb": _makespan(lengths, py, d) / lb, "ours_speedup": t_py / t},
+            )
         )
         if kk is not None and d <= (512 if full else 64):
             t0 = time.perf_counter()
@@ -90,8 +109,15 @@ def bench_speed(full: bool) -> list[Row]:
             for r, p in enumerate(parts):
                 dst[p] = r
             rows.append(
-                Row("post_balance[sum]", "verl-kk", shape, "int64", dev, t_kk,
-                    {"makespan/lb": _makespan(lengths, dst, d) / lb, "ours_speedup": t_kk / t})
+                Row(
+                    "post_balance[sum]",
+                    "verl-kk",
+                    shape,
+                    "int64",
+                    dev,
+                    t_kk,
+                    {"makespan/lb": _makespan(lengths, dst, d) / lb, "ours_speedup": t_kk / t},
+                )
             )
         elif kk is None and d == 64:
             print("(verl not installed: `make peers` installs it for the Karmarkar-Karp comparison)")
@@ -121,9 +147,20 @@ def bench_policies(full: bool) -> list[Row]:
         del paper
         lb = lower_bound(lengths, d, policy, alpha=alpha, beta=beta)
         rows.append(
-            Row(f"post_balance[{policy}]", "mmbalance", f"{d}x{PER_RANK}", "int64", dev, t,
-                {"makespan/lb": ours.makespan / lb, "paper/lb": paper_cost / lb, "paper_alg": alg,
-                 "ours/paper": ours.makespan / paper_cost if paper_cost else 1.0})
+            Row(
+                f"post_balance[{policy}]",
+                "mmbalance",
+                f"{d}x{PER_RANK}",
+                "int64",
+                dev,
+                t,
+                {
+                    "makespan/lb": ours.makespan / lb,
+                    "paper/lb": paper_cost / lb,
+                    "paper_alg": alg,
+                    "ours/paper": ours.makespan / paper_cost if paper_cost else 1.0,
+                },
+            )
         )
     return rows
 
@@ -131,27 +168,48 @@ def bench_policies(full: bool) -> list[Row]:
 def bench_locality(full: bool) -> list[Row]:
     rows = []
     dev = device_name()
-    for d in ([64, 512, 2560] if not full else [64, 256, 512, 1024, 2560]):
+    for d in [64, 512, 2560] if not full else [64, 256, 512, 1024, 2560]:
         for seed in range(1 if not full else 3):
             lengths = mixture(PER_RANK * d, 100 + seed).llm
             src = np.repeat(np.arange(d), PER_RANK)
             total = lengths.sum()
             lb = lower_bound(lengths, d)
-            t = time_cpu(lambda: post_balance(lengths, d, src_ranks=src, ranks_per_node=RANKS_PER_NODE), reps=5)
+            t = time_cpu(
+                lambda: post_balance(lengths, d, src_ranks=src, ranks_per_node=RANKS_PER_NODE), reps=5
+            )
             ours = post_balance(lengths, d, src_ranks=src, ranks_per_node=RANKS_PER_NODE)
             plain = post_balance(lengths, d)
             method = "exact" if d <= 64 else "fast"
-            t_perm = time_cpu(lambda: node_wise_permutation(plain, RANKS_PER_NODE, src_ranks=src, method=method), reps=1, warmup=0)
+            t_perm = time_cpu(
+                lambda: node_wise_permutation(plain, RANKS_PER_NODE, src_ranks=src, method=method),
+                reps=1,
+                warmup=0,
+            )
             perm = node_wise_permutation(plain, RANKS_PER_NODE, src_ranks=src, method=method)
             off_ours = int(ours.off_node_send(RANKS_PER_NODE).max())
             off_perm = int(perm.off_node_send(RANKS_PER_NODE).max())
             load = np.bincount(src, weights=lengths, minlength=d)
             rows.append(
-                Row("locality[sum]", "mmbalance", f"{d}x{PER_RANK}", "int64", dev, t,
-                    {"seed": seed, "makespan/lb": ours.makespan / lb, "moved%": 100 * ours.moved_tokens() / total,
-                     "needed%": 100 * np.maximum(0, load - ours.makespan).sum() / total,
-                     "max_offnode": off_ours, "alg3_max_offnode": off_perm, "ratio": off_ours / max(off_perm, 1),
-                     "alg3_moved%": 100 * perm.moved_tokens() / total, "alg3": method, "alg3_ms": t_perm})
+                Row(
+                    "locality[sum]",
+                    "mmbalance",
+                    f"{d}x{PER_RANK}",
+                    "int64",
+                    dev,
+                    t,
+                    {
+                        "seed": seed,
+                        "makespan/lb": ours.makespan / lb,
+                        "moved%": 100 * ours.moved_tokens() / total,
+                        "needed%": 100 * np.maximum(0, load - ours.makespan).sum() / total,
+                        "max_offnode": off_ours,
+                        "alg3_max_offnode": off_perm,
+                        "ratio": off_ours / max(off_perm, 1),
+                        "alg3_moved%": 100 * perm.moved_tokens() / total,
+                        "alg3": method,
+                        "alg3_ms": t_perm,
+                    },
+                )
             )
     return rows
 
@@ -159,7 +217,7 @@ def bench_locality(full: bool) -> list[Row]:
 def bench_phases(full: bool) -> list[Row]:
     rows = []
     dev = device_name()
-    for d in ([64] if not full else [64, 512]):
+    for d in [64] if not full else [64, 512]:
         sizes = mixture(PER_RANK * d, 7)
         src = np.repeat(np.arange(d), PER_RANK)
         for phase, policy in (("vision", "sum"), ("audio", "padded"), ("llm", "sum")):
@@ -173,18 +231,39 @@ def bench_phases(full: bool) -> list[Row]:
                 before = cnt * mx
             after = plan.costs
             rows.append(
-                Row(f"phase[{phase}]", "mmbalance", f"{d}x{PER_RANK}", "int64", dev, 0.0,
-                    {"policy": policy, "before_max/mean": before.max() / before.mean(),
-                     "after_max/mean": after.max() / after.mean(), "moved%": 100 * plan.moved_tokens() / max(1, lengths.sum())})
+                Row(
+                    f"phase[{phase}]",
+                    "mmbalance",
+                    f"{d}x{PER_RANK}",
+                    "int64",
+                    dev,
+                    0.0,
+                    {
+                        "policy": policy,
+                        "before_max/mean": before.max() / before.mean(),
+                        "after_max/mean": after.max() / after.mean(),
+                        "moved%": 100 * plan.moved_tokens() / max(1, lengths.sum()),
+                    },
+                )
             )
     return rows
 
 
 def main(argv=None) -> None:
     args = base_parser(__doc__.splitlines()[0]).parse_args(argv)
-    report(bench_speed(args.full), args.json, "1. speed and quality of one 'sum' plan (real-data LLM lengths)")
-    report(bench_policies(args.full), args.json, "2. every policy vs the paper's algorithm (makespan / lower bound)")
-    report(bench_locality(args.full), args.json, "3. locality: ours vs plain + node-wise permutation (alg. 3), 8 ranks/node")
+    report(
+        bench_speed(args.full), args.json, "1. speed and quality of one 'sum' plan (real-data LLM lengths)"
+    )
+    report(
+        bench_policies(args.full),
+        args.json,
+        "2. every policy vs the paper's algorithm (makespan / lower bound)",
+    )
+    report(
+        bench_locality(args.full),
+        args.json,
+        "3. locality: ours vs plain + node-wise permutation (alg. 3), 8 ranks/node",
+    )
     report(bench_phases(args.full), args.json, "4. per-phase balance before/after (max/mean of batch cost)")
 
 

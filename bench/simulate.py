@@ -70,7 +70,9 @@ class ModelConfig:
 MODELS = {
     "mllm-10b": ModelConfig(Tower(28, 3584, 18944, True), Tower(36, 2048, 8192), Tower(32, 1280, 5120), 1, 2),
     "mllm-18b": ModelConfig(Tower(48, 5120, 13824, True), Tower(40, 2400, 9600), Tower(32, 1280, 5120), 4, 2),
-    "mllm-84b": ModelConfig(Tower(80, 8192, 29568, True), Tower(45, 3200, 12800), Tower(48, 3072, 12288), 4, 4),
+    "mllm-84b": ModelConfig(
+        Tower(80, 8192, 29568, True), Tower(45, 3200, 12800), Tower(48, 3072, 12288), 4, 4
+    ),
 }
 PHASES = ("vision", "audio", "llm")
 STRATEGIES = ("none", "llm-only", "per-phase", "ours")
@@ -114,7 +116,11 @@ def load_table(path: str) -> ExampleSizes:
 
 
 def _llm_lengths(s: ExampleSizes, m: ModelConfig) -> np.ndarray:
-    return s.text + (s.vision + m.vision_downsample - 1) // m.vision_downsample + (s.audio + m.audio_downsample - 1) // m.audio_downsample
+    return (
+        s.text
+        + (s.vision + m.vision_downsample - 1) // m.vision_downsample
+        + (s.audio + m.audio_downsample - 1) // m.audio_downsample
+    )
 
 
 def phase_times(lengths: np.ndarray, dst: np.ndarray, ranks: int, tower: Tower, padded: bool) -> np.ndarray:
@@ -127,7 +133,9 @@ def phase_times(lengths: np.ndarray, dst: np.ndarray, ranks: int, tower: Tower, 
         np.maximum.at(mx, dst, l)
         flops = tower.alpha * b * mx + tower.beta * b * mx * mx
     else:
-        flops = tower.alpha * np.bincount(dst, weights=l, minlength=ranks) + tower.beta * np.bincount(dst, weights=l * l, minlength=ranks)
+        flops = tower.alpha * np.bincount(dst, weights=l, minlength=ranks) + tower.beta * np.bincount(
+            dst, weights=l * l, minlength=ranks
+        )
     return flops / PEAK_FLOPS
 
 
@@ -147,17 +155,24 @@ def plan_step(s: ExampleSizes, ranks: int, m: ModelConfig) -> dict[str, dict[str
         pp[p] = dst
     out["per-phase"] = pp
     ours = {}
-    for p, lengths, tower, pol in (("vision", s.vision, m.vision, "quadratic"), ("audio", s.audio, m.audio, "padded"),
-                                   ("llm", llm, m.llm, "quadratic")):
+    for p, lengths, tower, pol in (
+        ("vision", s.vision, m.vision, "quadratic"),
+        ("audio", s.audio, m.audio, "padded"),
+        ("llm", llm, m.llm, "quadratic"),
+    ):
         sel = np.flatnonzero(lengths > 0) if p != "llm" else np.arange(n)
         dst = src.copy()
-        dst[sel] = post_balance(lengths[sel], ranks, pol, src_ranks=src[sel], alpha=1.0, beta=tower.beta / tower.alpha).dst_rank
+        dst[sel] = post_balance(
+            lengths[sel], ranks, pol, src_ranks=src[sel], alpha=1.0, beta=tower.beta / tower.alpha
+        ).dst_rank
         ours[p] = dst
     out["ours"] = ours
     return out
 
 
-def simulate(s_all: ExampleSizes, ranks_list: list[int], m: ModelConfig, per_rank: int, steps: int, seed: int = 0) -> list[dict]:
+def simulate(
+    s_all: ExampleSizes, ranks_list: list[int], m: ModelConfig, per_rank: int, steps: int, seed: int = 0
+) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
     for ranks in ranks_list:
@@ -169,8 +184,11 @@ def simulate(s_all: ExampleSizes, ranks_list: list[int], m: ModelConfig, per_ran
             plans = plan_step(s, ranks, m)
             for st, dsts in plans.items():
                 total = 0.0
-                for p, lengths, tower, padded in (("vision", s.vision, m.vision, False), ("audio", s.audio, m.audio, True),
-                                                  ("llm", llm, m.llm, False)):
+                for p, lengths, tower, padded in (
+                    ("vision", s.vision, m.vision, False),
+                    ("audio", s.audio, m.audio, True),
+                    ("llm", llm, m.llm, False),
+                ):
                     t = phase_times(lengths, dsts[p], ranks, tower, padded)
                     total += t.max()
                     acc[st][f"{p}_imb"].append(t.max() / t.mean() if t.mean() > 0 else 1.0)
@@ -188,11 +206,15 @@ def _print(rows: list[dict], model: str) -> None:
     print(f"predicted step time and per-phase imbalance (max/mean), model {model}")
     print(f"{'ranks':>6} {'strategy':<10} {'step s':>8} {'speedup':>8} {'vision':>7} {'audio':>7} {'llm':>7}")
     for r in rows:
-        print(f"{r['ranks']:>6} {r['strategy']:<10} {r['step_s']:>8.3f} {r['speedup_vs_none']:>8.2f} "
-              f"{r['vision_imb']:>7.3f} {r['audio_imb']:>7.3f} {r['llm_imb']:>7.3f}")
-    print("\nfor comparison: OrchMLLM reports 1.4-2.0x training throughput over no balancing at 2560 GPUs (section 8.1),"
-          "\nand per-phase post-balancing ahead of LLM-only balancing (figure 10) and of one algorithm for all phases"
-          "\n(figure 11); OmniBal's table 5 reports Dist Ratios of 0.02 (ViT) and 0.14 (LLM) for its batching.")
+        print(
+            f"{r['ranks']:>6} {r['strategy']:<10} {r['step_s']:>8.3f} {r['speedup_vs_none']:>8.2f} "
+            f"{r['vision_imb']:>7.3f} {r['audio_imb']:>7.3f} {r['llm_imb']:>7.3f}"
+        )
+    print(
+        "\nfor comparison: OrchMLLM reports 1.4-2.0x training throughput over no balancing at 2560 GPUs (section 8.1),"
+        "\nand per-phase post-balancing ahead of LLM-only balancing (figure 10) and of one algorithm for all phases"
+        "\n(figure 11); OmniBal's table 5 reports Dist Ratios of 0.02 (ViT) and 0.14 (LLM) for its batching."
+    )
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -217,7 +239,9 @@ def plot(rows: list[dict], path: str) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmbalance simulate", description=__doc__.splitlines()[0])
-    p.add_argument("--data", help="CSV/JSONL with columns vision, audio, text (default: the shipped real-data mixture)")
+    p.add_argument(
+        "--data", help="CSV/JSONL with columns vision, audio, text (default: the shipped real-data mixture)"
+    )
     p.add_argument("--ranks", default="8,64,512,2560", help="comma-separated data-parallel sizes")
     p.add_argument("--model", default="mllm-10b", choices=sorted(MODELS))
     p.add_argument("--per-rank", type=int, default=60)

@@ -141,7 +141,9 @@ def route_of(plan: Plan, rank: int) -> Route:
     send_tokens = np.bincount(plan.dst_rank[mine], weights=lengths[mine], minlength=w).astype(np.int64)
     incoming = np.flatnonzero(plan.dst_rank == rank)
     recv_seq = incoming[np.lexsort((plan.dst_slot[incoming], plan.src_rank[incoming]))]
-    recv_tokens = np.bincount(plan.src_rank[incoming], weights=lengths[incoming], minlength=w).astype(np.int64)
+    recv_tokens = np.bincount(plan.src_rank[incoming], weights=lengths[incoming], minlength=w).astype(
+        np.int64
+    )
     slots = plan.dst_slot[recv_seq]  # slot of the j-th received example
     recv_perm = None
     if not np.array_equal(slots, np.arange(slots.size)):
@@ -171,10 +173,14 @@ def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route) -> 
     problems = []
     n = route.in_lengths.size
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != n + 1:
-        problems.append(f"cu_seqlens has {cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else '?'} examples, the plan {n}")
+        problems.append(
+            f"cu_seqlens has {cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else '?'} examples, the plan {n}"
+        )
     for k, t in enumerate(tensors):
         if t.dim() < 1 or t.shape[0] != route.in_tokens:
-            problems.append(f"tensor {k} has {t.shape[0] if t.dim() else 0} rows, the plan {route.in_tokens} tokens")
+            problems.append(
+                f"tensor {k} has {t.shape[0] if t.dim() else 0} rows, the plan {route.in_tokens} tokens"
+            )
     if not problems and (cu_seqlens.device.type == "cpu" or _debug()):
         got = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu().numpy()
         if not np.array_equal(got, route.in_lengths):
@@ -197,10 +203,15 @@ def verify_plan(plan: Plan, problems: list[str] | None = None, group=None) -> No
     every = torch.stack(every).cpu().numpy()
     msgs = []
     if len(set(every[:, 0].tolist())) > 1:
-        msgs.append(f"ranks computed different plans (plan hash by rank: {[hex(int(x) & (2**64 - 1)) for x in every[:, 0]]})")
+        msgs.append(
+            f"ranks computed different plans (plan hash by rank: {[hex(int(x) & (2**64 - 1)) for x in every[:, 0]]})"
+        )
     bad = np.flatnonzero(every[:, 1] == 0).tolist()
     if bad:
-        msgs.append(f"inputs disagree with the plan on ranks {bad}" + (f"; here: {'; '.join(problems)}" if problems else ""))
+        msgs.append(
+            f"inputs disagree with the plan on ranks {bad}"
+            + (f"; here: {'; '.join(problems)}" if problems else "")
+        )
     if msgs:
         raise RuntimeError("rebalance refused: " + " and ".join(msgs))
 

@@ -63,7 +63,13 @@ def _phase_plan(lengths: np.ndarray, world: int, spec: PhaseSpec, src: np.ndarra
     """Plan over the examples that have this modality; the others stay home (and cost nothing)."""
     sel = np.flatnonzero(lengths > 0)
     sub = post_balance(
-        lengths[sel], world, spec.policy, src_ranks=src[sel], ranks_per_node=rpn, alpha=spec.alpha, beta=spec.beta
+        lengths[sel],
+        world,
+        spec.policy,
+        src_ranks=src[sel],
+        ranks_per_node=rpn,
+        alpha=spec.alpha,
+        beta=spec.beta,
     )
     dst = src.copy()
     dst[sel] = sub.dst_rank
@@ -81,8 +87,14 @@ def _phase_plan(lengths: np.ndarray, world: int, spec: PhaseSpec, src: np.ndarra
     )
 
 
-def _relocated(plan_dst: np.ndarray, lengths: np.ndarray, world: int, src: np.ndarray, spec: PhaseSpec,
-               costs: np.ndarray | None = None) -> Plan:
+def _relocated(
+    plan_dst: np.ndarray,
+    lengths: np.ndarray,
+    world: int,
+    src: np.ndarray,
+    spec: PhaseSpec,
+    costs: np.ndarray | None = None,
+) -> Plan:
     """A world-level plan sending example ``i`` to rank ``plan_dst[i]``."""
     dst = np.ascontiguousarray(plan_dst, dtype=np.int64)
     if costs is None:
@@ -101,15 +113,24 @@ def _relocated(plan_dst: np.ndarray, lengths: np.ndarray, world: int, src: np.nd
     )
 
 
-def _group_plan(lengths: np.ndarray, world: int, k: int, spec: PhaseSpec, src: np.ndarray, rpn: int | None,
-                balance: bool) -> Plan:
+def _group_plan(
+    lengths: np.ndarray, world: int, k: int, spec: PhaseSpec, src: np.ndarray, rpn: int | None, balance: bool
+) -> Plan:
     """LLM plan over ``world // k`` groups of ``k`` ranks (TP/CP groups); examples go to each group's
     first rank. Without ``balance`` every example stays in its own rank's group."""
     groups = world // k
     gsrc = src // k
     if balance:
         grpn = rpn // k if rpn and rpn % k == 0 and rpn >= k else None
-        gplan = post_balance(lengths, groups, spec.policy, src_ranks=gsrc, ranks_per_node=grpn, alpha=spec.alpha, beta=spec.beta)
+        gplan = post_balance(
+            lengths,
+            groups,
+            spec.policy,
+            src_ranks=gsrc,
+            ranks_per_node=grpn,
+            alpha=spec.alpha,
+            beta=spec.beta,
+        )
         gdst = gplan.dst_rank
     else:
         gdst = gsrc
@@ -215,10 +236,14 @@ class StepPlan:
         for name, plan in phases.items():
             if name == "llm" and k > 1:
                 groups = self.world // k
-                before = batch_costs(plan.lengths, plan.src_rank // k, groups, plan.policy, plan.alpha, plan.beta)
+                before = batch_costs(
+                    plan.lengths, plan.src_rank // k, groups, plan.policy, plan.alpha, plan.beta
+                )
                 after = plan.costs[::k]
             else:
-                before = batch_costs(plan.lengths, plan.src_rank, self.world, plan.policy, plan.alpha, plan.beta)
+                before = batch_costs(
+                    plan.lengths, plan.src_rank, self.world, plan.policy, plan.alpha, plan.beta
+                )
                 after = plan.costs
             mean_b = before.mean() if before.size else 0.0
             mean_a = after.mean() if after.size else 0.0
@@ -324,7 +349,9 @@ class Orchestrator:
             raise ValueError(f"llm_group_size must be an int >= 1, got {llm_group_size!r}")
         self.llm_group_size = llm_group_size
         self.balance = bool(balance)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmbalance-plan") if background else None
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmbalance-plan") if background else None
+        )
 
     def submit(self, sizes: Mapping[str, Sequence[int]], order_ids=None) -> Future:
         """All-gather this rank's example sizes now (collective), plan in the background.
@@ -344,7 +371,9 @@ class Orchestrator:
         cols = [np.asarray(sizes[n]).reshape(-1) for n in names]
         n_local = cols[0].size
         if any(c.size != n_local for c in cols):
-            raise ValueError(f"sizes must have one entry per example for every part: {[c.size for c in cols]}")
+            raise ValueError(
+                f"sizes must have one entry per example for every part: {[c.size for c in cols]}"
+            )
         ids = np.zeros(n_local, dtype=np.int64) if order_ids is None else np.asarray(order_ids).reshape(-1)
         if ids.size != n_local or (ids.size and (ids.min() < 0 or ids.max() >= len(self.orders))):
             raise ValueError(f"order_ids must be {n_local} indices into the {len(self.orders)} orders")
@@ -379,7 +408,15 @@ class Orchestrator:
         llm_parts[TEXT] = sizes[TEXT]
         total = np.ascontiguousarray(sum(llm_parts.values()), dtype=np.int64)
         if k == 1 and self.balance:
-            llm = post_balance(total, world, self.llm.policy, src_ranks=src, ranks_per_node=rpn, alpha=self.llm.alpha, beta=self.llm.beta)
+            llm = post_balance(
+                total,
+                world,
+                self.llm.policy,
+                src_ranks=src,
+                ranks_per_node=rpn,
+                alpha=self.llm.alpha,
+                beta=self.llm.beta,
+            )
         else:
             llm = _group_plan(total, world, k, self.llm, src, rpn, self.balance)
         moves = {TEXT: llm.with_lengths(llm_parts[TEXT])}
@@ -387,9 +424,20 @@ class Orchestrator:
             out_len = llm_parts[m]
             moves[m] = llm.with_lengths(out_len).compose(encoder[m].with_lengths(out_len).inverse())
         return StepPlan(
-            rank=rank, world=world, src_ranks=src, sizes=sizes, llm_parts=llm_parts, orders=self.orders,
-            order_ids=order_ids, encoder=encoder, llm=llm, moves=moves, group=self.group, check=self.check_plans,
-            llm_group_size=k, plan_ms=(time.perf_counter() - t0) * 1e3,
+            rank=rank,
+            world=world,
+            src_ranks=src,
+            sizes=sizes,
+            llm_parts=llm_parts,
+            orders=self.orders,
+            order_ids=order_ids,
+            encoder=encoder,
+            llm=llm,
+            moves=moves,
+            group=self.group,
+            check=self.check_plans,
+            llm_group_size=k,
+            plan_ms=(time.perf_counter() - t0) * 1e3,
         )
 
     def close(self) -> None:
@@ -401,4 +449,3 @@ class Orchestrator:
 
     def __exit__(self, *exc):
         self.close()
-

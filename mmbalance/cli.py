@@ -18,10 +18,12 @@ def _repo_root() -> str | None:
 def _bench(args: argparse.Namespace) -> int:
     root = _repo_root()
     if root is None:
-        print("mmbalance bench runs from a source checkout (the bench/ folder is not installed)", file=sys.stderr)
+        print(
+            "mmbalance bench runs from a source checkout (the bench/ folder is not installed)",
+            file=sys.stderr,
+        )
         return 2
     sys.path.insert(0, root)
-    import json
 
     json_path = args.json or os.path.join(root, "results", "bench.jsonl")
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
@@ -44,7 +46,9 @@ def _bench(args: argparse.Namespace) -> int:
         audit = importlib.import_module("bench.kernel_audit")
         for arch in ("sm_90", "sm_80"):
             try:
-                rc = audit.main(["--arch", arch, "--json", os.path.join(os.path.dirname(json_path), f"audit_{arch}.json")])
+                rc = audit.main(
+                    ["--arch", arch, "--json", os.path.join(os.path.dirname(json_path), f"audit_{arch}.json")]
+                )
             except SystemExit as exc:
                 rc = exc.code
             if rc:
@@ -68,7 +72,15 @@ def _summary(json_path: str) -> None:
             if line.strip():
                 r = json.loads(line)
                 groups.setdefault((r.get("op", "?"), r.get("provider", "?")), []).append(r)
-    keys = ("makespan/lb", "ours_speedup", "frac_of_copy", "tflops", "ratio", "speedup_vs_none", "max_offnode_MB")
+    keys = (
+        "makespan/lb",
+        "ours_speedup",
+        "frac_of_copy",
+        "tflops",
+        "ratio",
+        "speedup_vs_none",
+        "max_offnode_MB",
+    )
     print(f"\n== summary ({json_path}) ==")
     print(f"{'op':<28} {'provider':<20} {'rows':>4} {'median ms':>10}  headline")
     for (op, prov), rows in sorted(groups.items()):
@@ -85,7 +97,10 @@ def _summary(json_path: str) -> None:
 def _delegate(module: str, argv: list[str]) -> int:
     root = _repo_root()
     if root is None:
-        print(f"mmbalance {module.split('.')[-1]} runs from a source checkout (bench/ is not installed)", file=sys.stderr)
+        print(
+            f"mmbalance {module.split('.')[-1]} runs from a source checkout (bench/ is not installed)",
+            file=sys.stderr,
+        )
         return 2
     sys.path.insert(0, root)
     return int(importlib.import_module(module).main(argv) or 0)

@@ -49,7 +49,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, pg_timeo
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue, pg_timeout), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world_size, init_file, fn, args, queue, pg_timeout), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -30,4 +30,6 @@ def assert_close_lowp(out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.T
     """The "2x PyTorch's own error" rule: ``|out-ref| <= 2*|torch_out-ref| + atol`` in max norm."""
     ours = (out.double() - ref64).abs().max().item() if out.numel() else 0.0
     theirs = (torch_out.double() - ref64).abs().max().item() if out.numel() else 0.0
-    assert ours <= LOWP_FACTOR * theirs + atol, f"error {ours:.3e} > {LOWP_FACTOR} x torch error {theirs:.3e} + {atol}"
+    assert ours <= LOWP_FACTOR * theirs + atol, (
+        f"error {ours:.3e} > {LOWP_FACTOR} x torch error {theirs:.3e} + {atol}"
+    )

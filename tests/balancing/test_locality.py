@@ -27,10 +27,16 @@ def located(draw, max_ranks=12):
 
 
 @SETTINGS
-@given(case=located(), policy=st.sampled_from(["sum", "quadratic", "padded", "conv"]), tol=st.sampled_from([0.0, 5e-4]))
+@given(
+    case=located(),
+    policy=st.sampled_from(["sum", "quadratic", "padded", "conv"]),
+    tol=st.sampled_from([0.0, 5e-4]),
+)
 def test_located_plan_is_valid_and_balanced(case, policy, tol):
     lengths, src, d, rpn = case
-    plan = post_balance(lengths, d, policy, src_ranks=src, ranks_per_node=rpn, alpha=1.0, beta=1e-4, tolerance=tol)
+    plan = post_balance(
+        lengths, d, policy, src_ranks=src, ranks_per_node=rpn, alpha=1.0, beta=1e-4, tolerance=tol
+    )
     check_valid(plan, lengths, d)
     plain = post_balance(lengths, d, policy, alpha=1.0, beta=1e-4)
     bound = lower_bound(lengths, d, policy, alpha=1.0, beta=1e-4)
@@ -99,7 +105,15 @@ def test_node_wise_permutation_keeps_costs_and_helps(case, method):
     np.testing.assert_array_equal(np.sort(perm.costs), np.sort(plain.costs))
     # the same batches: examples that shared a batch still do
     assert len(set(zip(plain.dst_rank.tolist(), perm.dst_rank.tolist()))) == len(set(plain.dst_rank.tolist()))
-    identity = Plan(plain.dst_rank, plain.dst_slot, plain.costs, d, plain.lengths, np.asarray(src, dtype=np.int64), plain.dst_slot)
+    identity = Plan(
+        plain.dst_rank,
+        plain.dst_slot,
+        plain.costs,
+        d,
+        plain.lengths,
+        np.asarray(src, dtype=np.int64),
+        plain.dst_slot,
+    )
     if len(lengths):
         assert perm.off_node_send(rpn).max() <= identity.off_node_send(rpn).max()
 

@@ -22,8 +22,14 @@ def _params(seed=0):
         return (torch.randn(*shape, generator=g, dtype=torch.float64) * 0.4).requires_grad_(True)
 
     return {
-        "wv": p(DV, H), "wvc": p(DS_V * H, H), "wa": p(DA, H), "wac": p(DS_A * H, H),
-        "wt": p(DT, H), "w1": p(H, H), "w2": p(H, H), "wo": p(H),
+        "wv": p(DV, H),
+        "wvc": p(DS_V * H, H),
+        "wa": p(DA, H),
+        "wac": p(DS_A * H, H),
+        "wt": p(DT, H),
+        "w1": p(H, H),
+        "w2": p(H, H),
+        "wo": p(H),
     }
 
 
@@ -37,12 +43,14 @@ def _examples(world, step, per_rank=5):
             lv = DS_V * int(rng.integers(0, 5)) if rng.random() < 0.7 else 0
             la = DS_A * int(rng.integers(0, 4)) if rng.random() < 0.5 else 0
             lt = int(rng.integers(1, 7))
-            ex.append({
-                "vision": torch.randn(lv, DV, generator=g, dtype=torch.float64),
-                "audio": torch.randn(la, DA, generator=g, dtype=torch.float64),
-                "text": torch.randn(lt, DT, generator=g, dtype=torch.float64),
-                "order": int(rng.integers(0, 2)),
-            })
+            ex.append(
+                {
+                    "vision": torch.randn(lv, DV, generator=g, dtype=torch.float64),
+                    "audio": torch.randn(la, DA, generator=g, dtype=torch.float64),
+                    "text": torch.randn(lt, DT, generator=g, dtype=torch.float64),
+                    "order": int(rng.integers(0, 2)),
+                }
+            )
             owner.append(r)
     return ex, np.asarray(owner)
 
@@ -60,7 +68,9 @@ def _encode(P, part, x):
 def _llm_loss_sum(P, seq, seg, n):
     """Per-token MLP plus each example's mean (a per-example interaction)."""
     sums = torch.zeros(n, H, dtype=seq.dtype).index_add(0, seg, seq)
-    cnt = torch.zeros(n, dtype=seq.dtype).index_add(0, seg, torch.ones_like(seg, dtype=seq.dtype)).clamp(min=1)
+    cnt = (
+        torch.zeros(n, dtype=seq.dtype).index_add(0, seg, torch.ones_like(seg, dtype=seq.dtype)).clamp(min=1)
+    )
     y = torch.tanh(seq @ P["w1"] + (sums / cnt[:, None])[seg] @ P["w2"])
     return ((y @ P["wo"]) ** 2).sum()
 
@@ -121,7 +131,9 @@ def _worker(rank, world, steps):
                 for name, x, cu, ds in (("vision", v, v_cu, DS_V), ("audio", a, a_cu, DS_A)):
                     xe, cue = plan.to_encoder(name, x, cu)
                     feats = _encode(P, name, xe)
-                    parts[name] = plan.to_llm(name, feats, torch.div(cue, ds, rounding_mode="floor").to(torch.int32))
+                    parts[name] = plan.to_llm(
+                        name, feats, torch.div(cue, ds, rounding_mode="floor").to(torch.int32)
+                    )
                 parts["text"] = plan.to_llm("text", _encode(P, "text", t), t_cu)
                 seq, cu = plan.assemble(parts)
                 n = cu.shape[0] - 1

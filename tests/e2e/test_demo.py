@@ -14,8 +14,22 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def test_demo_two_ranks_float64(tmp_path):
     out = tmp_path / "demo.json"
     args = demo.parser().parse_args(
-        ["--ranks", "2", "--steps", "2", "--per-rank", "6", "--dtype", "float64", "--timeout", "120",
-         "--ranks-per-node", "1", "--json", str(out)]
+        [
+            "--ranks",
+            "2",
+            "--steps",
+            "2",
+            "--per-rank",
+            "6",
+            "--dtype",
+            "float64",
+            "--timeout",
+            "120",
+            "--ranks-per-node",
+            "1",
+            "--json",
+            str(out),
+        ]
     )
     rep = demo.run(args)
     assert rep["max_relative_loss_difference"] <= 1e-6

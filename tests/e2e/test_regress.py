@@ -8,7 +8,14 @@ def _write(path, rows):
 
 
 def test_regression_gate(tmp_path):
-    row = {"op": "pack", "provider": "mmbalance", "shape": "s", "dtype": "fp16", "device": "gpu", "time_ms": 1.0}
+    row = {
+        "op": "pack",
+        "provider": "mmbalance",
+        "shape": "s",
+        "dtype": "fp16",
+        "device": "gpu",
+        "time_ms": 1.0,
+    }
     base, new = tmp_path / "base.jsonl", tmp_path / "new.jsonl"
     _write(base, [row])
     _write(new, [{**row, "time_ms": 1.05}, {**row, "op": "unpack"}])

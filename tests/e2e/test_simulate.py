@@ -76,6 +76,10 @@ def test_cli_reports_bad_file(tmp_path, capsys):
 def test_user_file_runs(tmp_path):
     path = tmp_path / "mine.jsonl"
     rng = np.random.default_rng(0)
-    path.write_text("".join(f'{{"vision": {int(v)}, "audio": {int(a)}, "text": {int(t)}}}\n'
-                            for v, a, t in zip(rng.integers(0, 3000, 64), rng.integers(0, 500, 64), rng.integers(1, 900, 64))))
+    path.write_text(
+        "".join(
+            f'{{"vision": {int(v)}, "audio": {int(a)}, "text": {int(t)}}}\n'
+            for v, a, t in zip(rng.integers(0, 3000, 64), rng.integers(0, 500, 64), rng.integers(1, 900, 64))
+        )
+    )
     assert sim.main(["--data", str(path), "--ranks", "2,4", "--per-rank", "8", "--steps", "2"]) == 0
