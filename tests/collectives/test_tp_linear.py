@@ -12,9 +12,9 @@ import functools
 
 import pytest
 import torch
-from mmbalance.collectives import ColumnParallelLinear, RowParallelLinear, ShardLayout, sequence_shards
 from torch import nn
 
+from mmbalance.collectives import ColumnParallelLinear, RowParallelLinear, ShardLayout, sequence_shards
 from tests.dist_utils import run_distributed
 from tests.tolerances import tol
 

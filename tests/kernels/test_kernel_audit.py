@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from mmbalance.kernels import varlen
 
 from bench import kernel_audit
+from mmbalance.kernels import varlen
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,303 @@
+"""Attention blocks and ring attention: throughput and how much ring communication is hidden.
+
+    python -m bench.attention [--full] [--json FILE] [--device cpu|cuda] [--degree N] [--no-ring]
+
+Block ops (``attention_block`` forward, and forward + backward) against ``torch`` SDPA on the same
+packed batch (equal lengths, so SDPA runs batched with its fastest kernel) and, on GPUs with it
+installed, flash-attn's varlen function. Reported in TFLOP/s with FLOPs ``4 * pairs * H * D`` for
+the forward (``pairs`` = allowed (query, key) pairs, about half under a causal mask) and 2.5x that
+for the backward. On CPU ``mmbalance`` runs the torch reference path (the kernels need a GPU).
+
+Ring: ``degree`` processes (NCCL when that many GPUs are visible, gloo on CPU otherwise) run
+``ring_attention`` forward, and forward + backward, on one long causal sequence in the zigzag
+layout; compared with one rank doing all the work (``attention_block`` on the whole sequence).
+The forward is also run with communication only (``comm_ms``: k/v circulate, no blocks) and
+computation only (``compute_ms``: blocks on pre-gathered k/v, no transfers), and the full loop
+measures the time it blocks waiting for transfers (``exposed_comm_ms``);
+``comm_hidden = 1 - exposed / comm`` is the fraction of the ring's communication hidden behind
+computation (1 = fully overlapped).
+Rows are keyed and written by the shared harness (``bench/harness.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from bench.harness import Row, base_parser, device_name, report, time_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    n_seqs: int
+    seqlen: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return f"B{self.n_seqs}xL{self.seqlen}xH{self.heads}/{self.kv_heads}xD{self.head_dim}-{mask}"
+
+    def flops_fwd(self) -> float:
+        pairs = self.seqlen * (self.seqlen + 1) / 2 if self.causal else self.seqlen**2
+        return 4.0 * self.n_seqs * pairs * self.heads * self.head_dim
+
+
+def block_configs(full: bool, device: str) -> list[BlockConfig]:
+    if device == "cpu":
+        dtype = torch.float32
+        base = [BlockConfig(4, 256, 4, 2, 64, causal, dtype) for causal in (False, True)]
+        if full:
+            base += [
+                BlockConfig(2, 1024, 8, 2, 64, True, dtype),
+                BlockConfig(1, 2048, 4, 4, 128, True, dtype),
+            ]
+        return base
+    dtype = torch.bfloat16
+    base = [BlockConfig(8, 2048, 16, 4, 128, causal, dtype) for causal in (False, True)]
+    if full:
+        base += [BlockConfig(b, n, h, h // 4, d, True, dtype) for b, n, h, d in
+                 ((32, 512, 16, 64), (4, 8192, 32, 128), (1, 32768, 32, 128), (16, 1024, 32, 64))]  # fmt: skip
+    return base
+
+
+def _inputs(cfg: BlockConfig, device: str, requires_grad: bool):
+    g = torch.Generator().manual_seed(0)
+    tokens = cfg.n_seqs * cfg.seqlen
+    q = torch.randn(tokens, cfg.heads, cfg.head_dim, generator=g).to(device, cfg.dtype)
+    k = torch.randn(tokens, cfg.kv_heads, cfg.head_dim, generator=g).to(device, cfg.dtype)
+    v = torch.randn(tokens, cfg.kv_heads, cfg.head_dim, generator=g).to(device, cfg.dtype)
+    cu = torch.arange(0, tokens + 1, cfg.seqlen, dtype=torch.int32, device=device)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)], cu
+
+
+def _providers(cfg: BlockConfig, device: str) -> dict:
+    from mmbalance.pyops.attention import attention_block
+
+    def ours(backend):
+        def run(q, k, v, cu):
+            return attention_block(
+                q, k, v, cu, cu, cfg.seqlen, cfg.seqlen, causal=cfg.causal, backend=backend
+            )[0]
+
+        return run
+
+    def sdpa(q, k, v, cu):
+        b, n = cfg.n_seqs, cfg.seqlen
+        qb, kb, vb = (t.view(b, n, t.shape[1], cfg.head_dim).transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=cfg.causal, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(q.shape)
+
+    providers = {"mmbalance": ours("auto"), "torch_sdpa": sdpa}
+    if device.startswith("cuda"):
+        providers["mmbalance_triton"] = ours("triton")
+        try:
+            from flash_attn import flash_attn_varlen_func
+
+            def flash(q, k, v, cu):
+                return flash_attn_varlen_func(q, k, v, cu, cu, cfg.seqlen, cfg.seqlen, causal=cfg.causal)
+
+            providers["flash_attn"] = flash
+        except ImportError:
+            pass
+    return providers
+
+
+def bench_blocks(full: bool, device: str, reps: int) -> list[Row]:
+    rows = []
+    dev_name = device_name(device)
+    for cfg in block_configs(full, device):
+        for name, fn in _providers(cfg, device).items():
+            (q, k, v), cu = _inputs(cfg, device, requires_grad=True)
+            grad = torch.randn_like(q)
+
+            def fwd(fn=fn, q=q, k=k, v=v, cu=cu):
+                with torch.no_grad():
+                    return fn(q, k, v, cu)
+
+            def fwd_bwd(fn=fn, q=q, k=k, v=v, cu=cu, grad=grad):
+                out = fn(q, k, v, cu)
+                torch.autograd.grad(out, (q, k, v), grad)
+
+            for op, call, flops in (
+                ("attention_fwd", fwd, cfg.flops_fwd()),
+                ("attention_fwd_bwd", fwd_bwd, 3.5 * cfg.flops_fwd()),
+            ):
+                ms = time_fn(call, device, warmup=1, reps=reps)
+                rows.append(Row(op, name, cfg.name, str(cfg.dtype).replace("torch.", ""), dev_name, ms,
+                                {"tflops": flops / ms / 1e9}))  # fmt: skip
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ ring
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    seqlen: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    degree: int
+    layout: str = "zigzag"
+
+    @property
+    def name(self) -> str:
+        return f"L{self.seqlen}xH{self.heads}/{self.kv_heads}xD{self.head_dim}-causal-cp{self.degree}"
+
+
+def _median_ms(fn, reps: int, sync) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def _ring_worker(
+    rank: int, world: int, init_file: str, backend: str, cfg: RingConfig, reps: int, queue
+) -> None:
+    import torch.distributed as dist
+
+    from mmbalance.collectives import cp_shard, ring_attention
+    from mmbalance.collectives.ring import make_ring, ring_forward
+    from mmbalance.pyops.attention import attention_block
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        dtype = torch.bfloat16 if backend == "nccl" else torch.float32
+        g = torch.Generator().manual_seed(0)
+        L = cfg.seqlen
+        q, k, v = (
+            torch.randn(L, h, cfg.head_dim, generator=g).to(device, dtype)
+            for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads)
+        )
+        cu = torch.tensor([0, L], dtype=torch.int32)
+        ql, kl, vl = (cp_shard(t, cu, layout=cfg.layout) for t in (q, k, v))
+        sync = (lambda: (torch.cuda.synchronize(), dist.barrier())) if backend == "nccl" else dist.barrier
+        ring = make_ring(
+            ql, kl, vl, cu, causal=True, softmax_scale=None, group=None, layout=cfg.layout, backend="auto"
+        )
+        # every rank's k/v shard, gathered once (untimed) for the computation-only run
+        sizes = ring.plan.tokens
+        ks = [torch.empty((max(sizes), *kl.shape[1:]), dtype=dtype, device=device) for _ in range(world)]
+        vs = [torch.empty_like(t) for t in ks]
+        dist.all_gather(ks, torch.cat([kl, kl.new_zeros((max(sizes) - kl.shape[0], *kl.shape[1:]))]))
+        dist.all_gather(vs, torch.cat([vl, vl.new_zeros((max(sizes) - vl.shape[0], *vl.shape[1:]))]))
+        kv_all = {s: (ks[s][: sizes[s]], vs[s][: sizes[s]]) for s in range(world)}
+        res = {
+            "ring": _median_ms(lambda: ring_forward(ring, ql, kl, vl), reps, sync),
+            "compute": _median_ms(
+                lambda: ring_forward(ring, ql, kl, vl, communicate=False, kv_blocks=kv_all), reps, sync
+            ),
+            "comm": _median_ms(lambda: ring_forward(ring, ql, kl, vl, compute=False), reps, sync),
+        }
+        stats = {}
+        for _ in range(reps):
+            ring_forward(ring, ql, kl, vl, stats=stats)
+        res["exposed"] = stats.get("wait_s", 0.0) * 1e3 / reps
+        qg, kg, vg = (t.detach().requires_grad_() for t in (ql, kl, vl))
+        dout = torch.randn_like(ql)
+
+        def ring_fwd_bwd():
+            out = ring_attention(qg, kg, vg, cu, causal=True, layout=cfg.layout)
+            torch.autograd.grad(out, (qg, kg, vg), dout)
+
+        res["ring_fwd_bwd"] = _median_ms(ring_fwd_bwd, reps, sync)
+        if rank == 0:
+            cu_d = cu.to(device)
+            full = [t.detach().requires_grad_() for t in (q, k, v)]
+            dfull = torch.randn_like(q)
+            fwd1 = lambda: attention_block(*full, cu_d, cu_d, L, L, causal=True)  # noqa: E731
+
+            def single_fwd_bwd():
+                torch.autograd.grad(fwd1()[0], full, dfull)
+
+            nosync = (lambda: torch.cuda.synchronize()) if backend == "nccl" else (lambda: None)
+            with torch.no_grad():
+                res["single"] = _median_ms(fwd1, reps, nosync)
+            res["single_fwd_bwd"] = _median_ms(single_fwd_bwd, reps, nosync)
+        queue.put((rank, res))
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_ring(cfg: RingConfig, reps: int) -> list[Row]:
+    import torch.multiprocessing as mp
+
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.degree else "gloo"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_ring_worker, args=(r, cfg.degree, init_file, backend, cfg, reps, queue))
+                 for r in range(cfg.degree)]  # fmt: skip
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+    worst = {
+        key: max(r[key] for r in results.values())
+        for key in ("ring", "compute", "comm", "ring_fwd_bwd", "exposed")
+    }
+    single, single_fb = results[0]["single"], results[0]["single_fwd_bwd"]
+    # communication not overlapped = time blocked waiting for transfers in the full ring loop
+    hidden = 1.0 - worst["exposed"] / worst["comm"] if worst["comm"] > 0 else 1.0
+    dev = device_name("cuda" if backend == "nccl" else "cpu")
+    dtype = "bfloat16" if backend == "nccl" else "float32"
+    provider = f"ring-{cfg.layout}-{backend}"
+    return [
+        Row("ring_attention_fwd", provider, cfg.name, dtype, dev, worst["ring"], {
+            "single_rank_ms": single, "speedup": single / worst["ring"], "compute_ms": worst["compute"],
+            "comm_ms": worst["comm"], "exposed_comm_ms": worst["exposed"], "comm_hidden": min(1.0, max(0.0, hidden))}),
+        Row("ring_attention_fwd_bwd", provider, cfg.name, dtype, dev, worst["ring_fwd_bwd"], {
+            "single_rank_ms": single_fb, "speedup": single_fb / worst["ring_fwd_bwd"]}),
+    ]  # fmt: skip
+
+
+def main(argv=None) -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--degree", type=int, default=None, help="CP degree of the ring (default 2 quick, 2 and 3 full)"
+    )
+    p.add_argument("--no-ring", action="store_true", help="skip the multi-process ring benchmark")
+    args = p.parse_args(argv)
+    cpu = args.device == "cpu"
+    reps = (3 if cpu else 20) if not args.full else (10 if cpu else 50)
+    rows = bench_blocks(args.full, args.device, reps)
+    report(rows, args.json, title="attention blocks (TFLOP/s)")
+    if not args.no_ring:
+        degrees = [args.degree] if args.degree else ([2, 3] if args.full else [2])
+        seqlen = (1024 if not args.full else 4096) if cpu else (32768 if not args.full else 131072)
+        shape = (4, 2, 64) if cpu else (32, 8, 128)
+        ring_rows = []
+        for degree in degrees:
+            ring_rows += bench_ring(RingConfig(seqlen, *shape, degree), reps=3 if cpu else 10)
+        report(
+            ring_rows,
+            args.json,
+            title="ring attention vs one rank (comm_hidden: fraction of communication overlapped)",
+        )
+
+
+if __name__ == "__main__":
+    main()

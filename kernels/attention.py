@@ -1,0 +1,373 @@
+"""Attention block forward: softmax(scale * q k^T + mask) v and the log-sum-exp, packed varlen.
+
+Math. For sequence ``b``, query row ``i`` and head ``h`` (kv head ``h // (H / Hkv)``, GQA):
+
+    s_ij   = scale * <q_i, k_j>                        j allowed by the mask
+    lse_i  = log sum_j exp(s_ij)                        (-inf when no key is allowed)
+    out_i  = sum_j exp(s_ij - lse_i) v_j                (0 when no key is allowed)
+
+computed block by block with the online softmax of flash-attention: a running row maximum ``m``
+and row sum ``l`` in base 2 (``exp2`` with the scale folded into ``scale * log2(e)``), the
+accumulator rescaled by ``exp2(m_old - m_new)`` when the maximum grows. A row whose keys are all
+masked so far keeps ``m = -inf``; the update then uses 0 in place of ``m`` so no ``-inf - -inf``
+NaN appears.
+
+Masks. Non-causal: every key of the sequence. Causal: key ``j`` is allowed for query ``i`` iff
+``pos_k(j) <= pos_q(i)`` with absolute positions. The positions of one sequence are at most two
+runs of consecutive integers, ``(start0, len0, start1)``: token ``t`` sits at ``start0 + t`` for
+``t < len0`` and at ``start1 + (t - len0)`` after, with ``start1 >= start0 + len0``. Without run
+tensors, queries sit at ``causal_offset + i`` and keys at ``j`` (query ``i`` sees ``j <= i +
+causal_offset``, top-left aligned; ``causal_offset = Lk - Lq`` is flash-attn's bottom-right).
+Two runs are what ring attention needs: a zigzag shard holds chunks ``r`` and ``2d - 1 - r`` of
+every sequence, so any (query shard, key shard) pair of a ring step is one launch. Because the
+positions are increasing, "keys with position <= t" is a prefix whose length is closed-form, so
+every program computes its loop bounds without a search: keys ``[0, n_full)`` are visible to
+every row of the block (no mask arithmetic), keys ``[n_full, n_end)`` are masked element-wise,
+keys past ``n_end`` are never loaded.
+
+Layout. ``q [Tq, H, D]``, ``k``/``v [Tk, Hkv, D]`` with the last dimension contiguous (other
+strides are arguments); ``cu_seqlens_q``/``cu_seqlens_k`` int32 ``[B + 1]``; ``out [Tq, H, D]``;
+``lse [H, Tq]`` float32 (natural log), flash-attn's varlen layout. Grid: (query blocks of the
+longest sequence, H, B); programs past their sequence's end exit at once. Token offsets are int64.
+
+Accumulation: ``q k^T`` and ``p v`` on tensor cores with float32 accumulators; softmax statistics
+in float32; ``p`` is rounded to the value dtype for the second product as in flash-attention.
+float32 inputs use IEEE products (no TF32) so they can serve as a reference.
+
+Where the idea comes from: FlashAttention-2 (Dao, 2023) forward with the LSE output, which ring
+attention (Liu et al., 2023; Brandon et al., 2023, cited in dhp.txt section 3.2) needs to merge
+partial results; DHP (dhp.txt section 4.1) runs ring CP of any degree, hence arbitrary chunk
+pairs and uneven lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import INTERPRET, launchable
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _run_position(t, start0, len0, start1):
+    """Absolute position of token(s) ``t`` of a sequence laid out as two runs."""
+    return tl.where(t < len0, start0 + t, start1 + (t - len0))
+
+
+@triton.jit
+def _count_at_most(t, length, start0, len0, start1):
+    """How many tokens of a two-run sequence have position <= ``t`` (they form a prefix)."""
+    first = tl.minimum(tl.maximum(t - start0 + 1, 0), len0)
+    second = tl.minimum(tl.maximum(t - start1 + 1, 0), length - len0)
+    return first + second
+
+
+@triton.jit
+def _load_runs(runs_ptr, b, length, default_start, HAS_RUNS: tl.constexpr):
+    """``(start0, len0, start1)`` of sequence ``b``: from the run tensor, or one run at ``default_start``."""
+    if HAS_RUNS:
+        start0 = tl.load(runs_ptr + 3 * b)
+        len0 = tl.minimum(tl.load(runs_ptr + 3 * b + 1), length)
+        start1 = tl.load(runs_ptr + 3 * b + 2)
+    else:
+        start0 = default_start
+        len0 = length
+        start1 = default_start + length
+    return start0, len0, start1
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    qpos,
+    k_base,
+    v_base,
+    stride_k_tok,
+    stride_v_tok,
+    seqlen_k,
+    k_start0,
+    k_len0,
+    k_start1,
+    lo,
+    hi,
+    qk_scale,
+    offs_n,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of ``(acc, l_i, m_i)`` with key blocks ``[lo, hi)``."""
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kt_ptrs = k_base + cols.to(tl.int64)[None, :] * stride_k_tok + offs_d[:, None]
+        v_ptrs = v_base + cols.to(tl.int64)[:, None] * stride_v_tok + offs_d[None, :]
+        if MASKED:
+            col_ok = cols < seqlen_k
+            kt = tl.load(kt_ptrs, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            allowed = col_ok[None, :]
+            if CAUSAL:
+                kpos = _run_position(cols, k_start0, k_len0, k_start1)
+                allowed = allowed & (kpos[None, :] <= qpos[:, None])
+            qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
+            # rows with every key masked so far keep m = -inf; subtract 0 instead (no NaN)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        p = tl.math.exp2(qk - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    q_runs_ptr,
+    k_runs_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_head,
+    qk_scale,
+    causal_offset,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_RUNS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    q_beg = tl.load(cu_q_ptr + pid_b)
+    seqlen_q = tl.load(cu_q_ptr + pid_b + 1) - q_beg
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    k_beg = tl.load(cu_k_ptr + pid_b)
+    seqlen_k = tl.load(cu_k_ptr + pid_b + 1) - k_beg
+    pid_hk = pid_h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seqlen_q
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = q_ptr + (q_beg + offs_m).to(tl.int64)[:, None] * stride_q_tok + pid_h * stride_q_head
+    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = k_ptr + k_beg.to(tl.int64) * stride_k_tok + pid_hk * stride_k_head
+    v_base = v_ptr + k_beg.to(tl.int64) * stride_v_tok + pid_hk * stride_v_head
+
+    if CAUSAL:
+        q_start0, q_len0, q_start1 = _load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
+        k_start0, k_len0, k_start1 = _load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
+        qpos = _run_position(offs_m, q_start0, q_len0, q_start1)
+        m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+        q_first_pos = _run_position(m0, q_start0, q_len0, q_start1)
+        q_last_pos = _run_position(m_last, q_start0, q_len0, q_start1)
+        n_full = _count_at_most(q_first_pos, seqlen_k, k_start0, k_len0, k_start1)
+        n_end = _count_at_most(q_last_pos, seqlen_k, k_start0, k_len0, k_start1)
+    else:
+        k_start0 = 0
+        k_len0 = seqlen_k
+        k_start1 = 0
+        qpos = offs_m
+        n_full = seqlen_k
+        n_end = seqlen_k
+    n_split = (n_full // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # keys every row of the block may see: no mask arithmetic
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, qpos, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+        k_start0, k_len0, k_start1, 0, n_split, qk_scale, offs_n, offs_d,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
+    # the diagonal band and the ragged tail of the sequence
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, qpos, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+        k_start0, k_len0, k_start1, n_split, n_end, qk_scale, offs_n, offs_d,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_ptrs = out_ptr + (q_beg + offs_m).to(tl.int64)[:, None] * stride_o_tok + pid_h * stride_o_head
+    tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + pid_h.to(tl.int64) * stride_lse_head + q_beg + offs_m, lse, mask=row_ok)
+
+
+def block_d(head_dim: int) -> int:
+    """The padded head dimension the kernels work on (a power of two, at least 16)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """IEEE products for float32 inputs (reference quality); 16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fwd_config(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tile sizes and warps of the forward kernel (chosen for zero spills on sm_80 and sm_90).
+
+    float32 uses IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
+    """
+    if INTERPRET or device.type != "cuda":
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
+    if block_d(head_dim) <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+
+
+def attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float,
+    causal: bool,
+    causal_offset: int = 0,
+    q_runs: torch.Tensor | None = None,
+    k_runs: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel; returns ``out [Tq, H, D]`` (``out_dtype``, default q's) and ``lse [H, Tq]``.
+
+    Inputs are assumed validated (``pyops.attention`` does it). ``out``/``lse`` may be passed
+    preallocated (last dim contiguous; ``lse`` float32). Rows of sequences with no allowed key get
+    ``out = 0`` and ``lse = -inf``; an empty batch launches nothing.
+    """
+    tq, n_heads, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    if out is None:
+        out = torch.empty((tq, n_heads, head_dim), dtype=out_dtype or q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((n_heads, tq), dtype=torch.float32, device=q.device)
+    if tq == 0 or batch == 0 or max_seqlen_q == 0:
+        return out, lse
+    cfg = dict(config or fwd_config(head_dim, q.device, q.dtype))
+    has_runs = q_runs is not None
+    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), n_heads, batch)
+    launchable(_attn_fwd_kernel)[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q_runs if has_runs else cu_seqlens_q, k_runs if has_runs else cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        softmax_scale * LOG2E, causal_offset,
+        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_RUNS=has_runs,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out, lse
+
+
+def _audit_signature(kernel, ptr_dtype: str, overrides: dict[str, str]) -> dict[str, str]:
+    """Argument types for an ahead-of-time compile: pointers of ``ptr_dtype``, int32 scalars."""
+    sig = {}
+    for name in kernel.arg_names:
+        if name in overrides:
+            sig[name] = overrides[name]
+        elif name.endswith("_ptr"):
+            sig[name] = f"*{ptr_dtype}"
+        elif name.isupper():
+            continue
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _fwd_audit_configs() -> list[dict]:
+    configs = []
+    for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)):
+        cfg = fwd_config(head_dim, torch.device("cuda"), dtype)
+        short = "bf16" if dtype == torch.bfloat16 else "fp32"
+        configs.append(
+            dict(
+                name=f"attn_fwd_{short}_d{head_dim}_causal_runs",
+                kernel=_attn_fwd_kernel,
+                signature=_audit_signature(
+                    _attn_fwd_kernel,
+                    short,
+                    {
+                        "lse_ptr": "*fp32",
+                        "cu_q_ptr": "*i32",
+                        "cu_k_ptr": "*i32",
+                        "q_runs_ptr": "*i32",
+                        "k_runs_ptr": "*i32",
+                        "qk_scale": "fp32",
+                    },
+                ),
+                constexprs=dict(
+                    GROUP=1,
+                    HEAD_DIM=head_dim,
+                    BLOCK_D=block_d(head_dim),
+                    BLOCK_M=cfg["BLOCK_M"],
+                    BLOCK_N=cfg["BLOCK_N"],
+                    CAUSAL=True,
+                    HAS_RUNS=True,
+                    DOT_PRECISION=dot_precision(dtype),
+                ),
+                # float32 runs IEEE FMA products by design: no tensor cores expected there
+                expect={"spill_bytes": 0, "mma": dtype != torch.float32},
+                num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+            )
+        )
+    return configs
+
+
+# Read by ``bench/kernel_audit.py``: compiled ahead of time for sm_90 and sm_80.
+AUDIT_CONFIGS: list[dict] = _fwd_audit_configs()

@@ -1,0 +1,548 @@
+"""Attention block backward: dq, dk, dv of softmax(scale * q k^T + mask) v, packed varlen.
+
+Math. With ``p_ij = exp(s_ij - lse_i)`` recomputed from ``q``, ``k`` and the saved ``lse``:
+
+    delta_i = sum_d dout_id * out_id  (- dlse_i when the LSE itself receives a gradient)
+    dv_j    = sum_i p_ij dout_i
+    ds_ij   = p_ij * (dout_i . v_j - delta_i)
+    dq_i    = scale * sum_j ds_ij k_j          dk_j = scale * sum_i ds_ij q_i
+
+Because ``lse`` may be the *merged* LSE of several blocks (ring attention), the same kernels give
+each block's share of the gradient of the merged output: ``p`` is then the block's part of the
+global softmax. Rows with ``lse = -inf`` (no key anywhere) have ``p = 0``: the kernels read them
+as ``+inf``.
+
+Kernels. ``_attn_bwd_preprocess_kernel`` computes ``delta [H, Tq]`` (float32). The gradients come
+from two kernels so no atomics are needed and the result is deterministic: ``_attn_bwd_dq_kernel``
+owns a block of query rows of one head and walks the key blocks; ``_attn_bwd_dkdv_kernel`` owns a
+block of keys of one kv head, walks the ``H / Hkv`` query heads that share it (GQA) and their query
+blocks. Both reuse the forward's loop bounds: positions of a sequence are increasing (one or two
+runs, see ``kernels/attention.py``), so the rows and keys a block can see are closed-form prefix
+counts and blocks nobody sees are never loaded. The dq kernel runs fully visible key blocks
+without mask arithmetic; the dk/dv kernel keeps the (cheap) causal compare in its single loop,
+because a second, unmasked loop raised register pressure into spills at head dim 128. Rows past
+a sequence's end are loaded as ``q = dout = 0``, ``lse = +inf``, so their ``p`` is 0.
+
+Layout: as the forward; ``dq [Tq, H, D]`` and ``dk``/``dv [Tk, Hkv, D]`` are written in float32
+so a caller summing several blocks (a ring) rounds once, at the end. Accumulation: float32; ``p``
+and ``ds`` are rounded to the input dtype for the tensor-core products, as in flash-attention.
+
+Where the idea comes from: FlashAttention-2 backward (Dao, 2023; the Triton tutorial's split into
+a dk/dv pass and a dq pass), ring-attention backward (Liu et al., 2023) that circulates dk/dv with
+the key/value blocks (dhp.txt section 3.2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import INTERPRET, launchable
+from .attention import (
+    LOG2E,
+    _audit_signature,
+    _count_at_most,
+    _load_runs,
+    _run_position,
+    block_d,
+    dot_precision,
+)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    out_ptr,
+    dout_ptr,
+    dlse_ptr,
+    delta_ptr,
+    n_tokens,
+    stride_o_tok,
+    stride_o_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_dlse_head,
+    stride_delta_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    t_ok = offs_t < n_tokens
+    mask = t_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_t.to(tl.int64)[:, None]
+    o = tl.load(out_ptr + rows * stride_o_tok + pid_h * stride_o_head + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(
+        dout_ptr + rows * stride_do_tok + pid_h * stride_do_head + offs_d[None, :], mask=mask, other=0.0
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + pid_h.to(tl.int64) * stride_dlse_head + offs_t, mask=t_ok, other=0.0)
+    tl.store(delta_ptr + pid_h.to(tl.int64) * stride_delta_head + offs_t, delta, mask=t_ok)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    qpos,
+    k_base,
+    v_base,
+    stride_k_tok,
+    stride_v_tok,
+    seqlen_k,
+    k_start0,
+    k_len0,
+    k_start1,
+    lo,
+    hi,
+    qk_scale,
+    offs_n,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate ``dq`` (unscaled) over key blocks ``[lo, hi)``."""
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kt_ptrs = k_base + cols.to(tl.int64)[None, :] * stride_k_tok + offs_d[:, None]
+        vt_ptrs = v_base + cols.to(tl.int64)[None, :] * stride_v_tok + offs_d[:, None]
+        if MASKED:
+            col_ok = cols < seqlen_k
+            kt = tl.load(kt_ptrs, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            vt = tl.load(vt_ptrs, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        p = tl.math.exp2(qk - lse2[:, None])
+        if MASKED:
+            allowed = col_ok[None, :]
+            if CAUSAL:
+                kpos = _run_position(cols, k_start0, k_len0, k_start1)
+                allowed = allowed & (kpos[None, :] <= qpos[:, None])
+            p = tl.where(allowed, p, 0.0)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    dout_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    q_runs_ptr,
+    k_runs_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_dq_tok,
+    stride_dq_head,
+    stride_lse_head,
+    stride_delta_head,
+    qk_scale,
+    sm_scale,
+    causal_offset,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_RUNS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    q_beg = tl.load(cu_q_ptr + pid_b)
+    seqlen_q = tl.load(cu_q_ptr + pid_b + 1) - q_beg
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    k_beg = tl.load(cu_k_ptr + pid_b)
+    seqlen_k = tl.load(cu_k_ptr + pid_b + 1) - k_beg
+    pid_hk = pid_h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seqlen_q
+    io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = (q_beg + offs_m).to(tl.int64)[:, None]
+    q = tl.load(
+        q_ptr + rows * stride_q_tok + pid_h * stride_q_head + offs_d[None, :], mask=io_mask, other=0.0
+    )
+    do = tl.load(
+        dout_ptr + rows * stride_do_tok + pid_h * stride_do_head + offs_d[None, :], mask=io_mask, other=0.0
+    )
+    lse = tl.load(
+        lse_ptr + pid_h.to(tl.int64) * stride_lse_head + q_beg + offs_m, mask=row_ok, other=float("inf")
+    )
+    # a row with no key anywhere (lse = -inf) must get p = 0, not exp(+inf)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(
+        delta_ptr + pid_h.to(tl.int64) * stride_delta_head + q_beg + offs_m, mask=row_ok, other=0.0
+    )
+    k_base = k_ptr + k_beg.to(tl.int64) * stride_k_tok + pid_hk * stride_k_head
+    v_base = v_ptr + k_beg.to(tl.int64) * stride_v_tok + pid_hk * stride_v_head
+
+    if CAUSAL:
+        q_start0, q_len0, q_start1 = _load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
+        k_start0, k_len0, k_start1 = _load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
+        qpos = _run_position(offs_m, q_start0, q_len0, q_start1)
+        m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+        q_first_pos = _run_position(m0, q_start0, q_len0, q_start1)
+        q_last_pos = _run_position(m_last, q_start0, q_len0, q_start1)
+        n_full = _count_at_most(q_first_pos, seqlen_k, k_start0, k_len0, k_start1)
+        n_end = _count_at_most(q_last_pos, seqlen_k, k_start0, k_len0, k_start1)
+    else:
+        k_start0 = 0
+        k_len0 = seqlen_k
+        k_start1 = 0
+        qpos = offs_m
+        n_full = seqlen_k
+        n_end = seqlen_k
+    n_split = (n_full // BLOCK_N) * BLOCK_N
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, qpos, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+        k_start0, k_len0, k_start1, 0, n_split, qk_scale, offs_n, offs_d,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, qpos, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+        k_start0, k_len0, k_start1, n_split, n_end, qk_scale, offs_n, offs_d,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
+    dq_rows = (q_beg + offs_m).to(tl.int64)[:, None] * stride_dq_tok
+    tl.store(dq_ptr + dq_rows + pid_h * stride_dq_head + offs_d[None, :], dq * sm_scale, mask=io_mask)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    kpos,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    stride_q_tok,
+    stride_do_tok,
+    seqlen_q,
+    q_start0,
+    q_len0,
+    q_start1,
+    lo,
+    hi,
+    qk_scale,
+    offs_m,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate ``dk`` (unscaled) and ``dv`` of one key block over query blocks ``[lo, hi)``.
+
+    Rows past the sequence are loaded as ``q = dout = 0``, ``lse = +inf``, so their ``p`` is 0 with
+    no mask arithmetic; ``MASKED`` adds the element-wise causal mask of the diagonal band.
+    """
+    d_ok = offs_d < HEAD_DIM
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < seqlen_q
+        qt_ptrs = q_base + rows.to(tl.int64)[None, :] * stride_q_tok + offs_d[:, None]
+        do_ptrs = do_base + rows.to(tl.int64)[:, None] * stride_do_tok + offs_d[None, :]
+        qt = tl.load(qt_ptrs, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        kq = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale
+        pt = tl.math.exp2(kq - lse2[None, :])
+        if MASKED:
+            qpos = _run_position(rows, q_start0, q_len0, q_start1)
+            pt = tl.where(kpos[:, None] <= qpos[None, :], pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    dout_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    q_runs_ptr,
+    k_runs_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_dk_tok,
+    stride_dk_head,
+    stride_dv_tok,
+    stride_dv_head,
+    stride_lse_head,
+    stride_delta_head,
+    qk_scale,
+    sm_scale,
+    causal_offset,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_RUNS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_hk = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    k_beg = tl.load(cu_k_ptr + pid_b)
+    seqlen_k = tl.load(cu_k_ptr + pid_b + 1) - k_beg
+    n0 = pid_n * BLOCK_N
+    if n0 >= seqlen_k:
+        return
+    q_beg = tl.load(cu_q_ptr + pid_b)
+    seqlen_q = tl.load(cu_q_ptr + pid_b + 1) - q_beg
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    io_mask = (offs_n < seqlen_k)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    cols = (k_beg + offs_n).to(tl.int64)[:, None]
+    k = tl.load(
+        k_ptr + cols * stride_k_tok + pid_hk * stride_k_head + offs_d[None, :], mask=io_mask, other=0.0
+    )
+    v = tl.load(
+        v_ptr + cols * stride_v_tok + pid_hk * stride_v_head + offs_d[None, :], mask=io_mask, other=0.0
+    )
+
+    if CAUSAL:
+        q_start0, q_len0, q_start1 = _load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
+        k_start0, k_len0, k_start1 = _load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
+        kpos = _run_position(offs_n, k_start0, k_len0, k_start1)
+        k_first_pos = _run_position(n0, k_start0, k_len0, k_start1)
+        # rows before m_lo see no key of this block
+        m_lo = _count_at_most(k_first_pos - 1, seqlen_q, q_start0, q_len0, q_start1)
+    else:
+        q_start0 = 0
+        q_len0 = seqlen_q
+        q_start1 = 0
+        kpos = offs_n
+        m_lo = 0
+    # One loop per query head from the first block that sees a key of this block to the end. A
+    # second loop without the causal mask for the fully visible blocks would save the compare but
+    # costs enough registers to spill at head dim 128, so the mask is applied throughout.
+    lo = (m_lo // BLOCK_M) * BLOCK_M
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUP):
+        pid_h = pid_hk * GROUP + g
+        q_base = q_ptr + q_beg.to(tl.int64) * stride_q_tok + pid_h * stride_q_head
+        do_base = dout_ptr + q_beg.to(tl.int64) * stride_do_tok + pid_h * stride_do_head
+        lse_base = lse_ptr + pid_h.to(tl.int64) * stride_lse_head + q_beg
+        delta_base = delta_ptr + pid_h.to(tl.int64) * stride_delta_head + q_beg
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, kpos, q_base, do_base, lse_base, delta_base, stride_q_tok, stride_do_tok,
+            seqlen_q, q_start0, q_len0, q_start1, lo, seqlen_q, qk_scale, offs_m, offs_d,
+            HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOT_PRECISION,
+        )  # fmt: skip
+    tl.store(dk_ptr + (k_beg + offs_n).to(tl.int64)[:, None] * stride_dk_tok + pid_hk * stride_dk_head
+             + offs_d[None, :], dk * sm_scale, mask=io_mask)  # fmt: skip
+    tl.store(dv_ptr + (k_beg + offs_n).to(tl.int64)[:, None] * stride_dv_tok + pid_hk * stride_dv_head
+             + offs_d[None, :], dv, mask=io_mask)  # fmt: skip
+
+
+def bwd_config(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tiles of the dq kernel (``dq_*``) and the dk/dv kernel (``kv_*``), zero spills on sm_80/sm_90.
+
+    float32 uses IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
+    """
+    if INTERPRET or device.type != "cuda":
+        tiles = (16, 16, 4, 16, 16, 4, 1)
+    elif dtype == torch.float32:
+        tiles = (16, 32, 8, 16, 32, 8, 1)
+    elif block_d(head_dim) <= 64:
+        tiles = (128, 32, 8, 32, 64, 4, 2)
+    elif block_d(head_dim) <= 128:
+        tiles = (64, 64, 8, 32, 64, 8, 2)
+    else:
+        tiles = (32, 32, 8, 16, 32, 8, 1)
+    names = ("dq_BLOCK_M", "dq_BLOCK_N", "dq_warps", "kv_BLOCK_M", "kv_BLOCK_N", "kv_warps", "stages")
+    return dict(zip(names, tiles))
+
+
+def attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    causal_offset: int = 0,
+    q_runs: torch.Tensor | None = None,
+    k_runs: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
+    config: dict | None = None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch preprocess, dq and dk/dv kernels; returns float32 ``dq``, ``dk``, ``dv``.
+
+    Inputs are assumed validated (``pyops.attention`` does it); ``dout`` and ``out`` are
+    ``[Tq, H, D]``, ``lse`` (and ``dlse``) ``[H, Tq]`` float32. ``grads`` may pass preallocated
+    float32 ``(dq, dk, dv)``. Keys no query can see get zero gradients; an empty batch launches
+    nothing.
+    """
+    tq, n_heads, head_dim = q.shape
+    tk, n_kv_heads = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    dev = q.device
+    # every row of every sequence is written by exactly one program (cu_seqlens cover all tokens)
+    if grads is None:
+        grads = tuple(torch.empty((n, h, head_dim), dtype=torch.float32, device=dev)
+                      for n, h in ((tq, n_heads), (tk, n_kv_heads), (tk, n_kv_heads)))  # fmt: skip
+    dq, dk, dv = grads
+    if batch == 0 or tq == 0 or tk == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+    cfg = dict(config or bwd_config(head_dim, dev, q.dtype))
+    bd = block_d(head_dim)
+    delta = torch.empty((n_heads, tq), dtype=torch.float32, device=dev)
+    block_t = 16 if INTERPRET else 64
+    launchable(_attn_bwd_preprocess_kernel)[(triton.cdiv(tq, block_t), n_heads)](
+        out, dout, dlse if dlse is not None else delta, delta, tq,
+        out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+        dlse.stride(0) if dlse is not None else 0, delta.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_T=block_t, HAS_DLSE=dlse is not None,
+    )  # fmt: skip
+    has_runs = q_runs is not None
+    q_runs_arg = q_runs if has_runs else cu_seqlens_q
+    k_runs_arg = k_runs if has_runs else cu_seqlens_k
+    common = dict(
+        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, HAS_RUNS=has_runs,
+        DOT_PRECISION=dot_precision(q.dtype), num_stages=cfg["stages"],
+    )  # fmt: skip
+    qk_scale = softmax_scale * LOG2E
+    if max_seqlen_q > 0:
+        grid = (triton.cdiv(max_seqlen_q, cfg["dq_BLOCK_M"]), n_heads, batch)
+        launchable(_attn_bwd_dq_kernel)[grid](
+            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), delta.stride(0),
+            qk_scale, softmax_scale, causal_offset,
+            BLOCK_M=cfg["dq_BLOCK_M"], BLOCK_N=cfg["dq_BLOCK_N"], num_warps=cfg["dq_warps"], **common,
+        )  # fmt: skip
+    if max_seqlen_k > 0:
+        grid = (triton.cdiv(max_seqlen_k, cfg["kv_BLOCK_N"]), n_kv_heads, batch)
+        launchable(_attn_bwd_dkdv_kernel)[grid](
+            q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            lse.stride(0), delta.stride(0), qk_scale, softmax_scale, causal_offset,
+            BLOCK_M=cfg["kv_BLOCK_M"], BLOCK_N=cfg["kv_BLOCK_N"], num_warps=cfg["kv_warps"], **common,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+def _bwd_audit_configs() -> list[dict]:
+    fp32_ptrs = ("lse_ptr", "delta_ptr", "dlse_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+    types = {name: "*fp32" for name in fp32_ptrs}
+    types.update({name: "*i32" for name in ("cu_q_ptr", "cu_k_ptr", "q_runs_ptr", "k_runs_ptr")})
+    types.update(qk_scale="fp32", sm_scale="fp32")
+    configs = []
+    for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)):
+        cfg = bwd_config(head_dim, torch.device("cuda"), dtype)
+        short = "bf16" if dtype == torch.bfloat16 else "fp32"
+        common = dict(GROUP=2, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), CAUSAL=True, HAS_RUNS=True)
+        common["DOT_PRECISION"] = dot_precision(dtype)
+        for kernel, prefix in ((_attn_bwd_dq_kernel, "dq"), (_attn_bwd_dkdv_kernel, "kv")):
+            configs.append(
+                dict(
+                    name=f"attn_bwd_{prefix}_{short}_d{head_dim}_causal_runs_gqa",
+                    kernel=kernel,
+                    signature=_audit_signature(kernel, short, types),
+                    constexprs=dict(
+                        common, BLOCK_M=cfg[f"{prefix}_BLOCK_M"], BLOCK_N=cfg[f"{prefix}_BLOCK_N"]
+                    ),
+                    num_warps=cfg[f"{prefix}_warps"],
+                    num_stages=cfg["stages"],
+                    # float32 runs IEEE FMA products by design: no tensor cores expected there
+                    expect={"spill_bytes": 0, "mma": dtype != torch.float32},
+                )
+            )
+        if dtype == torch.float32:
+            continue
+        configs.append(
+            dict(
+                name=f"attn_bwd_preprocess_bf16_d{head_dim}",
+                kernel=_attn_bwd_preprocess_kernel,
+                signature=_audit_signature(_attn_bwd_preprocess_kernel, "bf16", types),
+                constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=64, HAS_DLSE=False),
+                num_warps=4,
+                expect={"spill_bytes": 0},
+            )
+        )
+    return configs
+
+
+# Read by ``bench/kernel_audit.py``: compiled ahead of time for sm_90 and sm_80.
+AUDIT_CONFIGS: list[dict] = _bwd_audit_configs()

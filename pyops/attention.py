@@ -1,0 +1,511 @@
+"""Attention block ops for ring attention: ``torch.ops.mmbalance.attention_block_fwd``/``_bwd`` and
+``merge_attention_states``.
+
+Ops (schemas)::
+
+    mmbalance::attention_block_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
+        SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal, SymInt causal_offset,
+        Tensor? q_runs, Tensor? k_runs, ScalarType? out_dtype, str backend) -> (Tensor out, Tensor lse)
+    mmbalance::attention_block_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+        Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
+        float softmax_scale, bool causal, SymInt causal_offset, Tensor? q_runs, Tensor? k_runs,
+        Tensor? dlse, str backend) -> (Tensor dq, Tensor dk, Tensor dv)
+    mmbalance::merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, str backend)
+        -> (Tensor out, Tensor lse)
+
+Semantics (shapes, masks, empty rows) are those of ``kernels/attention.py``: packed ``q [Tq, H, D]``,
+``k``/``v [Tk, Hkv, D]`` (``H`` a multiple of ``Hkv``), int32 ``cu_seqlens`` ``[B + 1]``,
+``lse [H, Tq]`` float32 in natural log, ``-inf`` (and ``out = 0``) for rows that see no key.
+Causal masks compare absolute positions, ``pos_k <= pos_q``; without run tensors query ``i`` sits
+at ``i + causal_offset`` and key ``j`` at ``j`` (top-left aligned); ``q_runs``/``k_runs`` int32
+``[B, 3]`` give each sequence's positions as two runs ``(start0, len0, start1)``.
+
+Backends (``backend=``): ``"auto"`` picks flash-attn on CUDA when it is installed and supports the
+call (see ``flash_attn_unsupported_reasons``), the Triton kernels on other CUDA calls and on CPU
+under ``TRITON_INTERPRET=1``, and the torch reference (``pyops/attention_ref.py``) otherwise and
+for float64. ``"triton"``, ``"flash_attn"`` and ``"reference"`` force one and raise ValueError with
+the reasons when it cannot run. ``MMBALANCE_ATTN_BACKEND`` sets what ``"auto"`` means for a run.
+
+Autograd: ``attention_block`` (the forward op) differentiates to ``attention_block_bwd``, including
+a gradient reaching ``lse``; ``merge_attention_states`` has a closed-form backward in torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from mmbalance.kernels import attention as _fwd_kernels
+from mmbalance.kernels import attention_bwd as _bwd_kernels
+from mmbalance.kernels import merge as _merge_kernels
+from mmbalance.kernels._launch import INTERPRET
+
+from . import attention_ref as _ref
+
+__all__ = [
+    "attention_block",
+    "attention_block_backward",
+    "merge_attention_states",
+    "flash_attn_unsupported_reasons",
+    "BACKENDS",
+]
+
+BACKENDS = ("auto", "triton", "flash_attn", "reference")
+
+
+def _new_output(shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Allocation of every kernel-path output (one place, so tests can poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------- backends
+@functools.lru_cache(maxsize=1)
+def _flash_attn_interface():
+    try:
+        import flash_attn.flash_attn_interface as fai
+    except ImportError:
+        return None
+    return fai
+
+
+# Whether the installed flash-attn returns the varlen LSE packed as [H, Tq] (2.x releases since the
+# varlen LSE stopped being padded) - learnt from the first forward; its backward is only used then.
+_FLASH_LSE_PACKED: dict[str, bool] = {}
+
+
+def flash_attn_unsupported_reasons(
+    q: Tensor,
+    causal: bool,
+    causal_offset: int,
+    has_runs: bool,
+    same_cu: bool,
+    has_dlse: bool = False,
+    backward: bool = False,
+) -> list[str]:
+    """Why flash-attn cannot run this block call (empty list: it can).
+
+    flash-attn aligns causal masks bottom-right per sequence, so only plain causal masks over
+    identical query and key boundaries (where both alignments agree) map onto it.
+    """
+    if not q.is_cuda:
+        return ["flash-attn needs CUDA tensors"]
+    reasons = []
+    if _flash_attn_interface() is None:
+        reasons.append("flash-attn is not installed")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"flash-attn supports float16/bfloat16, not {q.dtype}")
+    if q.shape[-1] > 256 or q.shape[-1] % 8:
+        reasons.append(f"flash-attn needs a head dim <= 256 and a multiple of 8, got {q.shape[-1]}")
+    if causal and (has_runs or causal_offset != 0 or not same_cu):
+        reasons.append("flash-attn has no position runs / causal offset (needs identical cu_seqlens)")
+    if has_dlse:
+        reasons.append("flash-attn's backward takes no gradient of the LSE")
+    if backward and not _FLASH_LSE_PACKED.get("packed", False):
+        reasons.append(
+            "flash-attn's backward is used only after a flash-attn forward returned a packed [H, Tq] LSE"
+        )
+    return reasons
+
+
+def _select_backend(
+    backend: str, q: Tensor, causal, causal_offset, has_runs, same_cu, has_dlse=False, backward=False
+) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = os.environ.get("MMBALANCE_ATTN_BACKEND", "auto")
+        if backend not in BACKENDS:
+            raise ValueError(f"MMBALANCE_ATTN_BACKEND must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if q.dtype == torch.float64 or not (q.is_cuda or INTERPRET):
+            return "reference"
+        reasons = flash_attn_unsupported_reasons(
+            q, causal, causal_offset, has_runs, same_cu, has_dlse, backward
+        )
+        return "triton" if reasons else "flash_attn"
+    if backend == "flash_attn":
+        reasons = flash_attn_unsupported_reasons(
+            q, causal, causal_offset, has_runs, same_cu, has_dlse, backward
+        )
+        if reasons:
+            raise ValueError("backend='flash_attn' cannot run this call: " + "; ".join(reasons))
+    if backend == "triton":
+        if not (q.is_cuda or INTERPRET):
+            raise ValueError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (set before import)")
+        if q.dtype == torch.float64:
+            raise ValueError("backend='triton' supports float16, bfloat16 and float32, not float64")
+    return backend
+
+
+def _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    fai = _flash_attn_interface()
+    out, lse, _ = fai.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        return_attn_probs=True,
+    )  # fmt: skip
+    _FLASH_LSE_PACKED["packed"] = lse.dim() == 2
+    if lse.dim() == 3:
+        # older releases pad the varlen LSE to [B, H, max_seqlen_q]: gather it packed, on the device
+        tokens = torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype)
+        seq = torch.searchsorted(cu_q, tokens, right=True) - 1
+        lse = lse[seq.long(), :, (tokens - cu_q[seq]).long()].t()
+    # flash-attn marks rows without keys with +inf; this library uses -inf
+    return out, torch.where(lse == math.inf, -math.inf, lse.float()).contiguous()
+
+
+def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    fai = _flash_attn_interface()
+    fn = fai._flash_attn_varlen_backward
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    values = dict(
+        dout=dout.contiguous(), q=q, k=k, v=v, out=out.to(q.dtype).contiguous(),
+        softmax_lse=torch.where(lse == -math.inf, math.inf, lse).float().contiguous(),
+        dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1), window_size_left=-1,
+        window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+    )  # fmt: skip
+    # the private backward's signature changed across 2.x releases: pass what it names
+    params = inspect.signature(fn).parameters
+    fn(**{name: values[name] for name in params if name in values})
+    return dq.float(), dk.float(), dv.float()
+
+
+# ------------------------------------------------------------------------------- forward block op
+@torch.library.custom_op("mmbalance::attention_block_fwd", mutates_args=())
+def _attention_block_fwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    causal_offset: int,
+    q_runs: Tensor | None,
+    k_runs: Tensor | None,
+    out_dtype: torch.dtype | None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    _ref.check_block_args(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs
+    )
+    same_cu = cu_seqlens_q is cu_seqlens_k
+    chosen = _select_backend(backend, q, causal, causal_offset, q_runs is not None, same_cu)
+    if chosen == "reference":
+        return _ref.attention_block_fwd_ref(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            softmax_scale,
+            causal,
+            causal_offset,
+            q_runs,
+            k_runs,
+            out_dtype,
+        )
+    if chosen == "flash_attn":
+        out, lse = _flash_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+        )
+        return out.to(out_dtype or q.dtype), lse
+    out = _new_output(q.shape, out_dtype or q.dtype, q.device)
+    lse = _new_output((q.shape[1], q.shape[0]), torch.float32, q.device)
+    _fwd_kernels.attn_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, causal_offset,
+        q_runs, k_runs, out=out, lse=lse,
+    )  # fmt: skip
+    return out, lse
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@_attention_block_fwd_op.register_fake
+def _attention_block_fwd_fake(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, causal_offset,
+    q_runs, k_runs, out_dtype, backend,
+):  # fmt: skip
+    _ref.check_block_args(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs
+    )
+    out = q.new_empty(q.shape, dtype=out_dtype or q.dtype)
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, offset, q_runs, k_runs, _, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, q_runs, k_runs)
+    ctx.args = (max_q, max_k, scale, causal, offset)
+    ctx.backend = backend
+    ctx.set_materialize_grads(False)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, cu_q, cu_k, out, lse, q_runs, k_runs = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(q)
+    backend = ctx.backend if dlse is None else ("triton" if ctx.backend == "flash_attn" else ctx.backend)
+    # incoming gradients may be expanded views (e.g. of a sum); the kernels need a unit last stride
+    dout = dout.to(q.dtype).contiguous()
+    dlse = None if dlse is None else dlse.contiguous()
+    dq, dk, dv = torch.ops.mmbalance.attention_block_bwd(
+        dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, q_runs, k_runs, dlse, backend
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 11)
+
+
+torch.library.register_autograd("mmbalance::attention_block_fwd", _fwd_backward, setup_context=_fwd_setup)
+
+
+# ------------------------------------------------------------------------------ backward block op
+@torch.library.custom_op("mmbalance::attention_block_bwd", mutates_args=())
+def _attention_block_bwd_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    causal_offset: int,
+    q_runs: Tensor | None,
+    k_runs: Tensor | None,
+    dlse: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_bwd_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    q_runs, k_runs, dlse)  # fmt: skip
+    same_cu = cu_seqlens_q is cu_seqlens_k
+    chosen = _select_backend(
+        backend, q, causal, causal_offset, q_runs is not None, same_cu, dlse is not None, backward=True
+    )
+    if chosen == "reference":
+        return _ref.attention_block_bwd_ref(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset,
+            q_runs, k_runs, dlse,
+        )  # fmt: skip
+    if chosen == "flash_attn":
+        return _flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          softmax_scale, causal)  # fmt: skip
+    grads = (
+        _new_output(q.shape, torch.float32, q.device),
+        _new_output(k.shape, torch.float32, q.device),
+        _new_output(v.shape, torch.float32, q.device),
+    )
+    return _bwd_kernels.attn_bwd(
+        dout, q, k, v, out, lse.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        causal, causal_offset, q_runs, k_runs, dlse=None if dlse is None else dlse.float(), grads=grads,
+    )  # fmt: skip
+
+
+def _check_bwd_args(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, q_runs, k_runs, dlse) -> None:
+    _ref.check_block_args(q, k, v, cu_q, cu_k, max_q, max_k, scale, q_runs, k_runs)
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if dout.dtype != q.dtype:
+        raise TypeError(f"dout must have q's dtype {q.dtype}, got {dout.dtype}")
+    if not out.is_floating_point():
+        raise TypeError(f"out must be a float tensor, got {out.dtype}")
+    _ref.check_lse("lse", lse, q.shape[1], q.shape[0], q.device)
+    if dlse is not None:
+        _ref.check_lse("dlse", dlse, q.shape[1], q.shape[0], q.device)
+
+
+@_attention_block_bwd_op.register_fake
+def _attention_block_bwd_fake(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+    causal_offset, q_runs, k_runs, dlse, backend,
+):  # fmt: skip
+    _check_bwd_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    q_runs, k_runs, dlse)  # fmt: skip
+    dtype = _lse_dtype(q)
+    return (
+        q.new_empty(q.shape, dtype=dtype),
+        k.new_empty(k.shape, dtype=dtype),
+        v.new_empty(v.shape, dtype=dtype),
+    )
+
+
+# ------------------------------------------------------------------------------------- merge op
+@torch.library.custom_op("mmbalance::merge_attention_states", mutates_args=())
+def _merge_attention_states_op(
+    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, backend: str
+) -> tuple[Tensor, Tensor]:
+    _ref.check_merge_args(out_a, lse_a, out_b, lse_b)
+    chosen = _select_merge_backend(backend, out_a, out_b, lse_a, lse_b)
+    if chosen == "reference":
+        return _ref.merge_attention_states_ref(out_a, lse_a, out_b, lse_b)
+    out = _new_output(out_a.shape, torch.float32, out_a.device)
+    lse = _new_output((out_a.shape[1], out_a.shape[0]), torch.float32, out_a.device)
+    return _merge_kernels.merge_attn_fwd(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
+
+
+def _select_merge_backend(backend: str, *tensors: Tensor) -> str:
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    is_64 = any(t.dtype == torch.float64 for t in tensors)
+    runnable = (tensors[0].is_cuda or INTERPRET) and not is_64
+    if backend == "triton" and not runnable:
+        raise ValueError("backend='triton' needs non-float64 CUDA tensors or TRITON_INTERPRET=1")
+    if backend == "auto":
+        return "triton" if runnable else "reference"
+    return backend
+
+
+@_merge_attention_states_op.register_fake
+def _merge_attention_states_fake(out_a, lse_a, out_b, lse_b, backend):
+    _ref.check_merge_args(out_a, lse_a, out_b, lse_b)
+    dtype = _ref.acc_dtype(out_a, out_b, lse_a, lse_b)
+    return out_a.new_empty(out_a.shape, dtype=dtype), lse_a.new_empty(lse_a.shape, dtype=dtype)
+
+
+def _merge_setup(ctx, inputs, output):
+    out_a, lse_a, out_b, lse_b, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(out_a, lse_a, out_b, lse_b, out, lse)
+
+
+def _merge_backward(ctx, dout, dlse):
+    out_a, lse_a, out_b, lse_b, out, lse = ctx.saved_tensors
+    acc = out.dtype
+    w_a = torch.where(lse == -math.inf, 0.0, torch.exp(lse_a.to(acc) - lse))
+    w_b = torch.where(lse == -math.inf, 0.0, torch.exp(lse_b.to(acc) - lse))
+    # d out / d lse_a = w_a * (out_a - out); d lse / d lse_a = w_a
+    row_a = (dout * (out_a.to(acc) - out)).sum(-1).t() + dlse
+    row_b = (dout * (out_b.to(acc) - out)).sum(-1).t() + dlse
+    d_out_a = (dout * w_a.t()[..., None]).to(out_a.dtype)
+    d_out_b = (dout * w_b.t()[..., None]).to(out_b.dtype)
+    return d_out_a, (w_a * row_a).to(lse_a.dtype), d_out_b, (w_b * row_b).to(lse_b.dtype), None
+
+
+torch.library.register_autograd(
+    "mmbalance::merge_attention_states", _merge_backward, setup_context=_merge_setup
+)
+
+
+# ------------------------------------------------------------------------------ public functions
+def _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale) -> float:
+    """Check the host scalars before the dispatcher sees them; returns the softmax scale."""
+    _ref.check_host_int("max_seqlen_q", max_seqlen_q, 0)
+    _ref.check_host_int("max_seqlen_k", max_seqlen_k, 0)
+    _ref.check_host_int("causal_offset", causal_offset)
+    if softmax_scale is None:
+        return q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 3 else 1.0
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    return float(softmax_scale)
+
+
+def attention_block(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    causal_offset: int = 0,
+    q_runs: Tensor | None = None,
+    k_runs: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Attention of packed varlen queries against one block of keys/values, with its LSE.
+
+    Args:
+        q: ``[Tq, H, D]`` float16/bfloat16/float32 (float64: reference path only); last dim contiguous.
+        k, v: ``[Tk, Hkv, D]``, ``H % Hkv == 0`` (GQA: query head ``h`` uses kv head ``h // (H / Hkv)``).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` on q's device; sequence ``b`` pairs query rows
+            ``cu_q[b]:cu_q[b+1]`` with key rows ``cu_k[b]:cu_k[b+1]``; empty sequences are legal.
+        max_seqlen_q, max_seqlen_k: host ints, at least the longest sequence (grid sizes).
+        softmax_scale: default ``D ** -0.5``.
+        causal: mask keys whose position exceeds the query's; positions are ``i + causal_offset``
+            for queries and ``j`` for keys unless ``q_runs``/``k_runs`` (int32 ``[B, 3]``, rows
+            ``(start0, len0, start1)``: token ``t`` at ``start0 + t`` if ``t < len0`` else
+            ``start1 + t - len0``, ``start1 >= start0 + len0``) are given.
+        out_dtype: dtype of ``out`` (default q's; float32 keeps partial results unrounded).
+        backend: ``"auto"``, ``"triton"``, ``"flash_attn"`` or ``"reference"`` (module docstring).
+
+    Returns:
+        ``out [Tq, H, D]`` and ``lse [H, Tq]`` float32 (float64 for float64 inputs). Rows that see
+        no key: ``out = 0``, ``lse = -inf``. Differentiable in ``q``, ``k``, ``v`` through both.
+    """
+    softmax_scale = _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale)
+    return torch.ops.mmbalance.attention_block_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
+        causal_offset, q_runs, k_runs, out_dtype, backend,
+    )  # fmt: skip
+
+
+def attention_block_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    causal_offset: int = 0,
+    q_runs: Tensor | None = None,
+    k_runs: Tensor | None = None,
+    dlse: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one attention block from the saved ``out`` and ``lse`` (FlashAttention-2 style).
+
+    ``dout`` has q's shape and dtype; ``out`` q's shape (any float dtype); ``lse [H, Tq]`` may be
+    the LSE merged over more keys than this block holds, so summing the block gradients of a ring
+    gives the gradient of the merged output. ``dlse`` (``[H, Tq]``) is an optional gradient
+    reaching the LSE. Mask arguments as in ``attention_block``. Returns float32 (float64 for
+    float64 inputs) ``dq [Tq, H, D]``, ``dk``, ``dv [Tk, Hkv, D]``: cast once after summing.
+    """
+    softmax_scale = _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale)
+    return torch.ops.mmbalance.attention_block_bwd(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        bool(causal), causal_offset, q_runs, k_runs, dlse, backend,
+    )  # fmt: skip
+
+
+def merge_attention_states(
+    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *, backend: str = "auto"
+) -> tuple[Tensor, Tensor]:
+    """Combine two partial attention results over disjoint key sets into the result over both.
+
+    ``out_a``, ``out_b``: ``[T, H, D]`` (any float dtypes, e.g. a float32 running result and a
+    bfloat16 block); ``lse_a``, ``lse_b``: ``[H, T]`` float32. Returns float32 (float64 if any input
+    is float64) ``out`` and ``lse``; a row with ``-inf`` on both sides stays ``out = 0``,
+    ``lse = -inf``. ``T = 0`` returns empty tensors. Differentiable in all four inputs.
+    """
+    return torch.ops.mmbalance.merge_attention_states(out_a, lse_a, out_b, lse_b, backend)
