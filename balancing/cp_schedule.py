@@ -1,0 +1,317 @@
+"""Dynamic context-parallel groups of any degree (dhp.txt section 4.3, and better).
+
+A micro-batch of sequences is split over ``num_ranks`` ranks (a rank is one model replica, TP x PP
+GPUs) into CP groups of any integer degree; each group runs ring attention over its packed
+sequences. The makespan (slowest group) is minimized under the memory limit of every rank.
+
+The paper packs sequences into memory-full atomic groups (best-fit decreasing) and gives them
+degrees by a 2-D DP. We keep that as one candidate and add one per static uniform degree and a
+"mixed" one, give each candidate its optimal degrees (an exact threshold search with the DP's
+optimum), regroup for the degrees found, and return the best: never worse than the paper or than
+the best static uniform CP degree under the same cost model. See ``csrc/dhp.cpp``.
+
+>>> cost = CostModel(linear=1.0, attention=1e-4, ring=0.5)
+>>> sched = cp_schedule([9000, 500, 400, 300, 200], num_ranks=6, memory_per_rank=4096, cost=cost)
+>>> [(g.degree, g.ranks, g.sequences.tolist()) for g in sched]
+[(5, (0, 1, 2, 3, 4), [0]), (1, (5,), [1, 2, 3, 4])]
+>>> sched.makespan, sched.info["static_makespan"], round(sched.info["paper_makespan"])
+(5400.0, 6000.0, 6067)
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._core_api import core
+from ._validate import as_count, as_lengths
+from .cost_model import CostModel
+
+DEFAULT_COST = CostModel.transformer()
+
+
+@dataclass(frozen=True, eq=False)
+class CPGroup:
+    """One context-parallel group.
+
+    Attributes:
+        degree: number of ranks in the ring (any integer >= 1).
+        ranks: the rank ids, ascending; contiguous, and inside one node when it fits one.
+        sequences: int64 indices into ``lengths`` of the sequences the group runs, ascending.
+        time: estimated seconds of the group under the cost model.
+    """
+
+    degree: int
+    ranks: tuple[int, ...]
+    sequences: np.ndarray
+    time: float
+
+    def __repr__(self) -> str:
+        return f"CPGroup(degree={self.degree}, ranks={self.ranks}, sequences={self.sequences.tolist()}, time={self.time:.4g})"
+
+
+class CPSchedule(list):
+    """The groups of one micro-batch (a ``list`` of :class:`CPGroup`, largest degree first).
+
+    Attributes:
+        makespan: the slowest group's estimated time.
+        num_ranks: ranks available; ``sum(g.degree) <= num_ranks`` (spare ranks stay idle).
+        info: ``method`` (the winning candidate), ``static_makespan`` / ``static_degree`` (best
+            static uniform degree under the same cost), ``paper_makespan`` (best-fit decreasing +
+            the DP), ``lower_bound`` (no schedule is faster); ``-1`` where infeasible. The
+            static and bound entries are filled with a ``CostModel`` only.
+    """
+
+    def __init__(self, groups, makespan: float, num_ranks: int, info: dict):
+        super().__init__(groups)
+        self.makespan = float(makespan)
+        self.num_ranks = int(num_ranks)
+        self.info = info
+
+    def group_of(self, n: int) -> np.ndarray:
+        """Group index of each of the ``n`` sequences (int64 ``[n]``)."""
+        out = np.full(n, -1, dtype=np.int64)
+        for k, g in enumerate(self):
+            out[g.sequences] = k
+        return out
+
+
+def _check(lengths, num_ranks, memory_per_rank):
+    lengths = as_lengths(lengths)
+    num_ranks = as_count(num_ranks, "num_ranks")
+    mem = as_count(memory_per_rank, "memory_per_rank")
+    cap = num_ranks * mem
+    if lengths.size:
+        big = int(np.argmax(lengths))
+        if lengths[big] > cap:
+            raise ValueError(
+                f"lengths[{big}] = {int(lengths[big])} exceeds the memory of all ranks together "
+                f"(num_ranks * memory_per_rank = {cap} tokens)"
+            )
+        total = int(lengths.sum())
+        if total > cap:
+            raise ValueError(
+                f"lengths need {total} tokens of memory but num_ranks * memory_per_rank = {cap}: "
+                "split the micro-batch"
+            )
+    return lengths, num_ranks, mem
+
+
+def _cost_of(cost):
+    if cost is None:
+        return DEFAULT_COST
+    if isinstance(cost, CostModel):
+        if cost.padded:
+            raise ValueError("cost: a padded CostModel does not describe packed CP groups")
+        return cost
+    if callable(cost):
+        return cost
+    raise TypeError(
+        f"cost must be a CostModel, a callable cost(lengths, degree) or None, got {type(cost).__name__}"
+    )
+
+
+def _build(lengths, group_of, degree, num_ranks, ranks_per_node, times, info, layout=None) -> CPSchedule:
+    if layout is None:
+        layout = core().layout_ranks(np.asarray(degree, dtype=np.int64), num_ranks, ranks_per_node)
+    offset, ranks = layout
+    order = np.argsort(group_of, kind="stable")
+    counts = np.bincount(group_of, minlength=len(degree))
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    groups = [
+        CPGroup(
+            degree=int(degree[k]),
+            ranks=tuple(int(r) for r in ranks[offset[k] : offset[k + 1]]),
+            sequences=order[bounds[k] : bounds[k + 1]].astype(np.int64),
+            time=float(times[k]),
+        )
+        for k in range(len(degree))
+    ]
+    return CPSchedule(groups, max(times, default=0.0), num_ranks, info)
+
+
+def cp_schedule(
+    lengths,
+    num_ranks: int,
+    memory_per_rank: int,
+    cost: CostModel | Callable[[np.ndarray, int], float] | None = None,
+    *,
+    ranks_per_node: int | None = None,
+    max_rounds: int = 3,
+) -> CPSchedule:
+    """Dynamic CP groups for one micro-batch: every sequence in one group, minimal makespan.
+
+    Args:
+        lengths: ``[n]`` non-negative token counts of the sequences.
+        num_ranks: ranks (model replicas) available; the degrees sum to at most this.
+        memory_per_rank: tokens one rank holds; a group of degree ``d`` holds at most
+            ``d * memory_per_rank`` tokens (:meth:`CostModel.tokens_per_rank` converts bytes).
+        cost: a :class:`CostModel`, any callable ``cost(lengths: np.ndarray, degree: int) -> float``
+            (estimated seconds of one group), or ``None`` for :meth:`CostModel.transformer`.
+            With a ``CostModel`` everything runs in the compiled core. A callable is probed on a
+            few groups and fitted to the built-in form to search groupings; degrees and the
+            makespan then use the callable itself (``O(groups * num_ranks)`` calls).
+        ranks_per_node: lay groups out inside nodes of this many ranks where they fit.
+        max_rounds: regrouping rounds per candidate (0: no regrouping).
+
+    Returns:
+        A :class:`CPSchedule` (a list of :class:`CPGroup`, degree descending). Deterministic.
+
+    Raises:
+        ValueError: a sequence exceeds the memory of all ranks together, the sequences do not fit
+            in ``num_ranks * memory_per_rank``, or an invalid argument (named in the message).
+        TypeError: an argument of the wrong type.
+
+    Example:
+        >>> sched = cp_schedule([30000, 1000, 1000], 4, memory_per_rank=16384)  # default 8B model
+        >>> [(g.degree, g.sequences.tolist()) for g in sched], round(sched.makespan, 3)
+        ([(4, [0, 1, 2])], 1.281)
+    """
+    lengths, num_ranks, mem = _check(lengths, num_ranks, memory_per_rank)
+    cost = _cost_of(cost)
+    rpn = 0 if ranks_per_node is None else as_count(ranks_per_node, "ranks_per_node")
+    if rpn and num_ranks % rpn:
+        raise ValueError(f"ranks_per_node ({rpn}) must divide num_ranks ({num_ranks})")
+    rounds = as_count(max_rounds, "max_rounds", minimum=0)
+    if isinstance(cost, CostModel):
+        r = core().cp_schedule(
+            lengths,
+            num_ranks,
+            mem,
+            cost.linear,
+            cost.attention * (1.0 + cost.eta),
+            cost.ring,
+            cost.ring_latency,
+            cost.fixed,
+            cost.overlap,
+            rpn,
+            rounds,
+        )
+        if lengths.size and r["degree"].size == 0:
+            raise ValueError(
+                f"lengths do not fit in {num_ranks} ranks of memory_per_rank = {mem} tokens as CP groups: "
+                "split the micro-batch"
+            )
+        info = {
+            k: r[k] for k in ("method", "static_makespan", "static_degree", "paper_makespan", "lower_bound")
+        }
+        layout = (r["rank_offset"], r["ranks"])
+        return _build(lengths, r["group_of"], r["degree"], num_ranks, rpn, r["time"], info, layout)
+    return _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds)
+
+
+def _call(cost, lengths: np.ndarray, d: int) -> float:
+    t = cost(lengths, d)
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not np.isfinite(t) or t < 0:
+        raise ValueError(f"cost(lengths, {d}) must return a finite number >= 0, got {t!r}")
+    return float(t)
+
+
+def _degrees_for(lengths, group_of, num_ranks, mem, cost, paper=False):
+    """Optimal (or the paper's DP) degrees of a fixed grouping under a callable cost."""
+    g = int(group_of.max()) + 1
+    members = [np.flatnonzero(group_of == k) for k in range(g)]
+    tokens = np.array([lengths[m].sum() for m in members], dtype=np.int64)
+    dmin = np.maximum(1, -(-tokens // mem)).astype(np.int64)
+    total = int(dmin.sum())
+    if total > num_ranks:
+        return None, np.inf, None
+    table = np.full((g, num_ranks + 1), np.inf)
+    hi = num_ranks - (total - dmin)
+    if isinstance(cost, CostModel):  # vectorized, same formula
+        x = lengths.astype(np.float64)
+        s1 = np.bincount(group_of, weights=x, minlength=g)
+        s2 = np.bincount(group_of, weights=x * x, minlength=g)
+        d = np.arange(num_ranks + 1, dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            full = cost._predict(s1[:, None], s2[:, None], np.maximum(d, 1.0)[None, :])
+        valid = (d[None, :] >= dmin[:, None]) & (d[None, :] <= hi[:, None])
+        table[valid] = full[valid]
+    else:
+        for k in range(g):
+            for d in range(int(dmin[k]), int(hi[k]) + 1):
+                table[k, d] = _call(cost, lengths[members[k]], d)
+    fn = core().paper_dp_degrees if paper else core().optimal_degrees
+    degree, makespan = fn(table, dmin, num_ranks)
+    if degree.size == 0:
+        return None, np.inf, None
+    return degree, makespan, table[np.arange(g), degree]
+
+
+def _probe_fit(cost, lengths: np.ndarray, num_ranks: int, mem: int) -> CostModel:
+    """The built-in form fitted to a callable on single sequences over the batch's range."""
+    hi = max(int(lengths.max(initial=1)), 2)
+    sizes = np.unique(np.geomspace(max(1, hi // 64), hi, 8).astype(np.int64))
+    meas = []
+    for n in sizes:
+        for d in sorted({1, 2, min(num_ranks, 4), min(num_ranks, 8)}):
+            if -(-int(n) // mem) <= d:
+                meas.append(([int(n)], d, max(_call(cost, np.array([n], dtype=np.int64), d), 1e-30)))
+    meas.append(([int(sizes[0])] * 4, 1, max(_call(cost, np.full(4, sizes[0], dtype=np.int64), 1), 1e-30)))
+    try:
+        return CostModel.fit(meas)
+    except ValueError:
+        return DEFAULT_COST
+
+
+def _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds) -> CPSchedule:
+    n = lengths.size
+    if n == 0:
+        return CPSchedule([], 0.0, num_ranks, {"method": "empty"})
+    paper_groups, _ = core().bfd_groups(lengths, mem)
+    proxy = _probe_fit(cost, lengths, num_ranks, mem)
+    r = core().cp_schedule(
+        lengths,
+        num_ranks,
+        mem,
+        proxy.linear,
+        proxy.attention,
+        proxy.ring,
+        proxy.ring_latency,
+        proxy.fixed,
+        True,
+        0,
+        rounds,
+    )
+    best = None
+    paper_ms = -1.0
+    for method, grouping in (("paper", paper_groups), ("proxy", r["group_of"])):
+        if grouping.size != n:
+            continue
+        degree, ms, times = _degrees_for(lengths, grouping, num_ranks, mem, cost)
+        if degree is None:
+            continue
+        if method == "paper":
+            paper_ms = float(ms)
+        if best is None or ms < best[0]:
+            best = (ms, method, grouping, degree, times)
+    if best is None:
+        raise ValueError(
+            f"lengths do not fit in {num_ranks} ranks of memory_per_rank = {mem} tokens as CP groups: "
+            "split the micro-batch"
+        )
+    ms, method, grouping, degree, times = best
+    order = np.argsort(-degree, kind="stable")  # degree descending, as the compiled path
+    remap = np.empty_like(order)
+    remap[order] = np.arange(order.size)
+    info = {"method": method, "static_makespan": -1.0, "static_degree": 0, "paper_makespan": paper_ms}
+    return _build(lengths, remap[grouping], degree[order], num_ranks, rpn, times[order], info)
+
+
+def paper_cp_schedule(lengths, num_ranks: int, memory_per_rank: int, cost=None) -> CPSchedule:
+    """dhp.txt 4.3 as written: best-fit-decreasing atomic groups, then algorithm 1 (all ranks).
+
+    For comparisons; :func:`cp_schedule` is never worse.
+    """
+    lengths, num_ranks, mem = _check(lengths, num_ranks, memory_per_rank)
+    cost = _cost_of(cost)
+    if lengths.size == 0:
+        return CPSchedule([], 0.0, num_ranks, {"method": "paper"})
+    group_of, _ = core().bfd_groups(lengths, mem)
+    degree, ms, times = _degrees_for(lengths, group_of, num_ranks, mem, cost, paper=True)
+    if degree is None:
+        raise ValueError(f"the best-fit-decreasing groups need more than num_ranks = {num_ranks} ranks")
+    return _build(lengths, group_of, degree, num_ranks, 0, times, {"method": "paper"})
