@@ -265,6 +265,9 @@ def main(argv=None) -> None:
         "3. locality: ours vs plain + node-wise permutation (alg. 3), 8 ranks/node",
     )
     report(bench_phases(args.full), args.json, "4. per-phase balance before/after (max/mean of batch cost)")
+    from . import planners_extra
+
+    planners_extra.run(args.full, args.json)
 
 
 if __name__ == "__main__":

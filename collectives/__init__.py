@@ -11,3 +11,4 @@ from .ring import RingPlan, cp_shard, cp_unshard, ring_attention, ring_plan  # n
 # All-to-all batch communicator and orchestrator (issue 4).
 from .alltoall import Route, gather_lengths, rebalance, route_of, verify_plan  # noqa: F401, E402
 from .orchestrator import Orchestrator, PhaseSpec, StepPlan, broadcast_from_leader, connector_lengths  # noqa: F401, E402
+from .group_pool import GroupPool  # noqa: F401, E402

@@ -1,0 +1,76 @@
+"""Process-group pool for dynamic context-parallel groups (dhp.txt section 5 (1)).
+
+``torch.distributed.new_group`` is a collective over the whole world and costs milliseconds (tens
+on NCCL); dynamic CP scheduling (``mmbalance.balancing.cp_schedule``) picks a new set of groups every
+step, but the same rank sets recur. The pool creates each distinct rank set once and hands the
+cached group back afterwards. Plans are identical on every rank, so every rank asks for groups in
+the same order and creates the missing ones in the same order, as ``new_group`` requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["GroupPool"]
+
+
+class GroupPool:
+    """Cache of process groups keyed by their sorted rank tuple.
+
+    Args:
+        backend: backend of the new groups (default: the world's).
+        timeout: timeout of the new groups (default: the world's).
+
+    Example::
+
+        pool = GroupPool()
+        for g in cp_schedule(lengths, world, memory_per_rank):   # identical on every rank
+            group = pool.get(g.ranks)                             # created once, reused after
+            if dist.get_rank() in g.ranks:
+                out = ring_attention(q, k, v, cu, group=group, causal=True)
+    """
+
+    def __init__(self, backend: str | None = None, timeout: timedelta | None = None):
+        self.backend = backend
+        self.timeout = timeout
+        self._groups: dict[tuple[int, ...], object] = {}
+        self.created = 0
+        self.hits = 0
+
+    def get(self, ranks: Sequence[int]):
+        """The process group of ``ranks`` (every rank must call this with the same sequence of rank
+        sets, members or not)."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized")
+        key = tuple(sorted(int(r) for r in ranks))
+        world = dist.get_world_size()
+        if not key:
+            raise ValueError("ranks must not be empty")
+        if len(set(key)) != len(key) or key[0] < 0 or key[-1] >= world:
+            raise ValueError(f"ranks must be distinct ranks in [0, {world}), got {list(ranks)}")
+        if key == tuple(range(world)):
+            self.hits += 1
+            return dist.group.WORLD
+        group = self._groups.get(key)
+        if group is None:
+            kw = {}
+            if self.backend is not None:
+                kw["backend"] = self.backend
+            if self.timeout is not None:
+                kw["timeout"] = self.timeout
+            group = dist.new_group(list(key), **kw)
+            self._groups[key] = group
+            self.created += 1
+        else:
+            self.hits += 1
+        return group
+
+    def get_all(self, rank_sets: Iterable[Sequence[int]]) -> list:
+        """Groups of several rank sets, in order (e.g. all groups of one CP schedule)."""
+        return [self.get(r) for r in rank_sets]
+
+    def __len__(self) -> int:
+        return len(self._groups)
