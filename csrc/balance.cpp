@@ -30,11 +30,26 @@ class LoadHeap {
     for (Index v = size_ - 1; v >= 1; --v) pull(v);
   }
   Index top() const { return who_[1]; }
-  // Add `w` to the load of the top rank and restore the tree.
+  // Add `w` to the load of the top rank and restore the tree. The running winner stays in
+  // registers on the way up and only the siblings are loaded: their addresses are known in
+  // advance and none of them was just stored, so the loads issue in parallel and the dependent
+  // chain per level is one compare and two selects.
   void add_to_top(double w) {
     Index v = size_ + who_[1];
-    key_[v] += w;
-    for (v >>= 1; v >= 1; v >>= 1) pull(v);
+    double ck = key_[v] + w;
+    int32_t cw = who_[v];
+    key_[v] = ck;
+    for (; v > 1; v >>= 1) {
+      const Index sib = v ^ 1;
+      const double sk = key_[sib];
+      // the left child holds the lower ranks and wins ties
+      const bool take = (sk < ck) | (static_cast<bool>(v & 1) & (sk == ck));
+      const int32_t sw = who_[sib];
+      ck = take ? sk : ck;
+      cw = take ? sw : cw;
+      key_[v >> 1] = ck;
+      who_[v >> 1] = cw;
+    }
   }
 
  private:
@@ -138,12 +153,20 @@ double max_cost(const int64_t* lengths, Index n, const std::vector<Index>& dst, 
 }
 
 std::vector<Index> lpt(const double* w, const std::vector<Index>& order, Index d) {
-  std::vector<Index> dst(order.size());
+  const size_t m = order.size();
+  // Gather the weights into visiting order first and scatter the ranks at the end, so the
+  // dependent heap loop touches only sequential memory (the gathers and scatters are independent
+  // of each other and overlap their cache misses).
+  std::vector<double> ws(m);
+  for (size_t k = 0; k < m; ++k) ws[k] = w[order[k]];
+  std::vector<int32_t> rs(m);
   LoadHeap heap(d, std::vector<double>(d, 0.0));
-  for (Index i : order) {
-    dst[i] = heap.top();
-    heap.add_to_top(w[i]);
+  for (size_t k = 0; k < m; ++k) {
+    rs[k] = static_cast<int32_t>(heap.top());
+    heap.add_to_top(ws[k]);
   }
+  std::vector<Index> dst(m);
+  for (size_t k = 0; k < m; ++k) dst[order[k]] = rs[k];
   return dst;
 }
 
@@ -164,9 +187,23 @@ void refine_additive(const double* w, Index n, Index d, std::vector<Index>& dst,
   const double avg = total / static_cast<double>(d);
   const double bound = std::max(wmax, integral ? std::ceil(avg) : avg);
   if (*std::max_element(load.begin(), load.end()) <= bound) return;  // already optimal
-  std::vector<std::vector<Index>> items(d);
-  for (Index r = 0; r < d; ++r) items[r].reserve(count[r] + 8);
-  for (Index i = 0; i < n; ++i) items[dst[i]].push_back(i);
+  // Examples by rank (CSR, one counting pass); a rank's own list is materialized only when the
+  // search first touches it, so the setup stays O(n) with no allocation per rank.
+  std::vector<Index> start(d + 1, 0), csr(n);
+  for (Index r = 0; r < d; ++r) start[r + 1] = start[r] + count[r];
+  {
+    std::vector<Index> fill(start.begin(), start.end() - 1);
+    for (Index i = 0; i < n; ++i) csr[fill[dst[i]]++] = i;
+  }
+  std::vector<std::vector<Index>> lists(d);
+  std::vector<char> built(d, 0);
+  auto items_of = [&](Index r) -> std::vector<Index>& {
+    if (!built[r]) {
+      lists[r].assign(csr.begin() + start[r], csr.begin() + start[r + 1]);
+      built[r] = 1;
+    }
+    return lists[r];
+  };
   // Ranks ordered by (load, rank): the extremes in O(1), updates in O(log d).
   std::set<std::pair<double, Index>> by_load;
   for (Index r = 0; r < d; ++r) by_load.insert({load[r], r});
@@ -183,19 +220,21 @@ void refine_additive(const double* w, Index n, Index d, std::vector<Index>& dst,
     const Index b = by_load.begin()->second;
     const double gap = load[a] - load[b];
     if (!(gap > 0) || load[a] <= bound) break;
+    auto& items_a = items_of(a);
+    auto& items_b = items_of(b);
     // Best single move a -> b: the weight closest to gap / 2 among those below gap.
     double best_max = load[a];
     Index best_x = -1, best_y = -1;
-    for (Index x : items[a]) {
+    for (Index x : items_a) {
       if (w[x] > 0 && w[x] < gap) {
         const double m = std::max(load[a] - w[x], load[b] + w[x]);
         if (m < best_max) best_max = m, best_x = x, best_y = -1;
       }
     }
     // Best swap x (on a) <-> y (on b): w_x - w_y in (0, gap), closest to gap / 2.
-    sorted_b = items[b];
+    sorted_b = items_b;
     std::sort(sorted_b.begin(), sorted_b.end(), [&](Index p, Index q) { return w[p] < w[q] || (w[p] == w[q] && p < q); });
-    for (Index x : items[a]) {
+    for (Index x : items_a) {
       const double target = w[x] - gap / 2;
       auto it2 = std::lower_bound(sorted_b.begin(), sorted_b.end(), target,
                                   [&](Index q, double t) { return w[q] < t; });
@@ -211,13 +250,13 @@ void refine_additive(const double* w, Index n, Index d, std::vector<Index>& dst,
     }
     if (best_x < 0) break;
     auto erase = [](std::vector<Index>& v, Index x) { v.erase(std::find(v.begin(), v.end(), x)); };
-    erase(items[a], best_x);
-    items[b].push_back(best_x);
+    erase(items_a, best_x);
+    items_b.push_back(best_x);
     dst[best_x] = b;
     double delta = w[best_x];
     if (best_y >= 0) {
-      erase(items[b], best_y);
-      items[a].push_back(best_y);
+      erase(items_b, best_y);
+      items_a.push_back(best_y);
       dst[best_y] = a;
       delta -= w[best_y];
     }
@@ -426,9 +465,10 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
   if (d < 1) throw std::invalid_argument("num_ranks must be >= 1");
   if (n == 0) return {};
   if (d == 1) return std::vector<Index>(n, 0);
-  // Each local-search step costs O(d + b log b); the bound keeps planning in milliseconds at
-  // thousands of ranks while still fixing the LPT tail.
-  const Index iters = std::min<Index>(4 * d + 64, 256);
+  // Each local-search step costs O(b log b + log d); the budget keeps planning within a few
+  // milliseconds at thousands of ranks (where LPT is already within ~1e-4 of the bound) and lets
+  // small clusters, where the LPT tail matters most, search longer.
+  const Index iters = std::min<Index>(4 * d + 64, std::max<Index>(32, 4000000 / std::max<Index>(n, 1)));
   switch (cm.policy) {
     case Policy::Sum:
     case Policy::Quadratic: {
