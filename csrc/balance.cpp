@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <set>
 #include <stdexcept>
 
@@ -85,17 +86,37 @@ std::vector<Index> order_by_length_desc(const int64_t* lengths, Index n) {
   if (n == 0) return order;
   int64_t mx = 0;
   for (Index i = 0; i < n; ++i) mx = std::max(mx, lengths[i]);
-  // Sort key mx - l ascending == l descending; LSD radix is stable, so ties stay in index order.
+  constexpr int kBits = 11;
+  constexpr uint64_t kMask = (1u << kBits) - 1;
+  const uint64_t range = static_cast<uint64_t>(mx);
+  std::vector<Index> count(1u << kBits);
+  // LSD radix sort on the key mx - l (ascending == lengths descending); stable, so ties stay in
+  // index order. When key and index fit in 32 bits each they travel packed in one word, halving
+  // the memory traffic of every pass.
+  if (range < (1ull << 32) && static_cast<uint64_t>(n) < (1ull << 32)) {
+    std::unique_ptr<uint64_t[]> a(new uint64_t[n]), b(new uint64_t[n]);
+    for (Index i = 0; i < n; ++i) a[i] = (static_cast<uint64_t>(mx - lengths[i]) << 32) | static_cast<uint64_t>(i);
+    for (int shift = 32; shift < 64 && (range >> (shift - 32)) != 0; shift += kBits) {
+      std::fill(count.begin(), count.end(), 0);
+      for (Index i = 0; i < n; ++i) ++count[(a[i] >> shift) & kMask];
+      Index acc = 0;
+      for (auto& c : count) {
+        const Index t = c;
+        c = acc;
+        acc += t;
+      }
+      for (Index i = 0; i < n; ++i) b[count[(a[i] >> shift) & kMask]++] = a[i];
+      std::swap(a, b);
+    }
+    for (Index i = 0; i < n; ++i) order[i] = static_cast<Index>(a[i] & 0xffffffffu);
+    return order;
+  }
   std::vector<uint64_t> key(n), key_tmp(n);
   std::vector<Index> tmp(n);
   for (Index i = 0; i < n; ++i) {
     order[i] = i;
     key[i] = static_cast<uint64_t>(mx - lengths[i]);
   }
-  constexpr int kBits = 11;
-  constexpr uint64_t kMask = (1u << kBits) - 1;
-  std::vector<Index> count(1u << kBits);
-  const uint64_t range = static_cast<uint64_t>(mx);
   for (int shift = 0; shift < 64 && (range >> shift) != 0; shift += kBits) {
     std::fill(count.begin(), count.end(), 0);
     for (Index i = 0; i < n; ++i) ++count[(key[i] >> shift) & kMask];
@@ -156,10 +177,10 @@ std::vector<Index> lpt(const double* w, const std::vector<Index>& order, Index d
   const size_t m = order.size();
   // Gather the weights into visiting order first and scatter the ranks at the end, so the
   // dependent heap loop touches only sequential memory (the gathers and scatters are independent
-  // of each other and overlap their cache misses).
-  std::vector<double> ws(m);
+  // of each other and overlap their cache misses). Scratch buffers are left uninitialized.
+  std::unique_ptr<double[]> ws(new double[m]);
   for (size_t k = 0; k < m; ++k) ws[k] = w[order[k]];
-  std::vector<int32_t> rs(m);
+  std::unique_ptr<int32_t[]> rs(new int32_t[m]);
   LoadHeap heap(d, std::vector<double>(d, 0.0));
   for (size_t k = 0; k < m; ++k) {
     rs[k] = static_cast<int32_t>(heap.top());
