@@ -140,6 +140,7 @@ def _op(op: str, backend: str, layout, x: torch.Tensor, w: torch.Tensor, rand):
 
 def _bench_config(cfg: Config, rank: int, world: int, device: torch.device, chunk_list, backends, reps):
     import torch.distributed as dist
+
     from mmbalance.collectives.overlap_comm import resolve_backend
     from mmbalance.collectives.overlap_plan import ShardLayout, choose_chunks
 

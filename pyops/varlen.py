@@ -30,9 +30,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
+
 from mmbalance.kernels import varlen as _kernels
 from mmbalance.kernels._launch import use_triton
-from torch import Tensor
 
 from . import varlen_ref as _ref
 

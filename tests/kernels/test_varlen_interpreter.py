@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from mmbalance.kernels import _launch
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,13 +12,13 @@ kernel forgets to write, or a write past the mask, shows up.
 
 from __future__ import annotations
 
-import mmbalance.pyops as P
 import pytest
 import torch
+
+import mmbalance.pyops as P
 from mmbalance.kernels import _launch
 from mmbalance.kernels import varlen as K
 from mmbalance.pyops import varlen as ops_module
-
 from tests.pyops.varlen_expected import (
     LENGTHS,
     assert_same,

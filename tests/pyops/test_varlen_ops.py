@@ -7,12 +7,12 @@ outputs, tiling, strides) live in ``tests/kernels/test_varlen_kernels.py``.
 
 from __future__ import annotations
 
-import mmbalance.pyops as P
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mmbalance.pyops as P
 from tests.pyops.varlen_expected import (
     DTYPES,
     LENGTHS,
