@@ -13,7 +13,7 @@ from .post_balance import lower_bound, paper_algorithm, post_balance
 __all__ = ["POLICIES", "Plan", "lower_bound", "node_wise_permutation", "paper_algorithm", "post_balance"]
 
 # Cost models, dynamic CP groups, microbatch reordering, ISF batching, pipeline partition and
-# resource allocation (issue 7).
+# resource allocation.
 from .cost_model import CostModel, FitReport, Measurement  # noqa: E402
 from .cp_schedule import CPGroup, CPSchedule, cp_schedule, paper_cp_schedule  # noqa: E402
 from .isf import Batches, BatchStats, batch_stats, dist_ratio, isf_batches, isf_limits, pad_ratio  # noqa: E402

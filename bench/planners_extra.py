@@ -1,4 +1,4 @@
-"""Benchmark of the planners of issue 7 on real data: ``python -m bench.planners_extra [--full] [--json FILE]``.
+"""Benchmark of the cost-model, CP-group, reordering, ISF and partition planners on real data: ``python -m bench.planners_extra [--full] [--json FILE]``.
 
 (Also run from ``python -m bench.planners``.) Tables:
 

@@ -1,13 +1,43 @@
-"""Everything that talks between ranks (``mmbalance.collectives``)."""
+"""Everything that talks between ranks (``mmbalance.collectives``).
 
-# All-gather/GEMM overlap for tensor parallelism (issue 6).
-# All-to-all batch communicator and orchestrator (issue 4).
-from .alltoall import Route, gather_lengths, rebalance, route_of, verify_plan  # noqa: F401, E402
-from .group_pool import GroupPool  # noqa: F401, E402
-from .orchestrator import Orchestrator, PhaseSpec, StepPlan, broadcast_from_leader, connector_lengths  # noqa: F401, E402
-from .overlap import all_gather_matmul, matmul_reduce_scatter  # noqa: F401
-from .overlap_plan import OverlapCostModel, ShardLayout, choose_chunks, exchange_shard_sizes  # noqa: F401
+* batch movement: :func:`gather_lengths`, :func:`rebalance`, the multi-phase :class:`Orchestrator`;
+* context parallelism: :func:`cp_shard`, :func:`ring_attention`, :func:`cp_unshard`, :class:`GroupPool`;
+* tensor parallelism: :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
+  :class:`ColumnParallelLinear`, :class:`RowParallelLinear`.
+"""
 
-# Ring attention for context parallelism of any degree (issue 5).
-from .ring import RingPlan, cp_shard, cp_unshard, ring_attention, ring_plan  # noqa: F401, E402
-from .tp_linear import ColumnParallelLinear, RowParallelLinear, sequence_shards  # noqa: F401
+from .alltoall import Route, gather_lengths, rebalance, route_of, verify_plan
+from .group_pool import GroupPool
+from .orchestrator import Orchestrator, PhaseSpec, StepPlan, broadcast_from_leader, connector_lengths
+from .overlap import all_gather_matmul, matmul_reduce_scatter
+from .overlap_plan import OverlapCostModel, ShardLayout, choose_chunks, exchange_shard_sizes
+from .ring import RingPlan, cp_shard, cp_unshard, ring_attention, ring_plan
+from .tp_linear import ColumnParallelLinear, RowParallelLinear, sequence_shards
+
+__all__ = [
+    "ColumnParallelLinear",
+    "GroupPool",
+    "Orchestrator",
+    "OverlapCostModel",
+    "PhaseSpec",
+    "RingPlan",
+    "Route",
+    "RowParallelLinear",
+    "ShardLayout",
+    "StepPlan",
+    "all_gather_matmul",
+    "broadcast_from_leader",
+    "choose_chunks",
+    "connector_lengths",
+    "cp_shard",
+    "cp_unshard",
+    "exchange_shard_sizes",
+    "gather_lengths",
+    "matmul_reduce_scatter",
+    "rebalance",
+    "ring_attention",
+    "ring_plan",
+    "route_of",
+    "sequence_shards",
+    "verify_plan",
+]

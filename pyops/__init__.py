@@ -27,5 +27,5 @@ __all__ = [
     "inverse_permutation",
 ]
 
-# attention block ops for ring attention (registers mmbalance::attention_block_fwd/_bwd, merge_attention_states)
+# attention block ops (registers mmbalance::attention_block_fwd/_bwd and merge_attention_states)
 from .attention import attention_block, attention_block_backward, merge_attention_states  # noqa: E402, F401
