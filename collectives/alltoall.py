@@ -2,10 +2,11 @@
 
 Only lengths are all-gathered (:func:`gather_lengths`); every rank computes the same
 :class:`~mmbalance.balancing.Plan`; :func:`rebalance` then moves the varlen payloads with one
-``all_to_all_single`` per tensor. The send buffer is one ``segment_gather`` of the local examples
-in destination order, all split sizes come from the plan on the host (no device sync), and the
-receive buffer is already in destination-slot order for plans made by ``post_balance`` (otherwise
-one more ``segment_gather`` puts it there). ``rebalance`` is differentiable: backward moves the
+``all_to_all_single`` per dtype: tensors of one dtype travel as the columns of one buffer. The
+send buffer is one ``segment_gather`` of the local examples in destination order, all split sizes
+come from the plan on the host (no device sync), and the receive buffer is already in
+destination-slot order for plans made by ``post_balance`` (otherwise one more ``segment_gather``
+puts it there). ``rebalance`` is differentiable: backward moves the
 gradients back along the inverse plan.
 
 Safety: before the first move of a plan every rank all-gathers a hash of its plan and whether its
@@ -16,6 +17,7 @@ deadlocking in the all-to-all. The process group's timeout bounds every wait.
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -216,27 +218,42 @@ def verify_plan(plan: Plan, problems: list[str] | None = None, group=None) -> No
         raise RuntimeError("rebalance refused: " + " and ".join(msgs))
 
 
+def _exchange_one(t: Tensor, cu_seqlens: Tensor, order: Tensor, route: Route, group, recv_cu) -> Tensor:
+    send = segment_gather(t, cu_seqlens, order, route.in_tokens).contiguous()
+    recv = torch.empty((route.out_tokens, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=route.recv_tokens, input_split_sizes=route.send_tokens, group=group
+    )
+    if route.recv_perm is not None:
+        perm = torch.from_numpy(route.recv_perm).to(t.device)
+        recv = segment_gather(recv, recv_cu, perm, route.out_tokens)
+    return recv
+
+
 def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, group) -> list[Tensor | None]:
+    """Move every tensor by ``route``: one all-to-all per dtype (same-dtype payloads travel as the
+    columns of one ``[T, sum of widths]`` buffer, so labels, position ids and other small per-token
+    tensors cost no extra collective)."""
     order = torch.from_numpy(route.send_order).to(cu_seqlens.device)
     recv_cu = None
-    outs: list[Tensor | None] = []
-    for t in tensors:
-        if t is None:
-            outs.append(None)
+    if route.recv_perm is not None:
+        seq_lengths = np.empty_like(route.out_lengths)
+        seq_lengths[route.recv_perm] = route.out_lengths
+        recv_cu = _cu(seq_lengths, cu_seqlens.device)
+    outs: list[Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for k, t in enumerate(tensors):
+        if t is not None:
+            by_dtype.setdefault(t.dtype, []).append(k)
+    for idx in by_dtype.values():
+        if len(idx) == 1:
+            outs[idx[0]] = _exchange_one(tensors[idx[0]], cu_seqlens, order, route, group, recv_cu)
             continue
-        send = segment_gather(t, cu_seqlens, order, route.in_tokens).contiguous()
-        recv = torch.empty((route.out_tokens, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_to_all_single(
-            recv, send, output_split_sizes=route.recv_tokens, input_split_sizes=route.send_tokens, group=group
-        )
-        if route.recv_perm is not None:
-            if recv_cu is None:
-                seq_lengths = np.empty_like(route.out_lengths)
-                seq_lengths[route.recv_perm] = route.out_lengths
-                recv_cu = _cu(seq_lengths, t.device)
-            perm = torch.from_numpy(route.recv_perm).to(t.device)
-            recv = segment_gather(recv, recv_cu, perm, route.out_tokens)
-        outs.append(recv)
+        flat = [tensors[k].reshape(tensors[k].shape[0], math.prod(tensors[k].shape[1:])) for k in idx]
+        widths = [f.shape[1] for f in flat]
+        moved = _exchange_one(torch.cat(flat, dim=1), cu_seqlens, order, route, group, recv_cu)
+        for k, part in zip(idx, torch.split(moved, widths, dim=1)):
+            outs[k] = part.reshape(route.out_tokens, *tensors[k].shape[1:]).contiguous()
     return outs
 
 

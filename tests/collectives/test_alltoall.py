@@ -55,18 +55,23 @@ def _worker(rank, world, seed):
 
     # 1. every example arrives once, on the planned rank and slot, bit-identical; extras travel along
     labels = (x[:, 0] * 2).to(torch.int64)
-    (y, y_labels), y_cu = rebalance([x, labels], cu, plan)
+    pos = torch.stack([labels, labels + 1], dim=1).reshape(-1, 1, 2)  # same dtype: shares a buffer
+    (y, y_labels, y_pos), y_cu = rebalance([x, labels, pos], cu, plan)
     exp = _expected(plan, rank)
     assert torch.equal(y, exp), (y, exp)
-    assert torch.equal(y_labels, (exp[:, 0] * 2).to(torch.int64))
+    exp_labels = (exp[:, 0] * 2).to(torch.int64)
+    assert torch.equal(y_labels, exp_labels)
+    assert torch.equal(y_pos, torch.stack([exp_labels, exp_labels + 1], dim=1).reshape(-1, 1, 2))
     assert y_cu.tolist() == [0, *np.cumsum(plan.lengths[plan.recv_order(rank)]).tolist()]
 
     # 2. gradients: loss = sum(w * y) with w depending on the global example id -> grad_x = w(x)
     xg = x.clone().requires_grad_(True)
-    y2, _ = rebalance(xg, cu, plan)
-    (torch.sin(y2) * (y2 + 1)).sum().backward()
+    zg = (x[:, :1] * 3).clone().requires_grad_(True)
+    (y2, z2), _ = rebalance([xg, zg], cu, plan)
+    ((torch.sin(y2) * (y2 + 1)).sum() + (z2**2).sum()).backward()
     ref = (torch.cos(x) * (x + 1) + torch.sin(x)).detach()
     assert torch.allclose(xg.grad, ref, rtol=0, atol=1e-12)
+    assert torch.allclose(zg.grad, 2 * zg.detach(), rtol=0, atol=1e-12)
 
     # 3. composition == sequential application (a vision plan, then the LLM plan)
     rng = np.random.default_rng(seed + 1)
