@@ -21,16 +21,17 @@ namespace {
 
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-I64 to_array(const std::vector<Index>& v) {
-  I64 out(static_cast<py::ssize_t>(v.size()));
-  std::copy(v.begin(), v.end(), out.mutable_data());
-  return out;
+// Hand a vector's buffer to numpy without a copy: the array owns the vector through a capsule.
+template <class T>
+py::array_t<T> to_array(std::vector<T>&& v) {
+  auto* owner = new std::vector<T>(std::move(v));
+  py::capsule free_when_done(owner, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>(static_cast<py::ssize_t>(owner->size()), owner->data(), free_when_done);
 }
 
-py::array_t<double> to_array(const std::vector<double>& v) {
-  py::array_t<double> out(static_cast<py::ssize_t>(v.size()));
-  std::copy(v.begin(), v.end(), out.mutable_data());
-  return out;
+template <class T>
+py::array_t<T> to_array(const std::vector<T>& v) {
+  return to_array(std::vector<T>(v));
 }
 
 void check_common(const I64& lengths, Index d) {
@@ -101,7 +102,7 @@ PYBIND11_MODULE(_core, m) {
           slot = slots_by_source(dst, s.data(), d);
           costs = mmb::batch_costs(lengths.data(), n, dst.data(), d, cm);
         }
-        return py::make_tuple(to_array(dst), to_array(slot), to_array(costs));
+        return py::make_tuple(to_array(std::move(dst)), to_array(std::move(slot)), to_array(std::move(costs)));
       },
       py::arg("lengths"), py::arg("num_ranks"), py::arg("policy"), py::arg("alpha"), py::arg("beta"),
       py::arg("src_ranks"), py::arg("ranks_per_node"), py::arg("tolerance"),
