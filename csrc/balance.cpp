@@ -65,6 +65,33 @@ class LoadHeap {
   std::vector<int32_t> who_;
 };
 
+// The tournament tree for integral loads of at most 2^16 ranks: a node is the single word
+// (load << 16 | rank), which orders exactly like (load, rank).
+class PackedLoadHeap {
+ public:
+  explicit PackedLoadHeap(Index d) {
+    size_ = 1;
+    while (size_ < d) size_ <<= 1;
+    node_.assign(2 * size_, ~uint64_t{0});
+    for (Index i = 0; i < d; ++i) node_[size_ + i] = static_cast<uint64_t>(i);
+    for (Index v = size_ - 1; v >= 1; --v) node_[v] = std::min(node_[2 * v], node_[2 * v + 1]);
+  }
+  Index top() const { return static_cast<Index>(node_[1] & 0xffff); }
+  void add_to_top(uint64_t w) {
+    Index v = size_ + top();
+    uint64_t cur = node_[v] + (w << 16);
+    node_[v] = cur;
+    for (; v > 1; v >>= 1) {
+      cur = std::min(cur, node_[v ^ 1]);
+      node_[v >> 1] = cur;
+    }
+  }
+
+ private:
+  Index size_ = 1;
+  std::vector<uint64_t> node_;
+};
+
 Index argmax(const std::vector<double>& v) {
   Index best = 0;
   for (Index i = 1; i < static_cast<Index>(v.size()); ++i)
@@ -179,12 +206,28 @@ std::vector<Index> lpt(const double* w, const std::vector<Index>& order, Index d
   // dependent heap loop touches only sequential memory (the gathers and scatters are independent
   // of each other and overlap their cache misses). Scratch buffers are left uninitialized.
   std::unique_ptr<double[]> ws(new double[m]);
-  for (size_t k = 0; k < m; ++k) ws[k] = w[order[k]];
-  std::unique_ptr<int32_t[]> rs(new int32_t[m]);
-  LoadHeap heap(d, std::vector<double>(d, 0.0));
+  bool integral = d <= (1 << 16);
+  double total = 0.0;
   for (size_t k = 0; k < m; ++k) {
-    rs[k] = static_cast<int32_t>(heap.top());
-    heap.add_to_top(ws[k]);
+    ws[k] = w[order[k]];
+    integral = integral && ws[k] >= 0 && ws[k] == std::floor(ws[k]);
+    total += ws[k];
+  }
+  std::unique_ptr<int32_t[]> rs(new int32_t[m]);
+  if (integral && total < 1e13) {
+    // Integral loads: (load << 16 | rank) orders exactly like (load, rank), so each tree level
+    // is one integer compare and one conditional move.
+    PackedLoadHeap heap(d);
+    for (size_t k = 0; k < m; ++k) {
+      rs[k] = static_cast<int32_t>(heap.top());
+      heap.add_to_top(static_cast<uint64_t>(ws[k]));
+    }
+  } else {
+    LoadHeap heap(d, std::vector<double>(d, 0.0));
+    for (size_t k = 0; k < m; ++k) {
+      rs[k] = static_cast<int32_t>(heap.top());
+      heap.add_to_top(ws[k]);
+    }
   }
   std::vector<Index> dst(m);
   for (size_t k = 0; k < m; ++k) dst[order[k]] = rs[k];
