@@ -65,7 +65,7 @@ def bench_speed(full: bool) -> list[Row]:
         src = np.repeat(np.arange(d), PER_RANK)
         lb = lower_bound(lengths, d)
         shape = f"{d}x{PER_RANK}"
-        reps = 20 if d <= 512 else 10
+        reps = 30
 
         t = time_cpu(lambda: post_balance(lengths, d), reps=reps)
         ours = post_balance(lengths, d)

@@ -13,6 +13,17 @@ namespace mmb {
 
 namespace {
 
+// Per-thread scratch buffers that only grow. Planning runs every step on the same sizes; reusing
+// the memory avoids the page faults of fresh multi-megabyte allocations, which cost as much as
+// the planning itself once an allocator returns large blocks to the OS (as it does in a process
+// that has imported torch).
+template <class T, int Tag>
+T* scratch(size_t n) {
+  thread_local std::vector<T> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
 // Tournament (winner) tree over the ranks, keyed by (load, rank): the root holds the least loaded
 // rank, and adding load to it replays one leaf-to-root path with one comparison per level. Loads
 // and ranks live in two arrays indexed by tree node and each level picks a child by index
@@ -121,7 +132,8 @@ std::vector<Index> order_by_length_desc(const int64_t* lengths, Index n) {
   // index order. When key and index fit in 32 bits each they travel packed in one word, halving
   // the memory traffic of every pass.
   if (range < (1ull << 32) && static_cast<uint64_t>(n) < (1ull << 32)) {
-    std::unique_ptr<uint64_t[]> a(new uint64_t[n]), b(new uint64_t[n]);
+    uint64_t* a = scratch<uint64_t, 0>(n);
+    uint64_t* b = scratch<uint64_t, 1>(n);
     for (Index i = 0; i < n; ++i) a[i] = (static_cast<uint64_t>(mx - lengths[i]) << 32) | static_cast<uint64_t>(i);
     for (int shift = 32; shift < 64 && (range >> (shift - 32)) != 0; shift += kBits) {
       std::fill(count.begin(), count.end(), 0);
@@ -205,7 +217,7 @@ std::vector<Index> lpt(const double* w, const std::vector<Index>& order, Index d
   // Gather the weights into visiting order first and scatter the ranks at the end, so the
   // dependent heap loop touches only sequential memory (the gathers and scatters are independent
   // of each other and overlap their cache misses). Scratch buffers are left uninitialized.
-  std::unique_ptr<double[]> ws(new double[m]);
+  double* ws = scratch<double, 2>(m);
   bool integral = d <= (1 << 16);
   double total = 0.0;
   for (size_t k = 0; k < m; ++k) {
@@ -213,7 +225,7 @@ std::vector<Index> lpt(const double* w, const std::vector<Index>& order, Index d
     integral = integral && ws[k] >= 0 && ws[k] == std::floor(ws[k]);
     total += ws[k];
   }
-  std::unique_ptr<int32_t[]> rs(new int32_t[m]);
+  int32_t* rs = scratch<int32_t, 3>(m);
   if (integral && total < 1e13) {
     // Integral loads: (load << 16 | rank) orders exactly like (load, rank), so each tree level
     // is one integer compare and one conditional move.
@@ -539,16 +551,16 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
     case Policy::Sum:
     case Policy::Quadratic: {
       const auto order = order_by_length_desc(lengths, n);
-      std::vector<double> w(n);
+      double* w = scratch<double, 4>(n);
       for (Index i = 0; i < n; ++i) w[i] = item_weight(lengths[i], cm);
-      auto best = lpt(w.data(), order, d);
-      refine_additive(w.data(), n, d, best, iters);
+      auto best = lpt(w, order, d);
+      refine_additive(w, n, d, best, iters);
       if (cm.policy == Policy::Quadratic && cm.beta != 0.0) {
         // Algorithm 4 with a zero tolerance interval is LPT on plain sums: keep it as a candidate.
         std::vector<double> s(n);
         for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
         auto alt = lpt(s.data(), order, d);
-        refine_additive(w.data(), n, d, alt, iters);
+        refine_additive(w, n, d, alt, iters);
         if (max_cost(lengths, n, alt, d, cm) < max_cost(lengths, n, best, d, cm)) best.swap(alt);
       }
       return best;
