@@ -12,7 +12,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
 else:
     _IMPORT_ERROR = None
 
-POLICY_IDS = {"sum": 0, "padded": 1, "quadratic": 2, "conv": 3}
+POLICY_IDS = {"sum": 0, "padded": 1, "quadratic": 2, "conv": 3, "padded_quadratic": 4}
 
 
 def core():

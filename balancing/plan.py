@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-POLICIES = ("sum", "padded", "quadratic", "conv")
+POLICIES = ("sum", "padded", "quadratic", "conv", "padded_quadratic")
 
 
 def _slots(ranks: np.ndarray, num_ranks: int) -> np.ndarray:

@@ -18,6 +18,9 @@ policy     cost                                    algorithm
                                                    tolerance is kept as a candidate
 "conv"     ``alpha*sum l + beta*b*(max l)^2``      best of alg. 5, LPT and the padded optimum, each
                                                    improved by local search on the true cost
+"padded_   ``alpha*b*max l + beta*b*(max l)^2``    a padded transformer (OrchMLLM eq. 2 with
+quadratic"                                         padding): best of alg. 2, LPT and the padded
+                                                   optimum, each improved by local search
 ========== ======================================= ==============================================
 
 With ``src_ranks`` (the rank each example was sampled on) the plan also minimizes data movement:
@@ -53,13 +56,15 @@ def post_balance(
         lengths: ``[n]`` non-negative integer lengths (tokens, frames, patches) of all examples of all
             ranks. With :func:`~mmbalance.collectives.gather_lengths` they are rank-major.
         num_ranks: number of data-parallel ranks (``n < num_ranks`` is legal: some ranks get nothing).
-        policy: ``"sum"``, ``"padded"``, ``"quadratic"`` or ``"conv"`` (see the module docstring).
+        policy: ``"sum"``, ``"padded"``, ``"quadratic"``, ``"conv"`` or ``"padded_quadratic"`` (see the
+            module docstring).
         src_ranks: ``[n]`` rank each example is on now. Enables locality: examples stay where they
             are unless moving them is needed for balance, and the plan can drive an all-to-all.
         ranks_per_node: ranks per node (must divide ``num_ranks``); with ``src_ranks``, moved
             examples prefer a destination on their source's node. Without ``src_ranks`` there is no
             source to be near and it has no effect.
-        alpha, beta: cost coefficients of the "quadratic" and "conv" policies (``>= 0``).
+        alpha, beta: cost coefficients of the "quadratic", "conv" and "padded_quadratic" policies
+            (``>= 0``).
         tolerance: with ``src_ranks`` and an additive policy, accept a makespan up to
             ``(1 + tolerance)`` times the plain plan's (but never above the paper's algorithm's) in
             exchange for less movement. Default ``5e-4``; ``0`` insists on the plain makespan.
@@ -119,7 +124,7 @@ def lower_bound(
     ``"sum"``/``"quadratic"``: ``max(largest item, total / ranks)`` on the per-example weights.
     ``"padded"``: ``max(l_max, max_k l_(k) * ceil(k / ranks))`` over the k-th largest lengths (the
     k largest examples need at least ``ceil(k/ranks)`` slots on some rank, each padded to at least the
-    k-th largest). ``"conv"``: the sum bound on ``alpha*l`` plus the single-example conv cost.
+    k-th largest); ``"padded_quadratic"`` the same argument on ``alpha*l + beta*l^2``. ``"conv"``: the sum bound on ``alpha*l`` plus the single-example conv cost.
     """
     lengths = as_lengths(lengths)
     num_ranks = as_count(num_ranks, "num_ranks")
@@ -138,6 +143,11 @@ def lower_bound(
     if policy == "conv":
         single = alpha * l + beta * l * l
         return float(max(single.max(), alpha * l.sum() / num_ranks))
+    if policy == "padded_quadratic":
+        # the k largest examples put ceil(k/ranks) of them on some rank, whose max is >= the k-th
+        s = np.sort(l)[::-1]
+        k = np.arange(1, s.size + 1)
+        return float(np.max(np.ceil(k / num_ranks) * (alpha * s + beta * s * s)))
     raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
 
 

@@ -202,6 +202,7 @@ std::vector<double> batch_costs(const int64_t* lengths, Index n, const Index* ds
       case Policy::Padded: cost[r] = b * m; break;
       case Policy::Quadratic: cost[r] = cm.alpha * sum[r] + cm.beta * sq[r]; break;
       case Policy::Conv: cost[r] = cm.alpha * sum[r] + cm.beta * b * m * m; break;
+      case Policy::PaddedQuadratic: cost[r] = cm.alpha * b * m + cm.beta * b * m * m; break;
     }
   }
   return cost;
@@ -352,6 +353,7 @@ struct RankState {
 
 double conv_cost(const CostModel& cm, double sum, double count, double mx) {
   if (cm.policy == Policy::Padded) return count * mx;
+  if (cm.policy == Policy::PaddedQuadratic) return cm.alpha * count * mx + cm.beta * count * mx * mx;
   return cm.alpha * sum + cm.beta * count * mx * mx;
 }
 
@@ -567,10 +569,13 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
     }
     case Policy::Padded:
       return padded_optimal(lengths, n, d);
-    case Policy::Conv: {
+    case Policy::Conv:
+    case Policy::PaddedQuadratic: {
+      // Candidates: the paper's algorithm for the policy (alg. 5 for conv, alg. 2 for a padded
+      // transformer), LPT and the padded optimum; each refined by local search on the true cost.
       const auto order = order_by_length_desc(lengths, n);
       std::vector<std::vector<Index>> cands;
-      cands.push_back(paper_conv(lengths, n, d));
+      cands.push_back(cm.policy == Policy::Conv ? paper_conv(lengths, n, d) : paper_padded(lengths, n, d));
       std::vector<double> s(n);
       for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
       cands.push_back(lpt(s.data(), order, d));
@@ -578,7 +583,7 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
       std::vector<Index> best;
       double best_cost = std::numeric_limits<double>::infinity();
       for (auto& c : cands) {
-        refine_general(lengths, n, d, cm, c, iters);
+        refine_general(lengths, n, d, cm, c, std::min<Index>(iters, 1024));
         const double mc = max_cost(lengths, n, c, d, cm);
         if (mc < best_cost) best_cost = mc, best = c;
       }

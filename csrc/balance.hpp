@@ -10,7 +10,10 @@
 
 namespace mmb {
 
-enum class Policy : int { Sum = 0, Padded = 1, Quadratic = 2, Conv = 3 };
+// Cost of one batch with lengths l_1..l_b: Sum = sum l; Padded = b * max l; Quadratic =
+// alpha * sum l + beta * sum l^2; Conv = alpha * sum l + beta * b * (max l)^2; PaddedQuadratic =
+// alpha * b * max l + beta * b * (max l)^2 (a padded transformer: OrchMLLM eq. 2, padding case).
+enum class Policy : int { Sum = 0, Padded = 1, Quadratic = 2, Conv = 3, PaddedQuadratic = 4 };
 
 struct CostModel {
   Policy policy = Policy::Sum;

@@ -50,7 +50,7 @@ void check_ranks(const I64& a, py::ssize_t n, Index d, const char* name) {
 }
 
 mmb::CostModel model(int policy, double alpha, double beta) {
-  if (policy < 0 || policy > 3) throw std::invalid_argument("unknown policy");
+  if (policy < 0 || policy > 4) throw std::invalid_argument("unknown policy");
   return mmb::CostModel{static_cast<mmb::Policy>(policy), alpha, beta};
 }
 

@@ -21,6 +21,8 @@ def batch_cost(lengths: list[int], policy: str, alpha: float = 1.0, beta: float 
         return alpha * s + beta * float(sum(x * x for x in lengths))
     if policy == "conv":
         return alpha * s + beta * b * m * m
+    if policy == "padded_quadratic":
+        return alpha * b * m + beta * b * m * m
     raise ValueError(policy)
 
 

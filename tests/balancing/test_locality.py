@@ -29,7 +29,7 @@ def located(draw, max_ranks=12):
 @SETTINGS
 @given(
     case=located(),
-    policy=st.sampled_from(["sum", "quadratic", "padded", "conv"]),
+    policy=st.sampled_from(["sum", "quadratic", "padded", "conv", "padded_quadratic"]),
     tol=st.sampled_from([0.0, 5e-4]),
 )
 def test_located_plan_is_valid_and_balanced(case, policy, tol):

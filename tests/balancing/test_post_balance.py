@@ -15,7 +15,7 @@ from mmbalance.balancing import Plan, lower_bound, paper_algorithm, post_balance
 
 from . import reference as ref
 
-POLICIES = ["sum", "padded", "quadratic", "conv"]
+POLICIES = ["sum", "padded", "quadratic", "conv", "padded_quadratic"]
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 lengths_st = st.lists(st.integers(0, 5000), min_size=0, max_size=80)
@@ -88,6 +88,18 @@ def test_conv_never_worse_than_algorithm_5(lengths, num_ranks, coef):
     plan = post_balance(lengths, num_ranks, "conv", alpha=alpha, beta=beta)
     paper = ref.costs_of(lengths, ref.alg5(lengths, num_ranks), num_ranks, "conv", alpha, beta)
     assert plan.makespan <= max(paper, default=0.0) * (1 + 1e-12)
+
+
+@SETTINGS
+@given(lengths=st.one_of(lengths_st, heavy_st), num_ranks=ranks_st, coef=coef_st)
+def test_padded_quadratic_never_worse_than_algorithm_2(lengths, num_ranks, coef):
+    alpha, beta = coef
+    plan = post_balance(lengths, num_ranks, "padded_quadratic", alpha=alpha, beta=beta)
+    paper = ref.costs_of(lengths, ref.alg2(lengths, num_ranks), num_ranks, "padded_quadratic", alpha, beta)
+    assert plan.makespan <= max(paper, default=0.0) * (1 + 1e-12)
+    assert plan.makespan >= lower_bound(lengths, num_ranks, "padded_quadratic", alpha=alpha, beta=beta) * (
+        1 - 1e-12
+    )
 
 
 def test_compiled_paper_algorithms_match_the_reference():
