@@ -73,18 +73,7 @@ def _phase_plan(lengths: np.ndarray, world: int, spec: PhaseSpec, src: np.ndarra
     )
     dst = src.copy()
     dst[sel] = sub.dst_rank
-    return Plan(
-        dst_rank=dst,
-        dst_slot=core().slots(dst, world, src),
-        costs=np.asarray(batch_costs(lengths[sel], sub.dst_rank, world, spec.policy, spec.alpha, spec.beta)),
-        num_ranks=world,
-        lengths=lengths,
-        src_rank=src,
-        src_slot=core().slots(src, world),
-        policy=spec.policy,
-        alpha=spec.alpha,
-        beta=spec.beta,
-    )
+    return _relocated(dst, lengths, world, src, spec, sub.costs)
 
 
 def _relocated(
