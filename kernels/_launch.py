@@ -24,6 +24,18 @@ def launchable(kernel):
 def use_triton(t: torch.Tensor) -> bool:
     """True when the Triton kernel (rather than the torch reference) should run on ``t``.
 
-    CUDA tensors always take the kernel; CPU tensors take it only under the interpreter.
+    CUDA tensors take the kernel and CPU tensors the reference, except under the interpreter
+    (``TRITON_INTERPRET=1``), where CPU tensors take the kernel too. ``MMBALANCE_VARLEN_BACKEND``
+    forces the choice for the varlen ops: ``reference`` (plain torch everywhere) or ``triton`` (the
+    kernel; on CPU tensors only under the interpreter, otherwise a ``RuntimeError`` says why).
     """
+    forced = os.environ.get("MMBALANCE_VARLEN_BACKEND", "").strip().lower()
+    if forced == "reference":
+        return False
+    if forced == "triton":
+        if not (t.is_cuda or INTERPRET):
+            raise RuntimeError("MMBALANCE_VARLEN_BACKEND=triton needs CUDA tensors or TRITON_INTERPRET=1")
+        return True
+    if forced not in ("", "auto"):
+        raise ValueError(f"MMBALANCE_VARLEN_BACKEND must be auto, reference or triton, got {forced!r}")
     return t.is_cuda or INTERPRET

@@ -325,3 +325,20 @@ def test_round_trips(lengths, seed, hidden):
     perm = torch.randperm(len(lengths), generator=gen)
     moved = P.segment_gather(packed, cu, perm, total)
     assert torch.equal(P.segment_scatter(moved, cu, perm, total), packed)
+
+
+def test_backend_can_be_forced(monkeypatch):
+    from mmbalance.kernels import _launch
+
+    x = torch.zeros(3, 2)
+    monkeypatch.setenv("MMBALANCE_VARLEN_BACKEND", "reference")
+    assert _launch.use_triton(x) is False
+    monkeypatch.setenv("MMBALANCE_VARLEN_BACKEND", "triton")
+    if _launch.INTERPRET:
+        assert _launch.use_triton(x) is True
+    else:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            _launch.use_triton(x)
+    monkeypatch.setenv("MMBALANCE_VARLEN_BACKEND", "fast")
+    with pytest.raises(ValueError, match="MMBALANCE_VARLEN_BACKEND"):
+        _launch.use_triton(x)
