@@ -2,7 +2,7 @@
 
 They need a CUDA device or ``TRITON_INTERPRET=1`` set before the kernel modules are imported; a
 plain ``pytest tests`` run re-runs this file in a subprocess with the interpreter
-(``test_attention_interpreter.py``) and these tests skip in-process. Directly:
+(``test_under_interpreter.py``) and these tests skip in-process. Directly:
 ``TRITON_INTERPRET=1 python -m pytest tests/kernels/test_attention_kernels.py``.
 
 Expectations are float64 attention computed per sequence (``tests/pyops/attention_expected.py``).
@@ -34,7 +34,7 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 if not (HAS_CUDA or (_launch.INTERPRET and type(KF._attn_fwd_kernel).__name__ == "InterpretedFunction")):
     pytest.skip(
-        "kernels need TRITON_INTERPRET=1 at import (run via test_attention_interpreter.py) or CUDA",
+        "kernels need TRITON_INTERPRET=1 at import (run via test_under_interpreter.py) or CUDA",
         allow_module_level=True,
     )
 

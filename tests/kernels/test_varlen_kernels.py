@@ -2,7 +2,7 @@
 
 They need a CUDA device or ``TRITON_INTERPRET=1`` set before the kernel modules are imported. A
 plain ``pytest tests`` run imports the kernels without the interpreter (so ``tests/pyops`` checks
-the CPU reference path); there ``test_varlen_interpreter.py`` re-runs this file in a subprocess
+the CPU reference path); there ``test_under_interpreter.py`` re-runs this file in a subprocess
 with ``TRITON_INTERPRET=1`` and these tests skip in-process. Directly:
 ``TRITON_INTERPRET=1 python -m pytest tests/kernels/test_varlen_kernels.py``.
 
@@ -46,7 +46,7 @@ def kernels_runnable() -> bool:
 
 if not kernels_runnable():
     pytest.skip(
-        "kernels need TRITON_INTERPRET=1 at import (run via test_varlen_interpreter.py) or CUDA",
+        "kernels need TRITON_INTERPRET=1 at import (run via test_under_interpreter.py) or CUDA",
         allow_module_level=True,
     )
 

@@ -1,10 +1,11 @@
-"""Runs the attention kernel tests under the Triton interpreter in a fresh process.
+"""Runs the kernel test files under the Triton interpreter in a fresh process.
 
 ``TRITON_INTERPRET`` is read when ``@triton.jit`` runs (and by ``kernels/_launch.py`` at import), so
-one process can only be in one mode: the ordinary test process keeps the CPU reference path (checked
-by ``tests/pyops``) and this test re-runs ``test_attention_kernels.py`` with ``TRITON_INTERPRET=1``
-so the same ``pytest tests`` run also executes the real kernel code on CPU tensors. It skips itself
-when the kernels already run in-process (interpreter set for the whole run, or a CUDA device).
+one process can only be in one mode. The ordinary test process stays without the interpreter, so
+``tests/pyops`` covers the CPU reference path; this test re-runs each kernel test file with
+``TRITON_INTERPRET=1`` so the same ``pytest tests`` run also executes the real kernel code on CPU
+tensors. It skips itself when the kernels already run in-process (interpreter set for the whole
+run, or a CUDA device).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 from mmbalance.kernels import _launch
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = "tests/kernels/test_attention_kernels.py"
 
 
 @pytest.mark.slow
@@ -28,9 +28,20 @@ KERNEL_TESTS = "tests/kernels/test_attention_kernels.py"
     _launch.INTERPRET or torch.cuda.is_available(),
     reason="the kernel tests run in this process (TRITON_INTERPRET=1 or CUDA)",
 )
-def test_attention_kernels_under_interpreter():
+@pytest.mark.parametrize("kernel_tests", ["test_varlen_kernels.py", "test_attention_kernels.py"])
+def test_kernels_under_interpreter(kernel_tests):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", KERNEL_TESTS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        f"tests/kernels/{kernel_tests}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"interpreter run failed (rc={proc.returncode}):\n{tail}"
