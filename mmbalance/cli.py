@@ -29,6 +29,10 @@ def _bench(args: argparse.Namespace) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     if not args.json and os.path.exists(json_path):
         os.remove(json_path)
+    unknown = [n for n in args.only if n not in BENCHES]
+    if unknown:
+        print(f"mmbalance bench: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
     names = args.only or list(BENCHES)
     failed = []
     for name in names:
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="end-to-end balanced training on N ranks (mmbalance demo --help)")
     sub.add_parser("simulate", help="what balancing gives at your scale (mmbalance simulate --help)")
     b = sub.add_parser("bench", help="run the benchmark suite (quick by default)")
-    b.add_argument("only", nargs="*", choices=BENCHES, help="benchmarks to run (default: all)")
+    b.add_argument("only", nargs="*", metavar="NAME", help=f"benchmarks to run, of {', '.join(BENCHES)} (default: all)")
     b.add_argument("--full", action="store_true", help="the full sweep")
     b.add_argument("--json", metavar="FILE", help="append JSON rows to FILE")
     b.set_defaults(func=_bench)
