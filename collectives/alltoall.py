@@ -313,6 +313,10 @@ def rebalance(
         ``(out, out_cu_seqlens)``: the examples the plan sends to this rank in ``dst_slot`` order
         (a list if ``packed`` was a list/tuple), and their int32 ``cu_seqlens``. Differentiable in
         every floating-point input: backward sends gradients back along the inverse plan.
+
+    Backward is a collective too: every rank must reach it, so keep each rank's ``out`` in its
+    loss even when the plan gave it nothing (an empty tensor is fine); a rank that drops its
+    output from the graph leaves the others waiting until the process group's timeout.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
