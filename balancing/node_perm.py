@@ -67,18 +67,15 @@ def node_wise_permutation(
             exact = core().place_within_nodes(lengths, batch, src, d, rpn, node_of)
             if _worst_off(lengths, src, exact[batch], rpn) <= _worst_off(lengths, src, perm[batch], rpn):
                 perm = exact
-    dst = np.ascontiguousarray(perm[batch])
-    return Plan(
-        dst_rank=dst,
-        dst_slot=core().slots(dst, d, src),
-        costs=plan.costs[np.argsort(perm)],
-        num_ranks=d,
-        lengths=lengths,
-        src_rank=src,
-        src_slot=core().slots(src, d),
+    return Plan.from_destinations(
+        lengths,
+        perm[batch],
+        d,
+        src,
         policy=plan.policy,
         alpha=plan.alpha,
         beta=plan.beta,
+        costs=plan.costs[np.argsort(perm)],
     )
 
 

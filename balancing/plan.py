@@ -144,6 +144,45 @@ class Plan:
         out[self.src_slot[idx]] = idx
         return out
 
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_destinations(
+        cls,
+        lengths: np.ndarray,
+        dst_rank: np.ndarray,
+        num_ranks: int,
+        src_rank: np.ndarray,
+        *,
+        policy: str = "sum",
+        alpha: float = 1.0,
+        beta: float = 0.0,
+        costs: np.ndarray | None = None,
+    ) -> Plan:
+        """The plan that sends example ``i`` from ``src_rank[i]`` to ``dst_rank[i]``.
+
+        Slots follow the usual rules (source slots in index order, destination slots in (source
+        rank, index) order); ``costs`` are recomputed under the policy unless given.
+        """
+        from . import _core_api
+
+        dst = np.ascontiguousarray(dst_rank, dtype=np.int64)
+        src = np.ascontiguousarray(src_rank, dtype=np.int64)
+        if costs is None:
+            costs = _costs_of(lengths, dst, num_ranks, policy, alpha, beta)
+        core = _core_api.core()
+        return cls(
+            dst_rank=dst,
+            dst_slot=core.slots(dst, num_ranks, src),
+            costs=np.asarray(costs, dtype=np.float64),
+            num_ranks=num_ranks,
+            lengths=lengths,
+            src_rank=src,
+            src_slot=core.slots(src, num_ranks),
+            policy=policy,
+            alpha=alpha,
+            beta=beta,
+        )
+
     # ------------------------------------------------------------------ algebra
     def inverse(self) -> Plan:
         """The plan that moves every example back to where it came from."""

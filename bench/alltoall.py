@@ -39,7 +39,7 @@ def _worker(rank, world, init, args, queue):
         dist.init_process_group(
             backend, init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
         )
-        from mmbalance.balancing import node_wise_permutation, post_balance
+        from mmbalance.balancing import Plan, node_wise_permutation, post_balance
         from mmbalance.balancing.datasets import mixture
         from mmbalance.collectives import gather_lengths, rebalance
 
@@ -56,25 +56,13 @@ def _worker(rank, world, init, args, queue):
             cu[1:] = torch.from_numpy(np.cumsum(local)).to(dev, torch.int32)
             rpn = args.ranks_per_node
             plans = {
-                "none": post_balance(lengths, world, src_ranks=src).with_lengths(lengths),
+                # every example stays where it was sampled
+                "none": Plan.from_destinations(lengths, src, world, src),
                 "plain+alg3": node_wise_permutation(
                     post_balance(lengths, world), rpn, src_ranks=src, method="fast"
                 ),
                 "located": post_balance(lengths, world, src_ranks=src, ranks_per_node=rpn),
             }
-            # "none": a plan that keeps every example where it is
-            from mmbalance.balancing import Plan
-
-            keep = Plan(
-                src.copy(),
-                plans["located"].src_slot.copy(),
-                np.bincount(src, weights=lengths, minlength=world).astype(float),
-                world,
-                lengths,
-                src.copy(),
-                plans["located"].src_slot.copy(),
-            )
-            plans["none"] = keep
             for name, plan in plans.items():
                 rebalance(x, cu, plan)  # warm-up and plan check
                 times = []

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from mmbalance.balancing import Plan, post_balance
-from mmbalance.balancing._core_api import batch_costs, core
+from mmbalance.balancing._core_api import batch_costs
 
 from .alltoall import _world, gather_lengths, rebalance
 
@@ -85,20 +85,8 @@ def _relocated(
     costs: np.ndarray | None = None,
 ) -> Plan:
     """A world-level plan sending example ``i`` to rank ``plan_dst[i]``."""
-    dst = np.ascontiguousarray(plan_dst, dtype=np.int64)
-    if costs is None:
-        costs = batch_costs(lengths, dst, world, spec.policy, spec.alpha, spec.beta)
-    return Plan(
-        dst_rank=dst,
-        dst_slot=core().slots(dst, world, src),
-        costs=np.asarray(costs),
-        num_ranks=world,
-        lengths=lengths,
-        src_rank=src,
-        src_slot=core().slots(src, world),
-        policy=spec.policy,
-        alpha=spec.alpha,
-        beta=spec.beta,
+    return Plan.from_destinations(
+        lengths, plan_dst, world, src, policy=spec.policy, alpha=spec.alpha, beta=spec.beta, costs=costs
     )
 
 
