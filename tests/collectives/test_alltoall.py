@@ -74,9 +74,6 @@ def _worker(rank, world, seed):
     assert torch.allclose(zg.grad, 2 * zg.detach(), rtol=0, atol=1e-12)
 
     # 3. composition == sequential application (a vision plan, then the LLM plan)
-    rng = np.random.default_rng(seed + 1)
-    vis = rng.integers(0, 9, size=lengths.size)
-    vis[src != rank] = 0  # only for drawing: use real per-example lengths below
     vis_all = np.random.default_rng(seed + 2).integers(0, 9, size=lengths.size)
     pv = post_balance(vis_all, world, src_ranks=src)
     pl = post_balance(lengths, world, src_ranks=src)
