@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench lint audit clean peers
+.PHONY: run test bench lint audit clean peers wheel-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,15 @@ run: $(STAMP) $(PEERS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
-	$(PY) -m bench.kernel_audit --arch sm_90
+	$(PY) -m mmbalance.bench.kernel_audit --arch sm_90
+	PYTHON=$(PYTHON) .ci/check_wheel
 
 bench: $(STAMP)
 	$(VENV)/bin/mmbalance bench
+
+# Build the wheel, install it into a fresh environment and run every command outside the tree.
+wheel-check:
+	PYTHON=$(PYTHON) .ci/check_wheel
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

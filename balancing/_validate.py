@@ -6,6 +6,13 @@ import numbers
 
 import numpy as np
 
+# Limits that keep every plan exact and its memory bounded. Plans allocate O(num_ranks) per call,
+# so a rank count far above any real job is refused rather than left to exhaust memory; lengths
+# and their total stay within what float64 costs (53-bit mantissa) and int64 token counts hold.
+MAX_RANKS = 1 << 20  # 1,048,576 ranks: 64x today's largest training jobs
+MAX_LENGTH = 1 << 40  # tokens of one example
+MAX_TOTAL = 1 << 53  # tokens of all examples together
+
 
 def as_lengths(lengths, name: str = "lengths") -> np.ndarray:
     """``lengths`` as a contiguous int64 array of non-negative integers (1-D)."""
@@ -18,6 +25,11 @@ def as_lengths(lengths, name: str = "lengths") -> np.ndarray:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{name} must be a sequence of non-negative integers") from exc
     if arr.dtype == object:
+        flat = arr.reshape(-1) if arr.ndim else [arr.item()]
+        if all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in flat):
+            # Python ints beyond int64: report the value instead of a conversion failure.
+            bad = next(k for k, v in enumerate(flat) if not -(2**63) <= int(v) < 2**63)
+            raise ValueError(f"{name}[{bad}] = {int(flat[bad])} is too large (at most {MAX_LENGTH})")
         raise TypeError(f"{name} must be a sequence of non-negative integers, got objects")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
@@ -29,27 +41,42 @@ def as_lengths(lengths, name: str = "lengths") -> np.ndarray:
         if np.any(arr != np.round(arr)):
             bad = int(np.flatnonzero(arr != np.round(arr))[0])
             raise ValueError(f"{name} must be integers; {name}[{bad}] = {arr[bad]!r}")
-        if arr.size and np.max(np.abs(arr)) >= 2**62:
-            raise ValueError(f"{name} values are too large")
+        if arr.size and np.max(np.abs(arr)) > MAX_LENGTH:
+            bad = int(np.argmax(np.abs(arr)))
+            raise ValueError(f"{name}[{bad}] = {arr[bad]!r} is too large (at most {MAX_LENGTH})")
     elif arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.size and arr.max() >= 2**62:
-        raise ValueError(f"{name} values are too large")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > MAX_LENGTH:
+        bad = int(np.argmax(arr))
+        raise ValueError(f"{name}[{bad}] = {arr[bad]} is too large (at most {MAX_LENGTH})")
     arr = np.ascontiguousarray(arr, dtype=np.int64)
-    if arr.size and arr.min() < 0:
-        bad = int(np.flatnonzero(arr < 0)[0])
-        raise ValueError(f"{name} must be non-negative; {name}[{bad}] = {arr[bad]}")
+    if arr.size:
+        if arr.min() < 0:
+            bad = int(np.flatnonzero(arr < 0)[0])
+            raise ValueError(f"{name} must be non-negative; {name}[{bad}] = {arr[bad]}")
+        if arr.max() > MAX_LENGTH:
+            bad = int(np.argmax(arr))
+            raise ValueError(f"{name}[{bad}] = {arr[bad]} is too large (at most {MAX_LENGTH})")
+        if arr.size > MAX_TOTAL // MAX_LENGTH and float(arr.sum(dtype=np.float64)) > MAX_TOTAL:
+            raise ValueError(f"{name} sum to more than {MAX_TOTAL} tokens")
     return arr
 
 
-def as_count(value, name: str, minimum: int = 1) -> int:
-    """A Python int >= ``minimum`` (numpy integers accepted, bools and floats rejected)."""
+def as_count(value, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """A Python int in ``[minimum, maximum]`` (numpy integers accepted, bools and floats rejected)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def as_num_ranks(value, name: str = "num_ranks") -> int:
+    """A rank count in ``[1, MAX_RANKS]``."""
+    return as_count(value, name, 1, MAX_RANKS)
 
 
 def as_ranks(values, n: int, num_ranks: int, name: str) -> np.ndarray:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._core_api import core
-from ._validate import as_count, as_lengths
+from ._validate import as_count, as_lengths, as_num_ranks
 from .cost_model import CostModel
 
 DEFAULT_COST = CostModel.transformer()
@@ -81,7 +81,7 @@ class CPSchedule(list):
 
 def _check(lengths, num_ranks, memory_per_rank):
     lengths = as_lengths(lengths)
-    num_ranks = as_count(num_ranks, "num_ranks")
+    num_ranks = as_num_ranks(num_ranks)
     mem = as_count(memory_per_rank, "memory_per_rank")
     cap = num_ranks * mem
     if lengths.size:

@@ -98,6 +98,7 @@ def _jitter(cut: np.ndarray, radius: int, L: int, limit: int = 50000) -> np.ndar
     k = cut.size
     if k == 0:
         return cut[None, :]
+    radius = min(radius, L)  # a cut moved further than the layers reach is never valid
     offsets = range(-radius, radius + 1)
     if (2 * radius + 1) ** k <= limit:
         cand = cut[None, :] + np.array(list(itertools.product(offsets, repeat=k)), dtype=np.int64)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._core_api import POLICY_IDS, core
-from ._validate import as_coefficient, as_count, as_lengths, as_ranks
+from ._validate import as_coefficient, as_count, as_lengths, as_num_ranks, as_ranks
 from .plan import Plan
 
 
@@ -85,7 +85,7 @@ def post_balance(
     if policy not in POLICY_IDS:
         raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
     lengths = as_lengths(lengths)
-    num_ranks = as_count(num_ranks, "num_ranks")
+    num_ranks = as_num_ranks(num_ranks)
     alpha = as_coefficient(alpha, "alpha")
     beta = as_coefficient(beta, "beta")
     tolerance = as_coefficient(tolerance, "tolerance")
@@ -127,7 +127,7 @@ def lower_bound(
     k-th largest); ``"padded_quadratic"`` the same argument on ``alpha*l + beta*l^2``. ``"conv"``: the sum bound on ``alpha*l`` plus the single-example conv cost.
     """
     lengths = as_lengths(lengths)
-    num_ranks = as_count(num_ranks, "num_ranks")
+    num_ranks = as_num_ranks(num_ranks)
     if lengths.size == 0:
         return 0.0
     l = lengths.astype(np.float64)
@@ -154,7 +154,7 @@ def lower_bound(
 def paper_algorithm(lengths, num_ranks: int, alg: int) -> np.ndarray:
     """Destination ranks from the paper's own algorithm (1, 2 or 5), for comparisons."""
     lengths = as_lengths(lengths)
-    num_ranks = as_count(num_ranks, "num_ranks")
+    num_ranks = as_num_ranks(num_ranks)
     if alg not in (1, 2, 5):
         raise ValueError(f"alg must be 1, 2 or 5, got {alg!r}")
     return core().paper_algorithm(lengths, num_ranks, alg)

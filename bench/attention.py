@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from bench.harness import Row, base_parser, device_name, report, time_fn
+from .harness import Row, base_parser, device_name, report, time_fn
 
 
 @dataclasses.dataclass(frozen=True)

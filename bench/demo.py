@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from mmbalance.cli import check_output, require_matplotlib, usage_error
 
 ORDERS = [("vision", "audio", "text"), ("text", "vision", "audio")]
 HIDDEN, HEADS, ENC_HIDDEN = 64, 4, 32
@@ -95,7 +98,7 @@ def _train(rank, world, args, balance: bool, pair, shard_dp, device, dtype):
             "audio": PhaseSpec("conv", alpha=1.0, beta=1.0 / 64, downsample=2),
         },
         orders=ORDERS,
-        ranks_per_node=args.ranks_per_node,
+        ranks_per_node=args.ranks_per_node or None,
         llm_group_size=GROUP,
         balance=balance,
     )
@@ -234,10 +237,9 @@ def _worker(rank, world, init, args, queue):
 
 def run(args) -> dict:
     """Run the demo on ``args.ranks`` spawned processes; return the report (also as JSON)."""
-    if args.ranks % GROUP or args.ranks < GROUP:
-        raise ValueError(f"--ranks must be a positive multiple of {GROUP}")
-    if args.ranks_per_node and args.ranks % args.ranks_per_node:
-        raise ValueError("--ranks-per-node must divide --ranks")
+    msg = check_args(args)
+    if msg:
+        raise ValueError(msg)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -362,29 +364,71 @@ def plot(rep: dict, path: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmbalance demo", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4, help="processes (even; LLM groups of 2)")
-    p.add_argument("--steps", type=int, default=6)
+    p = argparse.ArgumentParser(
+        prog="mmbalance demo",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=4,
+        help=f"processes to spawn (a multiple of {GROUP}: LLM groups of {GROUP})",
+    )
+    p.add_argument("--steps", type=int, default=6, help="training steps (of each run)")
     p.add_argument("--per-rank", type=int, default=16, help="examples each rank samples per step")
     p.add_argument("--no-balance", action="store_true", help="train only without balancing")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per (simulated) node")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per (simulated) node; 0: one node")
+    p.add_argument(
+        "--dtype", choices=["float32", "float64"], default="float32", help="parameter and activation dtype"
+    )
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and the initialization (>= 0)")
     p.add_argument("--cpu", action="store_true", help="stay on CPU/gloo even when GPUs are present")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="plot losses and per-phase balance to FILE.png")
     return p
+
+
+MAX_RANKS = 64  # processes on one machine
+
+
+def check_args(args) -> str | None:
+    """Why the arguments cannot run, or ``None``. Checked before any process starts."""
+    if args.ranks < GROUP or args.ranks % GROUP:
+        return f"--ranks must be a positive multiple of {GROUP}, got {args.ranks}"
+    if args.ranks > MAX_RANKS:
+        return (
+            f"--ranks {args.ranks} is more processes than this demo runs on one machine (at most {MAX_RANKS})"
+        )
+    if args.steps < 1:
+        return f"--steps must be >= 1, got {args.steps}"
+    if args.per_rank < 1:
+        return f"--per-rank must be >= 1, got {args.per_rank}"
+    if args.ranks_per_node < 0 or (args.ranks_per_node and args.ranks % args.ranks_per_node):
+        return f"--ranks-per-node must divide --ranks ({args.ranks}), got {args.ranks_per_node}"
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        return f"--lr must be a positive number, got {args.lr}"
+    if args.seed < 0:
+        return f"--seed must be >= 0, got {args.seed}"
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        return f"--timeout must be a positive number of seconds, got {args.timeout}"
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        msg = check_output(path, flag)
+        if msg:
+            return msg
+    if args.plot:
+        return require_matplotlib("mmbalance demo")
+    return None
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        rep = run(args)
-    except ValueError as exc:
-        print(f"mmbalance demo: {exc}", file=sys.stderr)
-        return 2
+    msg = check_args(args)
+    if msg:
+        return usage_error("mmbalance demo", msg)
+    rep = run(args)
     if "max_relative_loss_difference" in rep and rep["max_relative_loss_difference"] > (
         1e-6 if args.dtype == "float64" else 1e-3
     ):

@@ -121,5 +121,9 @@ def base_parser(description: str):
 
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", metavar="FILE", help="append result rows to FILE as JSON lines")
-    p.add_argument("--full", action="store_true", help="the full sweep instead of the quick one")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="the full sweep instead of the default one")
+    size.add_argument(
+        "--quick", action="store_true", help="a smoke run: the smallest sizes only (same rows, fewer of them)"
+    )
     return p

@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    from bench.harness import git_sha
+    from .harness import git_sha
 
     capability, ptxas_arch = _arch(args.arch)
     configs, rows = discover(args.only)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from bench.harness import Row, base_parser, device_name, report, time_cpu
+from .harness import Row, base_parser, device_name, report, time_cpu
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,11 +72,18 @@ def _makespan(lengths: np.ndarray, dst: np.ndarray, d: int) -> float:
     return float(np.bincount(dst, weights=lengths, minlength=d).max())
 
 
-def bench_speed(full: bool) -> list[Row]:
+def scales(args) -> list[int]:
+    """Rank counts of the speed and locality tables."""
+    if args.quick:
+        return [64]
+    return [64, 256, 512, 1024, 2560] if args.full else [64, 512, 2560]
+
+
+def bench_speed(ranks: list[int], full: bool) -> list[Row]:
     rows = []
     dev = device_name()
     kk = _verl()
-    for d in [64, 512, 2560] if not full else [64, 256, 512, 1024, 2560]:
+    for d in ranks:
         lengths = mixture(PER_RANK * d, d).llm
         src = np.repeat(np.arange(d), PER_RANK)
         lb = lower_bound(lengths, d)
@@ -184,10 +191,10 @@ def bench_policies(full: bool) -> list[Row]:
     return rows
 
 
-def bench_locality(full: bool) -> list[Row]:
+def bench_locality(ranks: list[int], full: bool, exact: bool = True) -> list[Row]:
     rows = []
     dev = device_name()
-    for d in [64, 512, 2560] if not full else [64, 256, 512, 1024, 2560]:
+    for d in ranks:
         for seed in range(1 if not full else 3):
             lengths = mixture(PER_RANK * d, 100 + seed).llm
             src = np.repeat(np.arange(d), PER_RANK)
@@ -198,7 +205,7 @@ def bench_locality(full: bool) -> list[Row]:
             )
             ours = post_balance(lengths, d, src_ranks=src, ranks_per_node=RANKS_PER_NODE)
             plain = post_balance(lengths, d)
-            method = "exact" if d <= 64 else "fast"
+            method = "exact" if d <= 64 and exact else "fast"
             t_perm = time_cpu(
                 lambda: node_wise_permutation(plain, RANKS_PER_NODE, src_ranks=src, method=method),
                 reps=1,
@@ -271,7 +278,9 @@ def bench_phases(full: bool) -> list[Row]:
 def main(argv=None) -> None:
     args = base_parser(__doc__.splitlines()[0]).parse_args(argv)
     report(
-        bench_speed(args.full), args.json, "1. speed and quality of one 'sum' plan (real-data LLM lengths)"
+        bench_speed(scales(args), args.full),
+        args.json,
+        "1. speed and quality of one 'sum' plan (real-data LLM lengths)",
     )
     report(
         bench_policies(args.full),
@@ -279,14 +288,15 @@ def main(argv=None) -> None:
         "2. every policy vs the paper's algorithm (makespan / lower bound)",
     )
     report(
-        bench_locality(args.full),
+        bench_locality(scales(args), args.full, exact=not args.quick),
         args.json,
         "3. locality: ours vs plain + node-wise permutation (alg. 3), 8 ranks/node",
     )
     report(bench_phases(args.full), args.json, "4. per-phase balance before/after (max/mean of batch cost)")
-    from . import planners_extra
+    if not args.quick:
+        from . import planners_extra
 
-    planners_extra.run(args.full, args.json)
+        planners_extra.run(args.full, args.json)
 
 
 if __name__ == "__main__":

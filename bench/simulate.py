@@ -37,6 +37,7 @@ import numpy as np
 
 from mmbalance.balancing import paper_algorithm, post_balance
 from mmbalance.balancing.datasets import ExampleSizes, mixture
+from mmbalance.cli import check_output, require_matplotlib, usage_error
 
 PEAK_FLOPS = 989e12 * 0.45  # H100 dense bf16 at a 45% efficiency, the same for every phase
 
@@ -78,10 +79,61 @@ PHASES = ("vision", "audio", "llm")
 STRATEGIES = ("none", "llm-only", "per-phase", "ours")
 
 
+COLUMNS = ("vision", "audio", "text")
+MAX_SIZE = 2**31 - 1  # tokens of one example part: what an int32 cu_seqlens can address
+
+
+def _int_value(v) -> int | None:
+    """``v`` as a non-negative int within ``MAX_SIZE``, or ``None`` (bools and fractions are not sizes)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, str):
+        v = v.strip()
+        try:
+            return int(v) if v else None
+        except ValueError:
+            try:
+                f = float(v)
+            except ValueError:
+                return None
+            v = f
+    if isinstance(v, float):
+        if not (v == v and abs(v) != float("inf")) or not v.is_integer():
+            return None
+        return int(v)
+    return v if isinstance(v, int) else None
+
+
+def _check_columns(path: str, lineno: int, names: list[str]) -> None:
+    seen, dup = set(), []
+    for c in names:
+        if c in seen:
+            dup.append(c)
+        seen.add(c)
+    unknown = [c for c in names if c not in COLUMNS]
+    missing = [c for c in COLUMNS if c not in seen]
+    problems = []
+    if dup:
+        problems.append(f"duplicate column(s) {sorted(set(dup))}")
+    if unknown:
+        problems.append(f"unknown column(s) {unknown}")
+    if missing:
+        problems.append(f"missing column(s) {missing}")
+    if problems:
+        raise ValueError(
+            f"{path} line {lineno}: {'; '.join(problems)} (the columns are exactly {', '.join(COLUMNS)})"
+        )
+
+
 def load_table(path: str) -> ExampleSizes:
-    """Per-example sizes from a CSV (header row) or JSONL file; errors name the line."""
-    rows: list[dict] = []
-    with open(path) as f:
+    """Per-example sizes from a CSV (header row) or JSONL file; errors name the line.
+
+    The columns (CSV header, JSONL keys) are exactly ``vision``, ``audio`` and ``text``, in any
+    order: an unknown, missing or repeated column is an error, never a column of zeros. A UTF-8
+    byte-order mark (as Excel writes it) is skipped. Values are integers in ``[0, 2**31)``.
+    """
+    rows: list[tuple[int, object]] = []
+    with open(path, encoding="utf-8-sig", newline="") as f:
         if path.endswith((".jsonl", ".json")):
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -90,26 +142,42 @@ def load_table(path: str) -> ExampleSizes:
                     rows.append((lineno, json.loads(line)))
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
+            for lineno, r in rows:
+                if not isinstance(r, dict):
+                    raise ValueError(
+                        f"{path} line {lineno}: expected an object with keys vision, audio, text"
+                    )
+                _check_columns(path, lineno, list(r))
         else:
-            reader = csv.DictReader(f)
-            if reader.fieldnames is None or "text" not in reader.fieldnames:
-                raise ValueError(f"{path} line 1: the header must name the columns vision, audio, text")
-            rows = [(k + 2, r) for k, r in enumerate(reader)]
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                raise ValueError(f"{path}: empty file (expected a header naming vision, audio, text)")
+            names = [h.strip() for h in header]
+            _check_columns(path, 1, names)
+            for values in reader:
+                lineno = reader.line_num
+                if not values or all(not v.strip() for v in values):
+                    continue
+                if len(values) != len(names):
+                    raise ValueError(
+                        f"{path} line {lineno}: {len(values)} fields, the header has {len(names)}"
+                    )
+                rows.append((lineno, dict(zip(names, values))))
     if not rows:
         raise ValueError(f"{path}: no examples")
-    cols = {c: np.zeros(len(rows), dtype=np.int64) for c in ("vision", "audio", "text")}
+    cols = {c: np.zeros(len(rows), dtype=np.int64) for c in COLUMNS}
     for k, (lineno, r) in enumerate(rows):
-        if not isinstance(r, dict):
-            raise ValueError(f"{path} line {lineno}: expected an object with vision, audio, text")
-        for c in cols:
-            v = r.get(c, 0)
-            try:
-                iv = int(v) if not isinstance(v, float) or float(v).is_integer() else None
-            except (TypeError, ValueError):
-                iv = None
-            if iv is None or iv < 0 or (c == "text" and v in (None, "")):
+        for c in COLUMNS:
+            v = r[c]
+            iv = _int_value(v)
+            if iv is None or iv < 0:
                 raise ValueError(f"{path} line {lineno}: {c!r} must be a non-negative integer, got {v!r}")
+            if iv > MAX_SIZE:
+                raise ValueError(f"{path} line {lineno}: {c!r} = {iv} is too large (at most {MAX_SIZE})")
             cols[c][k] = iv
+    if not (cols["vision"].any() or cols["audio"].any() or cols["text"].any()):
+        raise ValueError(f"{path}: every example is empty (all sizes are 0)")
     kind = np.where(cols["vision"] > 0, 0, np.where(cols["audio"] > 0, 2, 0))
     z = np.zeros_like(cols["text"])
     return ExampleSizes(cols["vision"], cols["audio"], z, z, cols["text"], kind)
@@ -243,34 +311,79 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmbalance simulate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="mmbalance simulate",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
-        "--data", help="CSV/JSONL with columns vision, audio, text (default: the shipped real-data mixture)"
+        "--data",
+        help="CSV/JSONL with exactly the columns vision, audio, text (default: the shipped real-data mixture)",
     )
     p.add_argument("--ranks", default="8,64,512,2560", help="comma-separated data-parallel sizes")
-    p.add_argument("--model", default="mllm-10b", choices=sorted(MODELS))
-    p.add_argument("--per-rank", type=int, default=60)
+    p.add_argument(
+        "--model", default="mllm-10b", choices=sorted(MODELS), help="model shape (OrchMLLM table 1)"
+    )
+    p.add_argument("--per-rank", type=int, default=60, help="examples each rank samples per step")
     p.add_argument("--steps", type=int, default=8, help="sampled steps per scale")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (>= 0)")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="plot the predicted speedups to FILE.png")
     return p
+
+
+MAX_EXAMPLES = 2**24  # examples of one simulated step (ranks x per-rank)
+
+
+def _check_args(args) -> tuple[list[int] | None, str | None]:
+    """The parsed ``--ranks``, or the message that rejects the arguments."""
+    try:
+        ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        return None, f"--ranks must be positive integers separated by commas, got {args.ranks!r}"
+    if args.per_rank < 1:
+        return None, f"--per-rank must be >= 1, got {args.per_rank}"
+    if args.steps < 1:
+        return None, f"--steps must be >= 1, got {args.steps}"
+    if args.seed < 0:
+        return None, f"--seed must be >= 0, got {args.seed}"
+    if max(ranks) * args.per_rank > MAX_EXAMPLES:
+        return None, (
+            f"--ranks {max(ranks)} x --per-rank {args.per_rank} is {max(ranks) * args.per_rank} examples per "
+            f"step; at most {MAX_EXAMPLES} are simulated"
+        )
+    from mmbalance.balancing._validate import MAX_RANKS
+
+    if max(ranks) > MAX_RANKS:
+        return None, f"--ranks {max(ranks)} is above the planners' limit of {MAX_RANKS} ranks"
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        msg = check_output(path, flag)
+        if msg:
+            return None, msg
+    if args.plot:
+        msg = require_matplotlib("mmbalance simulate")
+        if msg:
+            return None, msg
+    return ranks, None
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
-        if not ranks or min(ranks) < 1:
-            raise ValueError
-    except ValueError:
-        print(f"mmbalance simulate: --ranks must be positive integers, got {args.ranks!r}", file=sys.stderr)
-        return 2
+    ranks, msg = _check_args(args)
+    if msg:
+        return usage_error("mmbalance simulate", msg)
     try:
         sizes = load_table(args.data) if args.data else mixture(200_000, args.seed)
-    except (OSError, ValueError) as exc:
-        print(f"mmbalance simulate: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:
+        return usage_error("mmbalance simulate", f"cannot read {args.data}: {exc.strerror or exc}")
+    except UnicodeDecodeError as exc:
+        return usage_error(
+            "mmbalance simulate", f"{args.data} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        )
+    except ValueError as exc:
+        return usage_error("mmbalance simulate", str(exc))
     rows = simulate(sizes, ranks, MODELS[args.model], args.per_rank, args.steps, args.seed)
     _print(rows, args.model)
     if args.json:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bench.harness import Row, base_parser, device_name, report, time_fn
+from .harness import Row, base_parser, device_name, report, time_fn
 
 # ---------------------------------------------------------------------------------------------
 # lengths sources: name -> f(n_seqs, mean_len, seed) -> int64 array of n_seqs lengths

@@ -1,8 +1,9 @@
 """mmbalance: load balancing for multimodal LLM training.
 
 The package is assembled from the repository's layer folders (see DESIGN.md): ``balancing``
-(planners, numpy only), ``kernels`` (Triton), ``pyops`` (``torch.ops.mmbalance.*``) and
-``collectives`` (everything that talks between ranks). Importing ``mmbalance`` is cheap and does
+(planners, numpy only), ``kernels`` (Triton), ``pyops`` (``torch.ops.mmbalance.*``),
+``collectives`` (everything that talks between ranks), ``integrations`` (Hugging Face models, data
+samplers) and ``bench`` (benchmarks, demo, simulator). Importing ``mmbalance`` is cheap and does
 not import torch, so ``mmbalance.balancing`` can be used in data-loader workers.
 """
 
@@ -20,7 +21,7 @@ _repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isfile(os.path.join(_repo, "pyproject.toml")) and os.path.isdir(os.path.join(_repo, "balancing")):
     __path__.append(_repo)  # type: ignore[name-defined]  # noqa: F821
 
-_SUBMODULES = ("balancing", "kernels", "pyops", "collectives")
+_SUBMODULES = ("balancing", "kernels", "pyops", "collectives", "integrations", "bench")
 
 
 def __getattr__(name: str):
@@ -31,4 +32,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mmbalance' has no attribute {name!r}")
 
 
-__all__ = ["Plan", "post_balance", "__version__", *_SUBMODULES]
+# ``from mmbalance import *`` binds only what needs no torch: the planners. The torch layers
+# (``kernels``, ``pyops``, ``collectives``, ``integrations``, ``bench``) load on attribute access.
+__all__ = ["Plan", "post_balance", "__version__", "balancing"]

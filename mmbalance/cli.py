@@ -1,8 +1,14 @@
-"""The ``mmbalance`` command line: ``mmbalance bench|demo|simulate``."""
+"""The ``mmbalance`` command line: ``mmbalance bench|demo|simulate``, ``mmbalance --version``.
+
+Every command runs from an installed package (the benchmarks, demo and simulator are
+``mmbalance.bench``). Mistakes in the arguments or the input files end in one line on stderr and
+exit status 2, never in a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import os
 import sys
@@ -10,36 +16,79 @@ import sys
 BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap")
 
 
-def _repo_root() -> str | None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return root if os.path.isdir(os.path.join(root, "bench")) else None
+def usage_error(prog: str, message: str) -> int:
+    """Print ``prog: message`` on stderr and return the usage-error exit status (2)."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    return 2
+
+
+def require_matplotlib(prog: str, flag: str = "--plot") -> str | None:
+    """``None`` if matplotlib imports; otherwise the message to fail with (before any work runs)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return f"{flag} needs matplotlib, which does not import here ({exc}); pip install 'matplotlib>=3.8'"
+    return None
+
+
+def check_output(path: str | None, flag: str) -> str | None:
+    """``None`` if ``path`` (an output file named by ``flag``) can be written; else why not."""
+    if not path:
+        return None
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return f"{flag} {path} is a directory; name a file"
+    parent = os.path.dirname(full)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if (
+        not os.path.isdir(parent)
+        or not os.access(parent, os.W_OK)
+        or (os.path.exists(full) and not os.access(full, os.W_OK))
+    ):
+        return f"{flag} {path} cannot be written"
+    return None
+
+
+def fresh_path(directory: str, stem: str, suffix: str) -> str:
+    """A path in ``directory`` that does not exist yet: ``stem-<UTC time>[-k]suffix``."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(directory, f"{stem}-{stamp}{suffix}")
+    k = 1
+    while os.path.exists(path):
+        path = os.path.join(directory, f"{stem}-{stamp}-{k}{suffix}")
+        k += 1
+    return path
 
 
 def _bench(args: argparse.Namespace) -> int:
-    root = _repo_root()
-    if root is None:
-        print(
-            "mmbalance bench runs from a source checkout (the bench/ folder is not installed)",
-            file=sys.stderr,
-        )
-        return 2
-    sys.path.insert(0, root)
-
-    json_path = args.json or os.path.join(root, "results", "bench.jsonl")
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    if not args.json and os.path.exists(json_path):
-        os.remove(json_path)
     unknown = [n for n in args.only if n not in BENCHES]
     if unknown:
-        print(f"mmbalance bench: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}", file=sys.stderr)
-        return 2
+        return usage_error(
+            "mmbalance bench", f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}"
+        )
+    if args.json:
+        json_path = os.path.abspath(args.json)
+        if os.path.isdir(json_path):
+            return usage_error("mmbalance bench", f"--json {args.json} is a directory; name a file")
+    else:
+        # Never overwrite or delete a file the user has: every run gets its own.
+        json_path = os.path.abspath(fresh_path(os.getcwd(), "mmbalance-bench", ".jsonl"))
+    try:
+        os.makedirs(os.path.dirname(json_path), exist_ok=True)
+        with open(json_path, "a"):
+            pass
+    except OSError as exc:
+        return usage_error("mmbalance bench", f"cannot write {json_path}: {exc.strerror or exc}")
+    print(f"results: {json_path} (JSON rows, appended)", flush=True)
     names = args.only or list(BENCHES)
+    extra = ["--full"] if args.full else ["--quick"] if args.quick else []
     failed = []
     for name in names:
         print(f"\n#### bench.{name}", flush=True)
         try:
-            mod = importlib.import_module(f"bench.{name}")
-            mod.main((["--full"] if args.full else []) + ["--json", json_path])
+            mod = importlib.import_module(f"mmbalance.bench.{name}")
+            mod.main(extra + ["--json", json_path])
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - one failing benchmark does not stop the rest
             if isinstance(exc, SystemExit) and not exc.code:
                 continue
@@ -47,17 +96,17 @@ def _bench(args: argparse.Namespace) -> int:
             failed.append(name)
     if not args.only:
         print("\n#### bench.kernel_audit (sm_90, sm_80)", flush=True)
-        audit = importlib.import_module("bench.kernel_audit")
+        audit = importlib.import_module("mmbalance.bench.kernel_audit")
+        stem = json_path[: -len(".jsonl")] if json_path.endswith(".jsonl") else json_path
         for arch in ("sm_90", "sm_80"):
             try:
-                rc = audit.main(
-                    ["--arch", arch, "--json", os.path.join(os.path.dirname(json_path), f"audit_{arch}.json")]
-                )
+                rc = audit.main(["--arch", arch, "--json", f"{stem}.audit_{arch}.json"])
             except SystemExit as exc:
                 rc = exc.code
             if rc:
                 failed.append(f"kernel_audit[{arch}]")
     _summary(json_path)
+    print(f"\nresults written to {json_path}")
     if failed:
         print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
@@ -99,32 +148,43 @@ def _summary(json_path: str) -> None:
 
 
 def _delegate(module: str, argv: list[str]) -> int:
-    root = _repo_root()
-    if root is None:
-        print(
-            f"mmbalance {module.split('.')[-1]} runs from a source checkout (bench/ is not installed)",
-            file=sys.stderr,
-        )
-        return 2
-    sys.path.insert(0, root)
     return int(importlib.import_module(module).main(argv) or 0)
+
+
+def _version() -> str:
+    from mmbalance import __version__
+
+    return f"mmbalance {__version__}"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # demo and simulate own their flags; hand them everything after the subcommand
     if argv and argv[0] == "demo":
-        return _delegate("bench.demo", argv[1:])
+        return _delegate("mmbalance.bench.demo", argv[1:])
     if argv and argv[0] == "simulate":
-        return _delegate("bench.simulate", argv[1:])
+        return _delegate("mmbalance.bench.simulate", argv[1:])
     p = argparse.ArgumentParser(prog="mmbalance", description="Load balancing for multimodal LLM training.")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="end-to-end balanced training on N ranks (mmbalance demo --help)")
     sub.add_parser("simulate", help="what balancing gives at your scale (mmbalance simulate --help)")
-    b = sub.add_parser("bench", help="run the benchmark suite (quick by default)")
-    b.add_argument("only", nargs="*", metavar="NAME", help=f"benchmarks to run, of {', '.join(BENCHES)} (default: all)")
-    b.add_argument("--full", action="store_true", help="the full sweep")
-    b.add_argument("--json", metavar="FILE", help="append JSON rows to FILE")
+    b = sub.add_parser(
+        "bench",
+        help="run the benchmark suite (quick by default)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    b.add_argument(
+        "only", nargs="*", metavar="NAME", help=f"benchmarks to run, of {', '.join(BENCHES)} (default: all)"
+    )
+    size = b.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="the full sweep")
+    size.add_argument("--quick", action="store_true", help="a smoke run: the smallest sizes only")
+    b.add_argument(
+        "--json",
+        metavar="FILE",
+        help="append JSON rows to FILE (default: a new file mmbalance-bench-<time>.jsonl here)",
+    )
     b.set_defaults(func=_bench)
     args = p.parse_args(argv)
     return int(args.func(args) or 0)

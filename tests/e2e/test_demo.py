@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import demo
+from mmbalance.bench import demo
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -1,6 +1,6 @@
 import json
 
-from bench import regress
+from mmbalance.bench import regress
 
 
 def _write(path, rows):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench import simulate as sim
 from mmbalance.balancing.datasets import ExampleSizes
+from mmbalance.bench import simulate as sim
 
 
 def test_phase_times_by_hand():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import kernel_audit
+from mmbalance.bench import kernel_audit
 from mmbalance.kernels import attention, attention_bwd, merge
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def test_attention_kernels_use_tensor_cores_without_spills(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "bench.kernel_audit",
+        "mmbalance.bench.kernel_audit",
         "--arch",
         "sm_90",
         "--only",

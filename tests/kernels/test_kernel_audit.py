@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import kernel_audit
+from mmbalance.bench import kernel_audit
 from mmbalance.kernels import varlen
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def test_audit_compiles_varlen_kernels_to_128_bit_accesses(tmp_path, arch="sm_90
     cmd = [
         sys.executable,
         "-m",
-        "bench.kernel_audit",
+        "mmbalance.bench.kernel_audit",
         "--arch",
         arch,
         "--only",
