@@ -6,6 +6,7 @@
   :class:`ColumnParallelLinear`, :class:`RowParallelLinear`.
 """
 
+from .agreement import RankMismatchError
 from .alltoall import Route, gather_lengths, rebalance, route_of, verify_plan
 from .group_pool import GroupPool
 from .orchestrator import Orchestrator, PhaseSpec, StepPlan, broadcast_from_leader, connector_lengths
@@ -20,6 +21,7 @@ __all__ = [
     "Orchestrator",
     "OverlapCostModel",
     "PhaseSpec",
+    "RankMismatchError",
     "RingPlan",
     "Route",
     "RowParallelLinear",

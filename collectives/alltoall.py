@@ -31,6 +31,8 @@ from mmbalance.balancing import Plan
 from mmbalance.balancing._validate import as_lengths
 from mmbalance.pyops import segment_gather
 
+from .agreement import agree, comm_device, global_grad_bits
+
 __all__ = ["gather_lengths", "rebalance", "Route", "route_of", "verify_plan"]
 
 
@@ -44,11 +46,60 @@ def _world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _comm_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _as_table(local_lengths, name: str) -> tuple[np.ndarray, bool]:
+    """``local_lengths`` as an int64 ``[n, k]`` matrix, and whether it came in as 2-D."""
+    if isinstance(local_lengths, Tensor):
+        local_lengths = local_lengths.detach().cpu().numpy()
+    try:
+        arr = np.asarray(local_lengths)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be a sequence of non-negative integers") from exc
+    if arr.ndim == 2:
+        cols = [as_lengths(arr[:, j], f"{name}[:, {j}]") for j in range(arr.shape[1])]
+        mat = np.stack(cols, axis=1) if cols else np.zeros((arr.shape[0], 0), dtype=np.int64)
+        return mat, True
+    if arr.ndim == 1 or arr.size == 0:
+        return as_lengths(arr.reshape(-1), name)[:, None], False
+    raise ValueError(f"{name} must be 1-D or 2-D, got shape {arr.shape}")
+
+
+def gather_table(
+    mat: np.ndarray | None,
+    group=None,
+    *,
+    entry: str = "gather_lengths",
+    problems: list[str] | None = None,
+    local_error: BaseException | None = None,
+    fields: dict[str, object] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """All-gather an int64 ``[n_r, k]`` table per rank (rank-major); ``mat=None`` with ``problems``
+    when this rank's input failed validation (every rank then raises, naming it)."""
+    rank, world = _world(group)
+    dev = comm_device(group)
+    k = mat.shape[1] if mat is not None else -1
+    count = mat.shape[0] if mat is not None else 0
+    # One agreement: the row counts, the column count (must match) and every rank's validation.
+    agreed = agree(
+        entry,
+        group,
+        fields={"columns": k, **(fields or {})},
+        values=[count],
+        problems=problems or [],
+        device=dev,
+        local_error=local_error,
+    )
+    counts = np.asarray(agreed.column(0), dtype=np.int64)
+    width = int(counts.max()) if world else 0
+    buf = torch.zeros((max(width, 1), max(k, 1)), dtype=torch.int64, device=dev)
+    if count and k:
+        buf[:count, :k] = torch.from_numpy(mat).to(dev)
+    bufs = torch.empty(world * buf.numel(), dtype=torch.int64, device=dev)
+    dist.all_gather_single(bufs, buf.reshape(-1), group=group)
+    gathered = bufs.cpu().numpy().reshape(world, *buf.shape)
+    parts = [gathered[r, : int(c), :k] for r, c in enumerate(counts)]
+    table = np.concatenate(parts, axis=0) if parts else np.zeros((0, k), dtype=np.int64)
+    src = np.repeat(np.arange(world, dtype=np.int64), counts)
+    return np.ascontiguousarray(table), src
 
 
 def gather_lengths(local_lengths, group=None) -> tuple[np.ndarray, np.ndarray]:
@@ -63,39 +114,22 @@ def gather_lengths(local_lengths, group=None) -> tuple[np.ndarray, np.ndarray]:
         ``(lengths, src_ranks)``: int64 numpy arrays ``[n]`` (or ``[n, k]``) and ``[n]``, rank-major
         (rank 0's examples first, each rank's in its own order): exactly what ``post_balance``
         takes, identical on every rank.
+
+    Raises:
+        RankMismatchError on every rank (``ValueError``/``TypeError`` on the rank at fault) when
+        some rank's lengths are invalid or ranks pass different column counts; the lengths are
+        checked inside the exchange, so no rank is left waiting.
     """
-    rank, world = _world(group)
-    if isinstance(local_lengths, Tensor):
-        local_lengths = local_lengths.detach().cpu().numpy()
-    arr = np.asarray(local_lengths)
-    if arr.ndim == 2:
-        cols = [as_lengths(arr[:, j], "local_lengths") for j in range(arr.shape[1])]
-        mat = np.stack(cols, axis=1) if cols else np.zeros((arr.shape[0], 0), dtype=np.int64)
-    elif arr.ndim == 1 or arr.size == 0:
-        mat = as_lengths(arr.reshape(-1), "local_lengths")[:, None]
-    else:
-        raise ValueError(f"local_lengths must be 1-D or 2-D, got shape {arr.shape}")
-    k = mat.shape[1]
-    dev = _comm_device(group)
-    # One small all-gather of (count, columns) so that ranks with a different k fail loudly.
-    meta = torch.tensor([mat.shape[0], k], dtype=torch.int64, device=dev)
-    metas = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(metas, meta, group=group)
-    metas_np = torch.stack(metas).cpu().numpy()
-    if np.any(metas_np[:, 1] != k):
-        raise ValueError(f"local_lengths has {k} columns here but {metas_np[:, 1].tolist()} across ranks")
-    counts = metas_np[:, 0]
-    width = int(counts.max()) if world else 0
-    buf = torch.zeros((max(width, 1), k), dtype=torch.int64, device=dev)
-    buf[: mat.shape[0]] = torch.from_numpy(mat).to(dev)
-    bufs = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(bufs, buf, group=group)
-    parts = [b[: int(c)].cpu().numpy() for b, c in zip(bufs, counts)]
-    lengths = np.concatenate(parts, axis=0) if parts else np.zeros((0, k), dtype=np.int64)
-    src = np.repeat(np.arange(world, dtype=np.int64), counts)
-    if arr.ndim != 2:
-        lengths = lengths[:, 0]
-    return np.ascontiguousarray(lengths), src
+    _world(group)
+    mat, two_d, problems, err = None, False, [], None
+    try:
+        mat, two_d = _as_table(local_lengths, "local_lengths")
+    except (TypeError, ValueError) as exc:
+        problems, err = [str(exc)], exc
+    lengths, src = gather_table(mat, group, entry="gather_lengths", problems=problems, local_error=err)
+    if not two_d:
+        lengths = np.ascontiguousarray(lengths[:, 0]) if lengths.shape[1] else lengths.reshape(-1)
+    return lengths, src
 
 
 @dataclass(frozen=True)
@@ -170,52 +204,41 @@ def _cu(lengths: np.ndarray, device) -> Tensor:
     return torch.from_numpy(cu).to(device)
 
 
-def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route) -> list[str]:
-    """What is wrong with this rank's inputs for this route (host-side checks, plus values on CPU)."""
+def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route, check: bool) -> list[str]:
+    """What is wrong with this rank's inputs for this route (host-side checks, plus the per-example
+    lengths when ``check`` and they need no device sync)."""
     problems = []
     n = route.in_lengths.size
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != n + 1:
-        problems.append(
-            f"cu_seqlens has {cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else '?'} examples, the plan {n}"
-        )
+        got = cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else f"shape {tuple(cu_seqlens.shape)}"
+        problems.append(f"cu_seqlens describes {got} examples here, the plan {n}")
     for k, t in enumerate(tensors):
         if t.dim() < 1 or t.shape[0] != route.in_tokens:
             problems.append(
-                f"tensor {k} has {t.shape[0] if t.dim() else 0} rows, the plan {route.in_tokens} tokens"
+                f"packed[{k}] has {t.shape[0] if t.dim() else 'no'} rows, the plan {route.in_tokens} tokens here"
             )
-    if not problems and (cu_seqlens.device.type == "cpu" or _debug()):
+    if not problems and check and (cu_seqlens.device.type == "cpu" or _debug()):
         got = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu().numpy()
-        if not np.array_equal(got, route.in_lengths):
+        if int(cu_seqlens[0]) != 0:
+            problems.append(f"cu_seqlens[0] = {int(cu_seqlens[0])}, must be 0")
+        elif not np.array_equal(got, route.in_lengths):
             bad = int(np.flatnonzero(got != route.in_lengths)[0])
-            problems.append(f"example {bad} has length {got[bad]}, the plan {route.in_lengths[bad]}")
+            problems.append(f"cu_seqlens: example {bad} has length {got[bad]}, the plan {route.in_lengths[bad]}")
     return problems
+
+
+def _plan_key(plan: Plan) -> str:
+    return plan.digest()[:8].hex()
 
 
 def verify_plan(plan: Plan, problems: list[str] | None = None, group=None) -> None:
     """Collective check that every rank holds the same plan and inputs that fit it.
 
-    Raises the same ``RuntimeError`` on every rank when plans differ (by hash) or some rank reported
-    ``problems``; returns on every rank otherwise.
+    Raises the same :class:`~mmbalance.collectives.RankMismatchError` on every rank when plans
+    differ (by hash) or some rank reported ``problems``; returns on every rank otherwise.
     """
-    rank, world = _world(group)
-    h = int.from_bytes(plan.digest()[:8], "little", signed=True)
-    mine = torch.tensor([h, 0 if problems else 1], dtype=torch.int64, device=_comm_device(group))
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    every = torch.stack(every).cpu().numpy()
-    msgs = []
-    if len(set(every[:, 0].tolist())) > 1:
-        msgs.append(
-            f"ranks computed different plans (plan hash by rank: {[hex(int(x) & (2**64 - 1)) for x in every[:, 0]]})"
-        )
-    bad = np.flatnonzero(every[:, 1] == 0).tolist()
-    if bad:
-        msgs.append(
-            f"inputs disagree with the plan on ranks {bad}"
-            + (f"; here: {'; '.join(problems)}" if problems else "")
-        )
-    if msgs:
-        raise RuntimeError("rebalance refused: " + " and ".join(msgs))
+    _world(group)
+    agree("verify_plan", group, fields={"plan": _plan_key(plan)}, problems=problems or [])
 
 
 def _exchange_one(t: Tensor, cu_seqlens: Tensor, order: Tensor, route: Route, group, recv_cu) -> Tensor:
@@ -259,31 +282,50 @@ def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, gr
 
 class _Rebalance(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan, group, rank, cu_seqlens, *tensors):
+    def forward(ctx, plan, group, rank, grad_bits, cu_seqlens, anchor, *tensors):
         route = route_of(plan, rank)
-        ctx.plan, ctx.group, ctx.rank = plan, group, rank
+        ctx.plan, ctx.group, ctx.rank, ctx.grad_bits = plan, group, rank, grad_bits
         ctx.cu_device = cu_seqlens.device
-        return tuple(_exchange(list(tensors), cu_seqlens, route, group))
+        outs = _exchange(list(tensors), cu_seqlens, route, group)
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
+        for o in outs:
+            if not (o.is_floating_point() or o.is_complex()):
+                ctx.mark_non_differentiable(o)
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
+        # The backward all-to-all runs on every rank whenever any rank needs a gradient (the bits
+        # are global), with a zero gradient for an output this rank's loss did not use: every rank
+        # sends the same set of payloads, so the collective always matches.
         inverse = _inverse_of(ctx.plan)
         route = route_of(inverse, ctx.rank)
         fwd = route_of(ctx.plan, ctx.rank)
         cu_out = _cu(fwd.out_lengths, ctx.cu_device)
-        grads = [None if g is None else g.contiguous() for g in grads]
-        back = _exchange(grads, cu_out, route, ctx.group)
-        return (None, None, None, None, *back)
+        send: list[Tensor | None] = []
+        for k, (g, (shape, dtype, device)) in enumerate(zip(grads, ctx.out_meta)):
+            if not (ctx.grad_bits >> k) & 1:
+                send.append(None)
+            elif g is None:
+                send.append(torch.zeros(shape, dtype=dtype, device=device))
+            else:
+                send.append(g.contiguous())
+        back = _exchange(send, cu_out, route, ctx.group)
+        needs = ctx.needs_input_grad[6:]
+        return (None,) * 6 + tuple(b if need else None for b, need in zip(back, needs))
 
 
 _INVERSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _inverse_of(plan: Plan) -> Plan:
     if plan not in _INVERSES:
         _INVERSES[plan] = plan.inverse()
     return _INVERSES[plan]
+
+
+def _payload_fields(tensors: list[Tensor]) -> dict[str, object]:
+    return {f"packed[{k}]": (t.dtype, tuple(t.shape[1:])) for k, t in enumerate(tensors)}
 
 
 def rebalance(
@@ -299,48 +341,82 @@ def rebalance(
     Args:
         packed: ``[T, *]`` this rank's examples back to back in sampling order, or a list/tuple of
             such tensors sharing ``cu_seqlens`` (tokens, labels, position ids ...: one plan moves
-            them all; any dtypes and trailing shapes).
+            them all; any dtypes and trailing shapes). A rank with no examples passes empty
+            tensors of the same dtypes and trailing shapes as the other ranks.
         cu_seqlens: ``[n_r + 1]`` int32/int64 boundaries of the local examples (on the payload's
             device); example lengths must equal ``plan.lengths`` (use ``plan.with_lengths`` for a
             payload of other lengths, e.g. encoder outputs).
         plan: a plan with a source layout, identical on every rank (``post_balance(...,
             src_ranks=...)`` on the all-gathered lengths).
         group: process group of ``plan.num_ranks`` ranks (default: the world).
-        check: all-gather a hash of the plan and a flag of whether the inputs fit it before the
-            first move of each plan (default ``True``); every rank then raises on a mismatch.
+        check: also compare every example's length in ``cu_seqlens`` with the plan (always on CPU
+            tensors; on CUDA it needs a device sync, so only with ``MMBALANCE_DEBUG=1``).
+
+    Every call first runs one small agreement collective (64 bytes per rank): every rank's plan
+    hash, payload dtypes and trailing shapes, ``check`` flag, example and token counts, and which
+    payloads need gradients. Any disagreement, or a bad input on any rank, raises
+    :class:`~mmbalance.collectives.RankMismatchError` on every rank, naming the rank and the
+    argument, before any data moves.
 
     Returns:
         ``(out, out_cu_seqlens)``: the examples the plan sends to this rank in ``dst_slot`` order
         (a list if ``packed`` was a list/tuple), and their int32 ``cu_seqlens``. Differentiable in
         every floating-point input: backward sends gradients back along the inverse plan.
 
-    Backward is a collective too: every rank must reach it, so keep each rank's ``out`` in its
-    loss even when the plan gave it nothing (an empty tensor is fine); a rank that drops its
-    output from the graph leaves the others waiting until the process group's timeout.
+    Backward is a collective too. When any rank's payload requires grad, every rank's outputs do
+    (also on a rank whose own inputs do not), so the backward all-to-all runs on every rank that
+    calls ``backward``; keep each rank's ``out`` in its loss even when the plan gave it nothing
+    (an empty tensor is fine). A rank under ``torch.no_grad`` while others need gradients is
+    refused on every rank.
     """
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+    rank, world = _world(group)
+    problems: list[str] = []
+    err: BaseException | None = None
+    fields: dict[str, object] = {}
+    grad_bits = 0
+    like = None
     many = isinstance(packed, (list, tuple))
     tensors = list(packed) if many else [packed]
-    if not tensors or not all(isinstance(t, Tensor) for t in tensors):
-        raise TypeError("packed must be a tensor or a non-empty list of tensors")
-    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError("cu_seqlens must be an int32 or int64 tensor")
-    for k, t in enumerate(tensors):
-        if t.device != cu_seqlens.device:
-            raise ValueError(f"packed[{k}] is on {t.device} but cu_seqlens on {cu_seqlens.device}")
-    rank, world = _world(group)
-    if plan.num_ranks != world:
-        raise ValueError(f"plan is for {plan.num_ranks} ranks but the group has {world}")
-    if plan.src_rank is None:
-        raise ValueError("plan has no source layout: make it with post_balance(..., src_ranks=...)")
-    route = route_of(plan, rank)
-    problems = _local_problems(tensors, cu_seqlens, route)
-    if check and not _VERIFIED.get(plan, False):
-        verify_plan(plan, problems, group)
-        _VERIFIED[plan] = True
-    elif problems:
-        raise ValueError("rebalance: " + "; ".join(problems))
-    outs = _Rebalance.apply(plan, group, rank, cu_seqlens, *tensors)
-    out_cu = _cu(route.out_lengths, cu_seqlens.device)
+    try:
+        if not tensors or not all(isinstance(t, Tensor) for t in tensors):
+            raise TypeError("packed must be a tensor or a non-empty list of tensors")
+        like = tensors[0]
+        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError("cu_seqlens must be an int32 or int64 tensor")
+        for k, t in enumerate(tensors):
+            if t.device != cu_seqlens.device:
+                raise ValueError(f"packed[{k}] is on {t.device} but cu_seqlens on {cu_seqlens.device}")
+            if t.dim() < 1:
+                raise ValueError(f"packed[{k}] must be at least 1-D ([tokens, ...]), got a 0-d tensor")
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+        if plan.num_ranks != world:
+            raise ValueError(f"plan is for {plan.num_ranks} ranks but the group has {world}")
+        if plan.src_rank is None:
+            raise ValueError("plan has no source layout: make it with post_balance(..., src_ranks=...)")
+        route = route_of(plan, rank)
+        fields = {"plan": _plan_key(plan), "check": bool(check), "payloads": len(tensors)}
+        fields.update(_payload_fields(tensors))
+        problems = _local_problems(tensors, cu_seqlens, route, check)
+        for k, t in enumerate(tensors):
+            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                grad_bits |= 1 << k
+    except (TypeError, ValueError) as exc:
+        problems, err = [str(exc)], exc
+    grad_mode = torch.is_grad_enabled()
+    agreed = agree(
+        "rebalance",
+        group,
+        fields=fields,
+        values=[grad_bits, int(grad_mode)],
+        problems=problems,
+        device=comm_device(group, like),
+        local_error=err,
+    )
+    grad_bits = global_grad_bits("rebalance", agreed, 0)
+    # When some rank needs gradients, every rank's outputs take part in autograd (the anchor), so
+    # every rank reaches the backward all-to-all.
+    anchor = torch.empty(0, device=cu_seqlens.device, requires_grad=bool(grad_bits))
+    outs = _Rebalance.apply(plan, group, rank, grad_bits, cu_seqlens, anchor, *tensors)
+    out_cu = _cu(route_of(plan, rank).out_lengths, cu_seqlens.device)
     return (list(outs) if many else outs[0]), out_cu

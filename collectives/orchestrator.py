@@ -30,10 +30,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmbalance.balancing import Plan, post_balance
+from mmbalance.balancing import POLICIES, Plan, post_balance
 from mmbalance.balancing._core_api import batch_costs
+from mmbalance.balancing._validate import as_coefficient, as_lengths
 
-from .alltoall import _world, gather_lengths, rebalance
+from .agreement import agree, comm_device, global_grad_bits
+from .alltoall import _world, gather_table, rebalance
 
 __all__ = ["PhaseSpec", "Orchestrator", "StepPlan", "TEXT", "broadcast_from_leader", "connector_lengths"]
 
@@ -55,7 +57,11 @@ class PhaseSpec:
     downsample: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.downsample, int) or self.downsample < 1:
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        for name in ("alpha", "beta"):
+            as_coefficient(getattr(self, name), name)
+        if isinstance(self.downsample, bool) or not isinstance(self.downsample, int) or self.downsample < 1:
             raise ValueError(f"downsample must be an int >= 1, got {self.downsample!r}")
 
 
@@ -234,7 +240,7 @@ class StepPlan:
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shape, group, leader):
+    def forward(ctx, x, anchor, shape, group, leader):
         ctx.group, ctx.leader, ctx.in_shape = group, leader, x.shape
         ctx.is_leader = torch.distributed.get_rank() == leader
         buf = x.contiguous().clone() if ctx.is_leader else x.new_empty(tuple(shape))
@@ -247,7 +253,7 @@ class _Broadcast(torch.autograd.Function):
         torch.distributed.reduce(grad, dst=ctx.leader, group=ctx.group)
         if not ctx.is_leader:
             grad = grad.new_zeros(ctx.in_shape)
-        return grad, None, None, None
+        return (grad if ctx.needs_input_grad[0] else None), None, None, None, None
 
 
 def broadcast_from_leader(x: Tensor, shape: Sequence[int], group, leader: int) -> Tensor:
@@ -258,10 +264,34 @@ def broadcast_from_leader(x: Tensor, shape: Sequence[int], group, leader: int) -
     is not read, but it keeps the non-leader's earlier collectives (the moves that produced it) in
     the autograd graph, so their backward all-to-alls run on every rank. ``shape`` is the leader's
     shape, known from the plan (no size exchange). ``leader`` is a global rank.
+
+    One agreement collective first: ``shape``, ``leader`` and the dtype must be the same on every
+    rank, and the leader's ``x`` must have ``shape``; otherwise every rank raises. When any rank
+    needs a gradient, every rank's output requires grad, so the backward reduction runs everywhere.
     """
-    if torch.distributed.get_rank() == leader and tuple(x.shape) != tuple(shape):
-        raise ValueError(f"x has shape {tuple(x.shape)}, expected {tuple(shape)}")
-    return _Broadcast.apply(x, tuple(shape), group, leader)
+    problems, err, fields, values = [], None, {}, [0, 0]
+    try:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+        shape = tuple(int(s) for s in shape)
+        if torch.distributed.get_rank() == leader and tuple(x.shape) != shape:
+            raise ValueError(f"x has shape {tuple(x.shape)} on the leader, expected {shape}")
+        fields = {"shape": shape, "leader": int(leader), "dtype": x.dtype, "device": x.device.type}
+        values = [int(x.requires_grad), int(torch.is_grad_enabled())]
+    except (TypeError, ValueError) as exc:
+        problems, err = [str(exc)], exc
+    agreed = agree(
+        "broadcast_from_leader",
+        group,
+        fields=fields,
+        values=values,
+        problems=problems,
+        device=comm_device(group, x if isinstance(x, Tensor) else None),
+        local_error=err,
+    )
+    needed = global_grad_bits("broadcast_from_leader", agreed, 0)
+    anchor = torch.empty(0, device=x.device, requires_grad=bool(needed))
+    return _Broadcast.apply(x, anchor, shape, group, leader)
 
 
 class Orchestrator:
@@ -313,17 +343,26 @@ class Orchestrator:
             if not isinstance(spec, PhaseSpec):
                 raise TypeError(f"encoders[{name!r}] must be a PhaseSpec")
         self.encoders = dict(encoders)
+        if not isinstance(llm, PhaseSpec):
+            raise TypeError(f"llm must be a PhaseSpec, got {type(llm).__name__}")
         self.llm = llm
         parts = [*self.encoders, TEXT]
         self.orders = [tuple(o) for o in (orders or [parts])]
+        if not self.orders:
+            raise ValueError("orders must name at least one order")
         for o in self.orders:
-            if sorted(o) != sorted(set(o)) or not set(o) <= set(parts) or TEXT not in o:
-                raise ValueError(f"order {o} must name distinct parts from {parts}, including 'text'")
+            # every part exactly once: a part left out would silently drop its tokens at assembly
+            if len(o) != len(set(o)) or set(o) != set(parts):
+                raise ValueError(f"order {o} must name every part exactly once: {parts}")
         self.group = group
         self.ranks_per_node = ranks_per_node
         self.check_plans = check_plans
-        if not isinstance(llm_group_size, int) or llm_group_size < 1:
+        if isinstance(llm_group_size, bool) or not isinstance(llm_group_size, int) or llm_group_size < 1:
             raise ValueError(f"llm_group_size must be an int >= 1, got {llm_group_size!r}")
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ValueError(f"ranks_per_node must be None or an int >= 1, got {ranks_per_node!r}")
         self.llm_group_size = llm_group_size
         self.balance = bool(balance)
         self._pool = (
@@ -340,22 +379,31 @@ class Orchestrator:
 
         Returns:
             A future of the step's :class:`StepPlan`.
+
+        Raises:
+            RankMismatchError on every rank (``ValueError``/``TypeError`` on the rank at fault)
+            when some rank's sizes are invalid or the ranks' orchestrators are configured
+            differently: the sizes are validated inside the exchange, so no rank is left waiting.
         """
         names = [*self.encoders, TEXT]
-        missing = [n for n in names if n not in sizes]
-        if missing:
-            raise ValueError(f"sizes is missing {missing}")
-        cols = [np.asarray(sizes[n]).reshape(-1) for n in names]
-        n_local = cols[0].size
-        if any(c.size != n_local for c in cols):
-            raise ValueError(
-                f"sizes must have one entry per example for every part: {[c.size for c in cols]}"
-            )
-        ids = np.zeros(n_local, dtype=np.int64) if order_ids is None else np.asarray(order_ids).reshape(-1)
-        if ids.size != n_local or (ids.size and (ids.min() < 0 or ids.max() >= len(self.orders))):
-            raise ValueError(f"order_ids must be {n_local} indices into the {len(self.orders)} orders")
-        mat = np.stack([*cols, ids], axis=1) if n_local else np.zeros((0, len(names) + 1), dtype=np.int64)
-        table, src = gather_lengths(mat, self.group)
+        mat, problems, err = None, [], None
+        _, world = _world(self.group)
+        try:
+            if world % self.llm_group_size:
+                raise ValueError(f"llm_group_size ({self.llm_group_size}) must divide the world size ({world})")
+            if self.ranks_per_node and world % self.ranks_per_node:
+                raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the world size ({world})")
+            mat = self._table(sizes, order_ids, names)
+        except (TypeError, ValueError) as exc:
+            problems, err = [str(exc)], exc
+        table, src = gather_table(
+            mat,
+            self.group,
+            entry="Orchestrator.submit",
+            problems=problems,
+            local_error=err,
+            fields={"configuration": self._config_text()},
+        )
         rank, world = _world(self.group)
         job = (table, src, rank, world)
         if self._pool is None:
@@ -363,6 +411,49 @@ class Orchestrator:
             fut.set_result(self._plan(*job))
             return fut
         return self._pool.submit(self._plan, *job)
+
+    def _table(self, sizes, order_ids, names: list[str]) -> np.ndarray:
+        """This rank's sizes and order ids as one int64 ``[n_r, parts + 1]`` table (validated)."""
+        if not isinstance(sizes, Mapping):
+            raise TypeError(f"sizes must be a mapping of part -> lengths, got {type(sizes).__name__}")
+        missing = [n for n in names if n not in sizes]
+        unknown = [n for n in sizes if n not in names]
+        if missing or unknown:
+            raise ValueError(
+                f"sizes must have exactly the parts {names}"
+                + (f"; missing {missing}" if missing else "")
+                + (f"; unknown {unknown}" if unknown else "")
+            )
+        cols = [as_lengths(np.asarray(sizes[n]).reshape(-1), f"sizes[{n!r}]") for n in names]
+        n_local = cols[0].size
+        if any(c.size != n_local for c in cols):
+            raise ValueError(
+                "sizes must have one entry per example for every part: "
+                + ", ".join(f"sizes[{n!r}] has {c.size}" for n, c in zip(names, cols))
+            )
+        if order_ids is None:
+            ids = np.zeros(n_local, dtype=np.int64)
+        else:
+            ids = as_lengths(np.asarray(order_ids).reshape(-1), "order_ids")
+            if ids.size != n_local or (ids.size and ids.max() >= len(self.orders)):
+                raise ValueError(f"order_ids must be {n_local} indices into the {len(self.orders)} orders")
+        if not n_local:
+            return np.zeros((0, len(names) + 1), dtype=np.int64)
+        return np.stack([*cols, ids], axis=1)
+
+    def _config_text(self) -> str:
+        """The configuration every rank's orchestrator must share (checked at each exchange)."""
+        return repr(
+            (
+                sorted((k, v) for k, v in self.encoders.items()),
+                self.llm,
+                self.orders,
+                self.ranks_per_node,
+                self.llm_group_size,
+                self.balance,
+                self.check_plans,
+            )
+        )
 
     def plan(self, sizes, order_ids=None) -> StepPlan:
         """:meth:`submit` and wait."""

@@ -18,10 +18,13 @@ their backward passes are built from the same sliced loops (``overlap_comm``). S
 uneven (balanced varlen batches) and empty. Accumulation happens in the GEMM's own dtype (torch's
 ``mm``), as in ``nn.Linear``.
 
-Consistency across ranks is required as for any collective: every rank must call with the same
-``chunks``, backend, layout and ``requires_grad`` pattern. When the shard sizes are exchanged by
-the call itself these are checked and a mismatch raises on every rank; when ``shard_sizes`` is
-passed in, no communication beyond the data itself happens and nothing is checked.
+Agreement across ranks: every call starts with one small all-gather (64 bytes per rank) of the
+row counts, the local widths, which gradients each rank needs, and a hash of everything that must
+be equal (``K``/``M``/``N``, dtype, ``chunks``, backend, bias, ``shard_sizes``). A mismatch or a
+bad input on any rank raises :class:`~mmbalance.collectives.RankMismatchError` on every rank
+before any data moves. The chunk count is chosen from global facts only (the gathered rows and
+the widest local shard), so uneven feature splits cannot make ranks slice differently, and the
+backward collectives run on every rank whenever any rank needs a gradient.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from .agreement import Agreement, agree, comm_device, global_grad_bits
 from .overlap_comm import BACKENDS, Transport, gather_matmul, make_transport, matmul_reduce, resolve_backend
-from .overlap_plan import ShardLayout, allgather_ints, choose_chunks, chunk_plan, comm_device
+from .overlap_plan import ShardLayout, choose_chunks, chunk_plan
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -47,6 +51,9 @@ class _Setup:
     layout: ShardLayout
     transport: Transport
     save_gathered: bool = True
+    # (x, weight, bias): whether *any* rank needs that gradient. The backward collectives run on
+    # every rank whenever any rank needs them, so they always match.
+    need: tuple[bool, bool, bool] = (True, True, True)
 
 
 def _check_tensor(t: object, name: str, ndim: int) -> torch.Tensor:
@@ -106,17 +113,34 @@ def _check_group(group: object) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-def _consistency_check(
-    group: dist.ProcessGroup | None, like: torch.Tensor, local_rows: int, fields: dict[str, int]
-) -> ShardLayout:
-    """One small all-gather: the row counts, plus fields that must agree on every rank."""
-    names = list(fields)
-    rows = allgather_ints([local_rows, *fields.values()], group, comm_device(group, like))
-    for j, name in enumerate(names, start=1):
-        seen = sorted({r[j] for r in rows})
-        if len(seen) > 1:
-            raise ValueError(f"{name} differs between ranks: {[r[j] for r in rows]}")
-    return ShardLayout(tuple(r[0] for r in rows))
+def _grad_bits(*tensors: torch.Tensor | None) -> int:
+    return sum(1 << j for j, t in enumerate(tensors) if t is not None and t.requires_grad)
+
+
+def _agree(
+    entry: str,
+    group: dist.ProcessGroup | None,
+    like: torch.Tensor | None,
+    fields: dict[str, object],
+    values: list[int],
+    problems: list[str],
+    err: BaseException | None,
+) -> tuple[Agreement, tuple[bool, bool, bool]]:
+    """The agreement step of both entry points; returns it and the global gradient needs.
+
+    ``values`` ends with (grad bits, grad mode): when any rank needs a gradient, every rank must
+    be able to run the backward collective, so a rank under ``torch.no_grad`` is refused.
+    """
+    dev = comm_device(group, like)
+    agreed = agree(entry, group, fields=fields, values=values, problems=problems, device=dev, local_error=err)
+    bits = global_grad_bits(entry, agreed, len(values) - 2)
+    return agreed, (bool(bits & 1), bool(bits & 2), bool(bits & 4))
+
+
+def _anchor(need: tuple[bool, bool, bool], like: torch.Tensor) -> torch.Tensor:
+    """An empty leaf that requires grad when any rank needs a gradient: this rank's output then
+    takes part in autograd too, so its backward collective runs."""
+    return torch.empty(0, device=like.device, requires_grad=any(need))
 
 
 def _setup(
@@ -127,14 +151,16 @@ def _setup(
     like: torch.Tensor,
     k: int,
     n: int,
+    need: tuple[bool, bool, bool],
     save_gathered: bool = True,
 ) -> _Setup:
+    """``k`` and ``n`` are global (the same on every rank), so is the chunk count chosen from them."""
     world = layout.world_size
     if chunks is None:
         chunks = choose_chunks(layout.total, k, n, world, like.dtype, like.device.type)
     plan = chunk_plan(layout, chunks)
     name = resolve_backend(backend, like, group)
-    return _Setup(group, layout, make_transport(name, group, layout, plan), save_gathered)
+    return _Setup(group, layout, make_transport(name, group, layout, plan), save_gathered, need)
 
 
 def _accumulates_per_chunk(dtype: torch.dtype) -> bool:
@@ -145,7 +171,7 @@ def _accumulates_per_chunk(dtype: torch.dtype) -> bool:
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, setup: _Setup):  # type: ignore[override]
+    def forward(ctx, x_shard, weight, bias, anchor, setup: _Setup):  # type: ignore[override]
         gathered, y = gather_matmul(setup.transport, x_shard, weight.t(), bias=bias)
         ctx.setup = setup
         ctx.has_bias = bias is not None
@@ -158,8 +184,10 @@ class _AllGatherMatmul(torch.autograd.Function):
         setup: _Setup = ctx.setup
         tr = setup.transport
         weight, saved = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = setup.need
         grad_x = grad_w = grad_b = None
+        if grad_y is None:
+            grad_y = torch.zeros(tr.layout.total, weight.shape[0], dtype=weight.dtype, device=weight.device)
         if grad_y.stride(-1) != 1:
             grad_y = grad_y.contiguous()
         regather = None
@@ -195,12 +223,14 @@ class _AllGatherMatmul(torch.autograd.Function):
             weight_grad()
         if need_b and ctx.has_bias:
             grad_b = grad_y.sum(0)
-        return grad_x, grad_w, grad_b, None
+        local = ctx.needs_input_grad
+        return (grad_x if local[0] else None, grad_w if local[1] else None, grad_b if local[2] else None,
+                None, None)  # fmt: skip
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, setup: _Setup):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, anchor, setup: _Setup):  # type: ignore[override]
         z = matmul_reduce(setup.transport, x, weight.t())
         if bias is not None:
             z.add_(bias)
@@ -215,8 +245,12 @@ class _MatmulReduceScatter(torch.autograd.Function):
         setup: _Setup = ctx.setup
         tr = setup.transport
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = setup.need
         grad_x = grad_w = grad_b = None
+        if grad_z is None:
+            grad_z = torch.zeros(
+                tr.layout.sizes[dist.get_rank(setup.group)], weight.shape[0], dtype=x.dtype, device=x.device
+            )
         bias_work = None
         if need_b and ctx.has_bias:
             # The bias is replicated: its gradient is the sum over every rank's rows.
@@ -237,7 +271,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
                 grad_w = acc if acc is not None else gathered.t().mm(x)
         if bias_work is not None:
             bias_work.wait()
-        return grad_x, grad_w, grad_b, None
+        local = ctx.needs_input_grad
+        return (grad_x if local[0] else None, grad_w if local[1] else None, grad_b if local[2] else None,
+                None, None)  # fmt: skip
 
 
 def all_gather_matmul(
@@ -278,28 +314,46 @@ def all_gather_matmul(
         ``x_shard``, ``weight`` and ``bias``: ``grad_x`` is a sliced GEMM + reduce-scatter,
         ``grad_weight = grad_y.T @ gathered`` runs while the last reductions are in flight.
     """
-    x_shard, weight, bias = _check_operands(x_shard, weight, bias, "x_shard")
-    chunks = _check_chunks(chunks)
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
-    rank, world = _check_group(group)
-    m_r, k, n = x_shard.shape[0], x_shard.shape[1], weight.shape[0]
-    if shard_sizes is None:
-        grad_pattern = int(x_shard.requires_grad) + 2 * int(weight.requires_grad) + 4 * int(bias is not None)
-        layout = _consistency_check(
-            group,
-            x_shard,
-            m_r,
-            {"x_shard.shape[1] (K)": k, "chunks": chunks or 0, "bias/requires_grad": grad_pattern},
-        )
-    else:
-        layout = ShardLayout.from_sizes(shard_sizes, world)
-        if layout.sizes[rank] != m_r:
-            raise ValueError(
-                f"shard_sizes[{rank}] = {layout.sizes[rank]} but x_shard has {m_r} rows on rank {rank}"
-            )
-    setup = _setup(group, layout, chunks, backend, x_shard, k, n, save_gathered)
-    return _AllGatherMatmul.apply(x_shard, weight, bias, setup)
+    problems: list[str] = []
+    err: BaseException | None = None
+    fields: dict[str, object] = {}
+    values = [0, 0]
+    like = x_shard if isinstance(x_shard, torch.Tensor) else None
+    try:
+        x_shard, weight, bias = _check_operands(x_shard, weight, bias, "x_shard")
+        chunks = _check_chunks(chunks)
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+        rank, world = _check_group(group)
+        m_r, k, n = x_shard.shape[0], x_shard.shape[1], weight.shape[0]
+        given = None
+        if shard_sizes is not None:
+            given = ShardLayout.from_sizes(shard_sizes, world)
+            if given.sizes[rank] != m_r:
+                raise ValueError(
+                    f"shard_sizes[{rank}] = {given.sizes[rank]} but x_shard has {m_r} rows on rank {rank}"
+                )
+        fields = {
+            "x_shard.shape[1] (K)": k,
+            "dtype": x_shard.dtype,
+            "device": x_shard.device.type,
+            "chunks": chunks if chunks is not None else "auto",
+            "bias": bias is not None,
+            "backend": backend if backend is not None else "auto",
+            "save_gathered": bool(save_gathered),
+            "shard_sizes": given.sizes if given is not None else "exchanged",
+        }
+        values = [m_r, n, _grad_bits(x_shard, weight, bias), int(torch.is_grad_enabled())]
+    except (TypeError, ValueError) as exc:
+        problems, err = [str(exc)], exc
+    if err is not None and not (dist.is_available() and dist.is_initialized()):
+        raise err  # without a process group there is nobody to agree with
+    _check_group(group)
+    agreed, need = _agree("all_gather_matmul", group, like, fields, values, problems, err)
+    layout = ShardLayout(tuple(agreed.column(0)))
+    # the chunk count from global facts only: the gathered rows, K, the widest local N
+    setup = _setup(group, layout, chunks, backend, x_shard, k, max(agreed.column(1)), need, save_gathered)
+    return _AllGatherMatmul.apply(x_shard, weight, bias, _anchor(need, x_shard), setup)
 
 
 def matmul_reduce_scatter(
@@ -331,17 +385,41 @@ def matmul_reduce_scatter(
         the backward gathers ``grad_z`` in slices and overlaps each slice's transfer with the
         ``grad_x`` and ``grad_weight`` GEMMs of the previous one.
     """
-    x, weight, bias = _check_operands(x, weight, bias, "x")
-    chunks = _check_chunks(chunks)
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
-    rank, world = _check_group(group)
-    m = x.shape[0]
-    if shard_sizes is None:
-        layout = ShardLayout.even(m, world)
-    else:
-        layout = ShardLayout.from_sizes(shard_sizes, world)
-        if layout.total != m:
-            raise ValueError(f"shard_sizes sums to {layout.total} but x has {m} rows")
-    setup = _setup(group, layout, chunks, backend, x, x.shape[1], weight.shape[0])
-    return _MatmulReduceScatter.apply(x, weight, bias, setup)
+    problems: list[str] = []
+    err: BaseException | None = None
+    fields: dict[str, object] = {}
+    values = [0, 0]
+    like = x if isinstance(x, torch.Tensor) else None
+    try:
+        x, weight, bias = _check_operands(x, weight, bias, "x")
+        chunks = _check_chunks(chunks)
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+        rank, world = _check_group(group)
+        m = x.shape[0]
+        if shard_sizes is None:
+            layout = ShardLayout.even(m, world)
+        else:
+            layout = ShardLayout.from_sizes(shard_sizes, world)
+            if layout.total != m:
+                raise ValueError(f"shard_sizes sums to {layout.total} but x has {m} rows")
+        fields = {
+            "x.shape[0] (M)": m,
+            "weight.shape[0] (N)": weight.shape[0],
+            "dtype": x.dtype,
+            "device": x.device.type,
+            "chunks": chunks if chunks is not None else "auto",
+            "bias": bias is not None,
+            "backend": backend if backend is not None else "auto",
+            "shard_sizes": layout.sizes,
+        }
+        values = [x.shape[1], _grad_bits(x, weight, bias), int(torch.is_grad_enabled())]
+    except (TypeError, ValueError) as exc:
+        problems, err = [str(exc)], exc
+    if err is not None and not (dist.is_available() and dist.is_initialized()):
+        raise err  # without a process group there is nobody to agree with
+    _check_group(group)
+    agreed, need = _agree("matmul_reduce_scatter", group, like, fields, values, problems, err)
+    # the chunk count from global facts only: M, N and the widest local K
+    setup = _setup(group, layout, chunks, backend, x, max(agreed.column(0)), weight.shape[0], need)
+    return _MatmulReduceScatter.apply(x, weight, bias, _anchor(need, x), setup)

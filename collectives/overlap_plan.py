@@ -249,29 +249,6 @@ def choose_chunks(
     return model.choose(m, k, n, world_size, element_size)
 
 
-def allgather_ints(
-    values: Sequence[int], group: dist.ProcessGroup | None, device: torch.device
-) -> list[list[int]]:
-    """All-gather a short list of ints from every rank (one collective; one host sync on CUDA)."""
-    world = dist.get_world_size(group)
-    local = torch.tensor(list(values), dtype=torch.int64, device=device)
-    out = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_single(out, local, group=group)
-    flat = out.tolist()
-    n = local.numel()
-    return [flat[r * n : (r + 1) * n] for r in range(world)]
-
-
-def comm_device(group: dist.ProcessGroup | None, like: torch.Tensor | None = None) -> torch.device:
-    """The device a small control tensor must live on for ``group``'s backend."""
-    if like is not None and like.is_cuda:
-        return like.device
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def exchange_shard_sizes(
     local_rows: int, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None
 ) -> ShardLayout:
@@ -280,10 +257,21 @@ def exchange_shard_sizes(
     Call it once per batch (all tensor-parallel layers of a step share the sequence sharding) and
     pass the result as ``shard_sizes=``; on NCCL it costs one small all-gather and one host sync,
     on gloo none. Often the sizes are already known on the host from the balancing plan, and
-    ``ShardLayout(sizes)`` needs no communication at all.
+    ``ShardLayout(sizes)`` needs no communication at all. An invalid ``local_rows`` on any rank
+    raises on every rank.
     """
+    from .agreement import agree
+
+    problems, err = [], None
     if isinstance(local_rows, bool) or not isinstance(local_rows, int) or local_rows < 0:
-        raise ValueError(f"local_rows must be a non-negative int, got {local_rows!r}")
-    dev = device if device is not None else comm_device(group)
-    rows = allgather_ints([local_rows], group, dev)
-    return ShardLayout(tuple(r[0] for r in rows))
+        err = ValueError(f"local_rows must be a non-negative int, got {local_rows!r}")
+        problems = [str(err)]
+    agreed = agree(
+        "exchange_shard_sizes",
+        group,
+        values=[0 if problems else local_rows],
+        problems=problems,
+        device=device,
+        local_error=err,
+    )
+    return ShardLayout(tuple(agreed.column(0)))

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from mmbalance.pyops.attention import attention_block, attention_block_backward, merge_attention_states
 
+from .agreement import agree, comm_device, global_grad_bits
 from .ring_plan import LAYOUTS, RingPlan, ring_plan
 
 __all__ = ["cp_shard", "cp_unshard", "ring_attention", "ring_plan", "RingPlan"]
@@ -107,11 +108,23 @@ def cp_unshard(x_local: torch.Tensor, cu_seqlens, group=None, layout: str = "zig
     if not isinstance(x_local, torch.Tensor):
         raise TypeError(f"x_local must be a torch.Tensor, got {type(x_local).__name__}")
     r, d = _group_rank_size(group)
-    plan = ring_plan(cu_seqlens, d, layout)
-    if x_local.dim() < 1 or x_local.shape[0] != plan.tokens[r]:
-        raise ValueError(
-            f"x_local has {x_local.shape[0] if x_local.dim() else 0} tokens; rank {r}'s shard has {plan.tokens[r]}"
-        )
+    problems, err, fields = [], None, {}
+    try:
+        plan = ring_plan(cu_seqlens, d, layout)
+        if x_local.dim() < 1 or x_local.shape[0] != plan.tokens[r]:
+            raise ValueError(
+                f"x_local has {x_local.shape[0] if x_local.dim() else 0} tokens; rank {r}'s shard has "
+                f"{plan.tokens[r]}"
+            )
+        fields = {
+            "cu_seqlens": _lengths_key(plan.lengths),
+            "layout": layout,
+            "x_local": (x_local.dtype, tuple(x_local.shape[1:])),
+        }
+    except (TypeError, ValueError) as exc:
+        problems, err = [str(exc)], exc
+    agree("cp_unshard", group, fields=fields, problems=problems, device=comm_device(group, x_local),
+          local_error=err)  # fmt: skip
     return _Unshard.apply(x_local, plan, r, group)
 
 
@@ -273,7 +286,7 @@ def ring_backward(ring: _Ring, dout, q, k, v, out, lse, dlse=None):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring):
+    def forward(ctx, q, k, v, anchor, ring: _Ring):
         out32, lse = ring_forward(ring, q, k, v)
         out = out32.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -283,13 +296,17 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        # Runs on every rank whenever any rank needs a gradient (the anchor makes every rank's
+        # output require grad then), so the ring's backward exchanges always pair up.
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(q)
         dout = dout.to(q.dtype).contiguous()
         dlse = None if dlse is None else dlse.contiguous()
         dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        need = ctx.needs_input_grad
+        return (dq.to(q.dtype) if need[0] else None, dk.to(k.dtype) if need[1] else None,
+                dv.to(v.dtype) if need[2] else None, None, None)  # fmt: skip
 
 
 def make_ring(
@@ -369,7 +386,36 @@ def ring_attention(
     Raises ValueError/TypeError naming the argument for bad shapes, layout or a shard size that
     does not match ``cu_seqlens``. Every rank of the group must make the same call.
     """
-    ring = make_ring(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale, group=group,
-                     layout=layout, backend=backend)  # fmt: skip
-    out, lse = _RingAttention.apply(q, k, v, ring)
+    problems, err, fields, values, ring = [], None, {}, [0, 0], None
+    try:
+        ring = make_ring(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale, group=group,
+                         layout=layout, backend=backend)  # fmt: skip
+        fields = {
+            "cu_seqlens": _lengths_key(ring.plan.lengths),
+            "causal": ring.causal,
+            "layout": layout,
+            "softmax_scale": ring.softmax_scale,
+            "q": (q.dtype, tuple(q.shape[1:])),
+            "k": (k.dtype, tuple(k.shape[1:])),
+            "v": (v.dtype, tuple(v.shape[1:])),
+            "backend": backend,
+            "device": q.device.type,
+        }
+        values = [sum(1 << j for j, t in enumerate((q, k, v)) if t.requires_grad), int(torch.is_grad_enabled())]
+    except (TypeError, ValueError) as exc:
+        problems, err = [str(exc)], exc
+    if err is not None and not (dist.is_available() and dist.is_initialized()):
+        raise err
+    like = q if isinstance(q, torch.Tensor) else None
+    agreed = agree("ring_attention", group, fields=fields, values=values, problems=problems,
+                   device=comm_device(group, like), local_error=err)  # fmt: skip
+    needed = global_grad_bits("ring_attention", agreed, 0)
+    anchor = torch.empty(0, device=q.device, requires_grad=bool(needed))
+    out, lse = _RingAttention.apply(q, k, v, anchor, ring)
     return (out, lse) if return_lse else out
+
+
+def _lengths_key(lengths) -> str:
+    import hashlib
+
+    return hashlib.blake2b(np.ascontiguousarray(lengths, dtype=np.int64).tobytes(), digest_size=8).hexdigest()

@@ -66,6 +66,46 @@ def _scaled(layout: ShardLayout | None, per_row: int) -> ShardLayout | None:
     return ShardLayout(tuple(s * per_row for s in layout.sizes))
 
 
+def _rng_digest(device: torch.device) -> int:
+    """A hash of the random-number state that will draw the master weights on ``device``."""
+    import hashlib
+
+    if device.type == "cuda":
+        state = torch.cuda.get_rng_state(device)
+    else:
+        state = torch.get_rng_state()
+    digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _master_linear(in_features: int, out_features: int, bias: bool, like: torch.Tensor):
+    """The dense ``nn.Linear(in_features, out_features)`` initialization, drawn exactly as
+    ``nn.Linear`` draws it (same generator calls, same order), on ``like``'s device and dtype."""
+    weight = torch.empty(out_features, in_features, device=like.device, dtype=like.dtype)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    b = None
+    if bias:
+        bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+        b = torch.empty(out_features, device=like.device, dtype=like.dtype)
+        nn.init.uniform_(b, -bound, bound)
+    return weight, b
+
+
+def _check_master_rng(module: nn.Module, group) -> None:
+    """Every tensor-parallel rank must draw the same master weights (Megatron's rule): compare the
+    generator states in one small collective; differently seeded ranks raise on every rank."""
+    if module.weight.device.type == "meta":
+        return
+    from .agreement import agree
+
+    agree(
+        f"{type(module).__name__}.reset_parameters",
+        group,
+        fields={"random state (seed every tensor-parallel rank alike)": _rng_digest(module.weight.device)},
+        device=module.weight.device if module.weight.is_cuda else None,
+    )
+
+
 def _check_features(x: torch.Tensor, features: int, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
@@ -85,7 +125,8 @@ class ColumnParallelLinear(nn.Module):
         chunks, backend, save_gathered: passed to ``all_gather_matmul``.
 
     Shapes: input ``[T_r, *, H]`` (this rank's sequence shard) -> output ``[T, *, F_r]``.
-    ``weight`` is ``[F_r, H]``, ``bias`` ``[F_r]``; initialized as ``nn.Linear(H, F)`` would be.
+    ``weight`` is ``[F_r, H]``, ``bias`` ``[F_r]``: rows ``out_slice`` of the weights that
+    ``nn.Linear(H, F)`` draws from the same seed (see :meth:`reset_parameters`).
     """
 
     def __init__(
@@ -118,11 +159,15 @@ class ColumnParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # nn.Linear's distribution: U(-1/sqrt(H), 1/sqrt(H)) for both, fan-in is the full H here.
-        bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+        """Draw the dense ``nn.Linear(H, F)`` weights from the current generator and keep this
+        rank's rows: the sharded module equals, shard for shard, the dense module built with the
+        same seed (Megatron's master-weight rule; every rank must be seeded alike, checked)."""
+        _check_master_rng(self, self.group)
+        with torch.no_grad():
+            weight, bias = _master_linear(self.in_features, self.out_features, self.bias is not None, self.weight)
+            self.weight.copy_(weight[self.out_slice])
+            if self.bias is not None:
+                self.bias.copy_(bias[self.out_slice])
 
     @classmethod
     def from_linear(
@@ -134,10 +179,10 @@ class ColumnParallelLinear(nn.Module):
             linear.out_features,
             linear.bias is not None,
             group=group,
-            device=linear.weight.device,
+            device="meta",  # no random draw: the values are copied
             dtype=linear.weight.dtype,
             **kw,
-        )
+        ).to_empty(device=linear.weight.device)
         with torch.no_grad():
             mod.weight.copy_(linear.weight[mod.out_slice])
             if mod.bias is not None and linear.bias is not None:
@@ -184,7 +229,8 @@ class RowParallelLinear(nn.Module):
         chunks, backend: passed to ``matmul_reduce_scatter``.
 
     Shapes: input ``[T, *, F_r]`` -> output ``[T_r, *, H]`` (this rank's sequence shard).
-    ``weight`` is ``[H, F_r]``, ``bias`` ``[H]``; initialized as ``nn.Linear(F, H)`` would be.
+    ``weight`` is ``[H, F_r]``, ``bias`` ``[H]``: columns ``in_slice`` of the weights that
+    ``nn.Linear(F, H)`` draws from the same seed (see :meth:`reset_parameters`).
     """
 
     def __init__(
@@ -215,12 +261,16 @@ class RowParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            # Replicated: every rank must start from the same values. Seed identically (or copy
-            # from rank 0) before training; from_linear does this by construction.
-            nn.init.uniform_(self.bias, -bound, bound)
+        """Draw the dense ``nn.Linear(F, H)`` weights from the current generator and keep this
+        rank's columns (and the whole, replicated bias): the sharded module equals the dense module
+        built with the same seed. Every rank must be seeded alike (checked), or the replicated bias
+        would differ between ranks."""
+        _check_master_rng(self, self.group)
+        with torch.no_grad():
+            weight, bias = _master_linear(self.in_features, self.out_features, self.bias is not None, self.weight)
+            self.weight.copy_(weight[:, self.in_slice])
+            if self.bias is not None:
+                self.bias.copy_(bias)
 
     @classmethod
     def from_linear(
@@ -232,10 +282,10 @@ class RowParallelLinear(nn.Module):
             linear.out_features,
             linear.bias is not None,
             group=group,
-            device=linear.weight.device,
+            device="meta",  # no random draw: the values are copied
             dtype=linear.weight.dtype,
             **kw,
-        )
+        ).to_empty(device=linear.weight.device)
         with torch.no_grad():
             mod.weight.copy_(linear.weight[:, mod.in_slice])
             if mod.bias is not None and linear.bias is not None:

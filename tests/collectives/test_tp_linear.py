@@ -115,3 +115,50 @@ def test_tensor_parallel_mlp_matches_unsharded(name: str):
         close(g["b1"], fc1.bias.grad[out_slice], f"rank {r} column bias grad")
         close(g["w2"], fc2.weight.grad[:, in_slice], f"rank {r} row weight grad")
         close(g["b2"], fc2.bias.grad, f"rank {r} row bias grad (replicated, summed over the group)")
+
+
+# ------------------------------------------------------------------ initialization (master weights)
+INIT_H, INIT_F = 12, 10  # F = 10 over 4 ranks: uneven shards (3, 3, 2, 2)
+
+
+def _init_rank(rank: int, world: int, seed: int) -> dict:
+    import torch.distributed as dist
+
+    torch.manual_seed(seed)  # every rank alike: the generator state the master weights come from
+    col = ColumnParallelLinear(INIT_H, INIT_F, dtype=torch.float64)
+    row = RowParallelLinear(INIT_F, INIT_H, dtype=torch.float64)
+    out = {"col_w": col.weight.detach().numpy(), "col_b": col.bias.detach().numpy()}
+    out.update(row_w=row.weight.detach().numpy(), row_b=row.bias.detach().numpy())
+    out["slices"] = (col.out_slice, row.in_slice)
+    # a rank seeded differently would draw other master weights (and another replicated bias):
+    # refused on every rank at construction
+    torch.manual_seed(seed + (1 if rank == world - 1 else 0))
+    try:
+        ColumnParallelLinear(INIT_H, INIT_F, dtype=torch.float64)
+        out["mismatch"] = None
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.distributed
+def test_sharded_init_equals_the_dense_init_shard_for_shard():
+    """Megatron's rule: the gathered shards are the weights nn.Linear draws from the same seed, so
+    the TP weight has full rank (identical shards on every rank would give rank F / W)."""
+    seed, world = 1234, 4
+    got = run_distributed(_init_rank, world, seed, timeout=120)
+    torch.manual_seed(seed)
+    dense_col = nn.Linear(INIT_H, INIT_F, dtype=torch.float64)
+    dense_row = nn.Linear(INIT_F, INIT_H, dtype=torch.float64)
+    col_w = torch.cat([torch.from_numpy(g["col_w"]) for g in got])
+    col_b = torch.cat([torch.from_numpy(g["col_b"]) for g in got])
+    row_w = torch.cat([torch.from_numpy(g["row_w"]) for g in got], dim=1)
+    assert torch.equal(col_w, dense_col.weight.detach()) and torch.equal(col_b, dense_col.bias.detach())
+    assert torch.equal(row_w, dense_row.weight.detach())
+    for g in got:
+        assert torch.equal(torch.from_numpy(g["row_b"]), dense_row.bias.detach())  # replicated
+    assert int(torch.linalg.matrix_rank(col_w)) == INIT_F
+    assert int(torch.linalg.matrix_rank(row_w)) == INIT_F
+    for g in got:
+        assert g["mismatch"] is not None and "random state" in g["mismatch"] and "rank 3" in g["mismatch"]
