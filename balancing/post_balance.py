@@ -98,6 +98,7 @@ def post_balance(
     src = None
     if src_ranks is not None:
         src = as_ranks(src_ranks, n, num_ranks, "src_ranks")
+    check_cost_range(lengths, policy, alpha, beta)
     dst_rank, dst_slot, costs = core().plan(
         lengths, num_ranks, POLICY_IDS[policy], alpha, beta, src, rpn, tolerance
     )
@@ -116,6 +117,39 @@ def post_balance(
     )
 
 
+# Batch costs stay below this, so every sum the planners form (at most the cost of all examples in
+# one batch) is finite and comparisons between plans mean something.
+MAX_COST = 1e300
+
+
+def check_cost_range(lengths: np.ndarray, policy: str, alpha: float, beta: float) -> None:
+    """Raise ``ValueError`` if some batch of ``lengths`` could cost more than ``MAX_COST``.
+
+    The bound is the cost of all examples in one batch, the largest cost any plan can have.
+    """
+    if lengths.size == 0:
+        return
+    l = lengths.astype(np.float64)
+    n, lmax, total = float(l.size), float(l.max()), float(l.sum())
+    with np.errstate(over="ignore", invalid="ignore"):
+        if policy == "sum":
+            worst = total
+        elif policy == "padded":
+            worst = n * lmax
+        elif policy == "quadratic":
+            worst = alpha * total + beta * float((l * l).sum())
+        elif policy == "conv":
+            worst = alpha * total + beta * n * lmax * lmax
+        else:  # padded_quadratic
+            worst = alpha * n * lmax + beta * n * lmax * lmax
+    if not np.isfinite(worst) or worst > MAX_COST:
+        raise ValueError(
+            f"batch costs overflow: under policy {policy!r} with alpha={alpha:g}, beta={beta:g} a batch of "
+            f"these lengths can cost {worst:g}, above {MAX_COST:g}; scale alpha and beta down (only their "
+            "ratio matters for the plan)"
+        )
+
+
 def lower_bound(
     lengths, num_ranks: int, policy: str = "sum", *, alpha: float = 1.0, beta: float = 0.0
 ) -> float:
@@ -128,6 +162,11 @@ def lower_bound(
     """
     lengths = as_lengths(lengths)
     num_ranks = as_num_ranks(num_ranks)
+    if policy not in POLICY_IDS:
+        raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
+    alpha = as_coefficient(alpha, "alpha")
+    beta = as_coefficient(beta, "beta")
+    check_cost_range(lengths, policy, alpha, beta)
     if lengths.size == 0:
         return 0.0
     l = lengths.astype(np.float64)

@@ -200,7 +200,9 @@ def agree(
     raise RankMismatchError(msg)
 
 
-def _explain(entry: str, tag: int, rows: list[list[int]], texts: list[str], fields: Mapping[str, object]) -> str:
+def _explain(
+    entry: str, tag: int, rows: list[list[int]], texts: list[str], fields: Mapping[str, object]
+) -> str:
     lines = []
     others = [r for r, row in enumerate(rows) if row[0] != tag]
     if others:
@@ -224,6 +226,8 @@ def _explain(entry: str, tag: int, rows: list[list[int]], texts: list[str], fiel
             by_value: dict[str, list[int]] = {}
             for r, p in per_rank.items():
                 by_value.setdefault(p.get(k, "?"), []).append(r)
-            shown = ", ".join(f"ranks {rs}: {v}" if len(rs) > 1 else f"rank {rs[0]}: {v}" for v, rs in by_value.items())
+            shown = ", ".join(
+                f"ranks {rs}: {v}" if len(rs) > 1 else f"rank {rs[0]}: {v}" for v, rs in by_value.items()
+            )
             lines.append(f"{k} differs between ranks ({shown})")
     return f"{entry} refused on every rank, nothing was moved: " + "; ".join(lines)

@@ -2,17 +2,18 @@
 
 Only lengths are all-gathered (:func:`gather_lengths`); every rank computes the same
 :class:`~mmbalance.balancing.Plan`; :func:`rebalance` then moves the varlen payloads with one
-``all_to_all_single`` per dtype: tensors of one dtype travel as the columns of one buffer. The
-send buffer is one ``segment_gather`` of the local examples in destination order, all split sizes
-come from the plan on the host (no device sync), and the receive buffer is already in
-destination-slot order for plans made by ``post_balance`` (otherwise one more ``segment_gather``
-puts it there). ``rebalance`` is differentiable: backward moves the
-gradients back along the inverse plan.
+``all_to_all_single``: every payload, whatever its dtype, travels as raw bytes in the columns of
+one buffer. The send buffer is one ``segment_gather`` of the local examples in destination order,
+all split sizes come from the plan on the host (no device sync), and the receive buffer is already
+in destination-slot order for plans made by ``post_balance`` (otherwise one more
+``segment_gather`` puts it there). ``rebalance`` is differentiable: backward moves the gradients
+back along the inverse plan.
 
-Safety: before the first move of a plan every rank all-gathers a hash of its plan and whether its
-inputs agree with it (example count, token count, and per-example lengths where that needs no
-device sync); any disagreement raises the same ``RuntimeError`` on every rank instead of
-deadlocking in the all-to-all. The process group's timeout bounds every wait.
+Safety: every call starts with the agreement step (``collectives/agreement.py``): one 64-byte
+all-gather of every rank's plan hash, payload dtypes and trailing shapes, flags, and whether its
+inputs fit the plan (example and token counts, and per-example lengths where that needs no device
+sync). Any disagreement raises the same error on every rank before data moves, instead of
+corrupting data or deadlocking in the all-to-all. The process group's timeout bounds every wait.
 """
 
 from __future__ import annotations
@@ -223,12 +224,21 @@ def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route, che
             problems.append(f"cu_seqlens[0] = {int(cu_seqlens[0])}, must be 0")
         elif not np.array_equal(got, route.in_lengths):
             bad = int(np.flatnonzero(got != route.in_lengths)[0])
-            problems.append(f"cu_seqlens: example {bad} has length {got[bad]}, the plan {route.in_lengths[bad]}")
+            problems.append(
+                f"cu_seqlens: example {bad} has length {got[bad]}, the plan {route.in_lengths[bad]}"
+            )
     return problems
 
 
+_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _plan_key(plan: Plan) -> str:
-    return plan.digest()[:8].hex()
+    """The plan's hash (computed once per plan: its arrays are read-only)."""
+    key = _DIGESTS.get(plan)
+    if key is None:
+        key = _DIGESTS[plan] = plan.digest()[:8].hex()
+    return key
 
 
 def verify_plan(plan: Plan, problems: list[str] | None = None, group=None) -> None:
@@ -241,42 +251,53 @@ def verify_plan(plan: Plan, problems: list[str] | None = None, group=None) -> No
     agree("verify_plan", group, fields={"plan": _plan_key(plan)}, problems=problems or [])
 
 
-def _exchange_one(t: Tensor, cu_seqlens: Tensor, order: Tensor, route: Route, group, recv_cu) -> Tensor:
-    send = segment_gather(t, cu_seqlens, order, route.in_tokens).contiguous()
-    recv = torch.empty((route.out_tokens, *t.shape[1:]), dtype=t.dtype, device=t.device)
+def _as_bytes(t: Tensor) -> Tensor:
+    """``t`` ``[T, *]`` as its raw bytes ``[T, row_bytes]`` (a view when ``t`` is contiguous)."""
+    flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
+    if flat.stride(-1) != 1 or (flat.shape[0] > 1 and flat.stride(0) != flat.shape[1]):
+        flat = flat.clone(memory_format=torch.contiguous_format)  # also size-0/1 dims with odd strides
+    return flat.view(torch.uint8)
+
+
+def _from_bytes(raw: Tensor, like: Tensor, rows: int) -> Tensor:
+    """Rows of bytes back into ``like``'s dtype and trailing shape (a column slice of the receive
+    buffer is copied first: its rows are strided and its offset need not be aligned)."""
+    size = like.element_size()
+    if raw.stride(-1) != 1 or raw.stride(0) != raw.shape[1] or raw.storage_offset() % size:
+        raw = raw.clone(memory_format=torch.contiguous_format)
+    return raw.view(like.dtype).reshape(rows, *like.shape[1:])
+
+
+def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, group) -> list[Tensor | None]:
+    """Move every tensor by ``route`` with one all-to-all.
+
+    Payloads travel as raw bytes: all of them side by side as the columns of one ``[T, row
+    bytes]`` uint8 buffer, so labels, position ids and other small per-token tensors cost no
+    extra collective, every dtype moves bit-exactly, and dtypes a backend cannot reduce (gloo
+    and NCCL have no int16, for example) move like any other.
+    """
+    present = [k for k, t in enumerate(tensors) if t is not None]
+    outs: list[Tensor | None] = [None] * len(tensors)
+    if not present:
+        return outs
+    device = cu_seqlens.device
+    raw = [_as_bytes(tensors[k]) for k in present]
+    widths = [r.shape[1] for r in raw]
+    buf = raw[0] if len(raw) == 1 else torch.cat(raw, dim=1)
+    order = torch.from_numpy(route.send_order).to(device)
+    send = segment_gather(buf, cu_seqlens, order, route.in_tokens).contiguous()
+    recv = torch.empty((route.out_tokens, send.shape[1]), dtype=torch.uint8, device=device)
     dist.all_to_all_single(
         recv, send, output_split_sizes=route.recv_tokens, input_split_sizes=route.send_tokens, group=group
     )
     if route.recv_perm is not None:
-        perm = torch.from_numpy(route.recv_perm).to(t.device)
-        recv = segment_gather(recv, recv_cu, perm, route.out_tokens)
-    return recv
-
-
-def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, group) -> list[Tensor | None]:
-    """Move every tensor by ``route``: one all-to-all per dtype (same-dtype payloads travel as the
-    columns of one ``[T, sum of widths]`` buffer, so labels, position ids and other small per-token
-    tensors cost no extra collective)."""
-    order = torch.from_numpy(route.send_order).to(cu_seqlens.device)
-    recv_cu = None
-    if route.recv_perm is not None:
         seq_lengths = np.empty_like(route.out_lengths)
         seq_lengths[route.recv_perm] = route.out_lengths
-        recv_cu = _cu(seq_lengths, cu_seqlens.device)
-    outs: list[Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for k, t in enumerate(tensors):
-        if t is not None:
-            by_dtype.setdefault(t.dtype, []).append(k)
-    for idx in by_dtype.values():
-        if len(idx) == 1:
-            outs[idx[0]] = _exchange_one(tensors[idx[0]], cu_seqlens, order, route, group, recv_cu)
-            continue
-        flat = [tensors[k].reshape(tensors[k].shape[0], math.prod(tensors[k].shape[1:])) for k in idx]
-        widths = [f.shape[1] for f in flat]
-        moved = _exchange_one(torch.cat(flat, dim=1), cu_seqlens, order, route, group, recv_cu)
-        for k, part in zip(idx, torch.split(moved, widths, dim=1)):
-            outs[k] = part.reshape(route.out_tokens, *tensors[k].shape[1:]).contiguous()
+        perm = torch.from_numpy(route.recv_perm).to(device)
+        recv = segment_gather(recv, _cu(seq_lengths, device), perm, route.out_tokens)
+    parts = [recv] if len(raw) == 1 else torch.split(recv, widths, dim=1)
+    for k, part in zip(present, parts):
+        outs[k] = _from_bytes(part, tensors[k], route.out_tokens)
     return outs
 
 

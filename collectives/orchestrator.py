@@ -35,7 +35,7 @@ from mmbalance.balancing._core_api import batch_costs
 from mmbalance.balancing._validate import as_coefficient, as_lengths
 
 from .agreement import agree, comm_device, global_grad_bits
-from .alltoall import _world, gather_table, rebalance
+from .alltoall import _plan_key, _world, gather_table, rebalance
 
 __all__ = ["PhaseSpec", "Orchestrator", "StepPlan", "TEXT", "broadcast_from_leader", "connector_lengths"]
 
@@ -390,9 +390,13 @@ class Orchestrator:
         _, world = _world(self.group)
         try:
             if world % self.llm_group_size:
-                raise ValueError(f"llm_group_size ({self.llm_group_size}) must divide the world size ({world})")
+                raise ValueError(
+                    f"llm_group_size ({self.llm_group_size}) must divide the world size ({world})"
+                )
             if self.ranks_per_node and world % self.ranks_per_node:
-                raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the world size ({world})")
+                raise ValueError(
+                    f"ranks_per_node ({self.ranks_per_node}) must divide the world size ({world})"
+                )
             mat = self._table(sizes, order_ids, names)
         except (TypeError, ValueError) as exc:
             problems, err = [str(exc)], exc
@@ -491,6 +495,8 @@ class Orchestrator:
         for m in self.encoders:
             out_len = llm_parts[m]
             moves[m] = llm.with_lengths(out_len).compose(encoder[m].with_lengths(out_len).inverse())
+        for p in [*encoder.values(), *moves.values()]:
+            _plan_key(p)  # hash the plans here, off the training thread (every move checks them)
         return StepPlan(
             rank=rank,
             world=world,

@@ -286,6 +286,7 @@ def all_gather_matmul(
     shard_sizes: Sequence[int] | ShardLayout | None = None,
     backend: str | None = None,
     save_gathered: bool = True,
+    _problems: Sequence[str] = (),
 ) -> torch.Tensor:
     """``torch.cat(all_gather(x_shard)) @ weight.T (+ bias)``, with the gather hidden behind sliced GEMMs.
 
@@ -320,6 +321,8 @@ def all_gather_matmul(
     values = [0, 0]
     like = x_shard if isinstance(x_shard, torch.Tensor) else None
     try:
+        if _problems:  # a caller's own validation (the TP modules): raised on every rank below
+            raise ValueError("; ".join(_problems))
         x_shard, weight, bias = _check_operands(x_shard, weight, bias, "x_shard")
         chunks = _check_chunks(chunks)
         if backend is not None and backend not in BACKENDS:
@@ -365,6 +368,7 @@ def matmul_reduce_scatter(
     bias: torch.Tensor | None = None,
     shard_sizes: Sequence[int] | ShardLayout | None = None,
     backend: str | None = None,
+    _problems: Sequence[str] = (),
 ) -> torch.Tensor:
     """``reduce_scatter(x @ weight.T)`` along rows (``+ bias``), with the reductions hidden behind sliced GEMMs.
 
@@ -391,6 +395,8 @@ def matmul_reduce_scatter(
     values = [0, 0]
     like = x if isinstance(x, torch.Tensor) else None
     try:
+        if _problems:  # a caller's own validation (the TP modules): raised on every rank below
+            raise ValueError("; ".join(_problems))
         x, weight, bias = _check_operands(x, weight, bias, "x")
         chunks = _check_chunks(chunks)
         if backend is not None and backend not in BACKENDS:

@@ -322,6 +322,8 @@ def make_ring(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if q.shape[2] == 0:
+        raise ValueError(f"q, k and v must have a head dim >= 1, got q {tuple(q.shape)}")
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"k and v must be [T_local, Hkv, D] matching q's tokens and head dim; got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")  # fmt: skip
@@ -401,7 +403,10 @@ def ring_attention(
             "backend": backend,
             "device": q.device.type,
         }
-        values = [sum(1 << j for j, t in enumerate((q, k, v)) if t.requires_grad), int(torch.is_grad_enabled())]
+        values = [
+            sum(1 << j for j, t in enumerate((q, k, v)) if t.requires_grad),
+            int(torch.is_grad_enabled()),
+        ]
     except (TypeError, ValueError) as exc:
         problems, err = [str(exc)], exc
     if err is not None and not (dist.is_available() and dist.is_initialized()):

@@ -106,11 +106,14 @@ def _check_master_rng(module: nn.Module, group) -> None:
     )
 
 
-def _check_features(x: torch.Tensor, features: int, name: str) -> None:
+def _feature_problems(x: torch.Tensor, features: int, name: str) -> list[str]:
+    """What is wrong with the module input (reported inside the collective's agreement step, so a
+    bad input on one rank raises on every rank)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 2 or x.shape[-1] != features:
-        raise ValueError(f"input must be [T, *, {features}] ({name}), got shape {tuple(x.shape)}")
+        return [f"input must be [T, *, {features}] ({name}), got shape {tuple(x.shape)}"]
+    return []
 
 
 class ColumnParallelLinear(nn.Module):
@@ -164,7 +167,9 @@ class ColumnParallelLinear(nn.Module):
         same seed (Megatron's master-weight rule; every rank must be seeded alike, checked)."""
         _check_master_rng(self, self.group)
         with torch.no_grad():
-            weight, bias = _master_linear(self.in_features, self.out_features, self.bias is not None, self.weight)
+            weight, bias = _master_linear(
+                self.in_features, self.out_features, self.bias is not None, self.weight
+            )
             self.weight.copy_(weight[self.out_slice])
             if self.bias is not None:
                 self.bias.copy_(bias[self.out_slice])
@@ -192,10 +197,15 @@ class ColumnParallelLinear(nn.Module):
     def forward(
         self, input: torch.Tensor, shard_sizes: Sequence[int] | ShardLayout | None = None
     ) -> torch.Tensor:
-        _check_features(input, self.in_features, "in_features")
+        problems = _feature_problems(input, self.in_features, "in_features")
+        if problems:
+            input = input.new_empty(0, self.in_features)
         mid = tuple(input.shape[1:-1])
         per_row = math.prod(mid)
-        layout = ShardLayout.from_sizes(shard_sizes) if shard_sizes is not None else _current_shards()
+        try:
+            layout = ShardLayout.from_sizes(shard_sizes) if shard_sizes is not None else _current_shards()
+        except (TypeError, ValueError) as exc:
+            problems, layout = [*problems, f"shard_sizes: {exc}"], None
         y = all_gather_matmul(
             input.reshape(-1, self.in_features),
             self.weight,
@@ -205,6 +215,7 @@ class ColumnParallelLinear(nn.Module):
             shard_sizes=_scaled(layout, per_row),
             backend=self.backend,
             save_gathered=self.save_gathered,
+            _problems=problems,
         )
         return y.view(-1, *mid, self.weight.shape[0])
 
@@ -267,7 +278,9 @@ class RowParallelLinear(nn.Module):
         would differ between ranks."""
         _check_master_rng(self, self.group)
         with torch.no_grad():
-            weight, bias = _master_linear(self.in_features, self.out_features, self.bias is not None, self.weight)
+            weight, bias = _master_linear(
+                self.in_features, self.out_features, self.bias is not None, self.weight
+            )
             self.weight.copy_(weight[:, self.in_slice])
             if self.bias is not None:
                 self.bias.copy_(bias)
@@ -295,10 +308,15 @@ class RowParallelLinear(nn.Module):
     def forward(
         self, input: torch.Tensor, shard_sizes: Sequence[int] | ShardLayout | None = None
     ) -> torch.Tensor:
-        _check_features(input, self.weight.shape[1], "this rank's in_features")
+        problems = _feature_problems(input, self.weight.shape[1], "this rank's in_features")
+        if problems:
+            input = input.new_empty(0, self.weight.shape[1])
         mid = tuple(input.shape[1:-1])
         per_row = math.prod(mid)
-        layout = ShardLayout.from_sizes(shard_sizes) if shard_sizes is not None else _current_shards()
+        try:
+            layout = ShardLayout.from_sizes(shard_sizes) if shard_sizes is not None else _current_shards()
+        except (TypeError, ValueError) as exc:
+            problems, layout = [*problems, f"shard_sizes: {exc}"], None
         if layout is None:
             layout = ShardLayout.even(input.shape[0], dist.get_world_size(self.group))
         z = matmul_reduce_scatter(
@@ -309,6 +327,7 @@ class RowParallelLinear(nn.Module):
             bias=self.bias,
             shard_sizes=_scaled(layout, per_row),
             backend=self.backend,
+            _problems=problems,
         )
         return z.view(-1, *mid, self.out_features)
 

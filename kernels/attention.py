@@ -148,14 +148,13 @@ def _attn_fwd_inner(
 
 
 @triton.jit
-def _attn_fwd_kernel(
+def _attn_fwd_block(
+    m0,
     q_ptr,
     k_ptr,
     v_ptr,
     out_ptr,
     lse_ptr,
-    cu_q_ptr,
-    cu_k_ptr,
     q_runs_ptr,
     k_runs_ptr,
     stride_q_tok,
@@ -169,7 +168,13 @@ def _attn_fwd_kernel(
     stride_lse_head,
     qk_scale,
     causal_offset,
-    GROUP: tl.constexpr,
+    pid_h,
+    pid_hk,
+    pid_b,
+    q_beg,
+    seqlen_q,
+    k_beg,
+    seqlen_k,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -178,18 +183,7 @@ def _attn_fwd_kernel(
     HAS_RUNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_b = tl.program_id(2)
-    q_beg = tl.load(cu_q_ptr + pid_b)
-    seqlen_q = tl.load(cu_q_ptr + pid_b + 1) - q_beg
-    m0 = pid_m * BLOCK_M
-    if m0 >= seqlen_q:
-        return
-    k_beg = tl.load(cu_k_ptr + pid_b)
-    seqlen_k = tl.load(cu_k_ptr + pid_b + 1) - k_beg
-    pid_hk = pid_h // GROUP
-
+    """Queries ``[m0, m0 + BLOCK_M)`` of sequence ``pid_b``, head ``pid_h``: out and lse."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -240,6 +234,73 @@ def _attn_fwd_kernel(
     o_ptrs = out_ptr + (q_beg + offs_m).to(tl.int64)[:, None] * stride_o_tok + pid_h * stride_o_head
     tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + pid_h.to(tl.int64) * stride_lse_head + q_beg + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    q_runs_ptr,
+    k_runs_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_head,
+    qk_scale,
+    causal_offset,
+    main_blocks,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_RUNS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    OVERFLOW: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    # int64 head index: pid_h * stride_*_head can pass 2**31 elements on large batches
+    pid_h = tl.program_id(1).to(tl.int64)
+    pid_b = tl.program_id(2)
+    q_beg = tl.load(cu_q_ptr + pid_b)
+    seqlen_q = tl.load(cu_q_ptr + pid_b + 1) - q_beg
+    k_beg = tl.load(cu_k_ptr + pid_b)
+    seqlen_k = tl.load(cu_k_ptr + pid_b + 1) - k_beg
+    pid_hk = pid_h // GROUP
+    if OVERFLOW:
+        # The blocks past the main grid (``main_blocks`` per sequence, from the host's
+        # max_seqlen_q): none when max_seqlen_q is right; a sequence longer than it (possible
+        # unchecked on CUDA) is still computed in full instead of leaving rows unwritten. A
+        # separate specialization, so the loop costs the main kernel no registers.
+        for m0 in range((main_blocks + pid_m) * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
+            _attn_fwd_block(
+                m0, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_runs_ptr, k_runs_ptr,
+                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                stride_o_tok, stride_o_head, stride_lse_head, qk_scale, causal_offset,
+                pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k,
+                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        m0 = pid_m * BLOCK_M
+        if m0 < seqlen_q:
+            _attn_fwd_block(
+                m0, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_runs_ptr, k_runs_ptr,
+                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                stride_o_tok, stride_o_head, stride_lse_head, qk_scale, causal_offset,
+                pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k,
+                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+            )  # fmt: skip
 
 
 def block_d(head_dim: int) -> int:
@@ -296,21 +357,27 @@ def attn_fwd(
         out = torch.empty((tq, n_heads, head_dim), dtype=out_dtype or q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((n_heads, tq), dtype=torch.float32, device=q.device)
-    if tq == 0 or batch == 0 or max_seqlen_q == 0:
+    if tq == 0 or batch == 0:
         return out, lse
     cfg = dict(config or fwd_config(head_dim, q.device, q.dtype))
     has_runs = q_runs is not None
-    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), n_heads, batch)
-    launchable(_attn_fwd_kernel)[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-        q_runs if has_runs else cu_seqlens_q, k_runs if has_runs else cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        softmax_scale * LOG2E, causal_offset,
-        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_RUNS=has_runs,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    main_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"])
+    # The main grid covers max_seqlen_q; one program per (head, sequence) then covers whatever a
+    # wrong max_seqlen_q left out (it exits at once when nothing was), so no row stays unwritten.
+    for overflow, m_grid in ((False, main_blocks), (True, 1)):
+        if m_grid == 0:
+            continue
+        launchable(_attn_fwd_kernel)[(m_grid, n_heads, batch)](
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+            q_runs if has_runs else cu_seqlens_q, k_runs if has_runs else cu_seqlens_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            softmax_scale * LOG2E, causal_offset, main_blocks,
+            GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_RUNS=has_runs,
+            DOT_PRECISION=dot_precision(q.dtype), OVERFLOW=overflow, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )  # fmt: skip
     return out, lse
 
 
@@ -359,6 +426,7 @@ def _fwd_audit_configs() -> list[dict]:
                     CAUSAL=True,
                     HAS_RUNS=True,
                     DOT_PRECISION=dot_precision(dtype),
+                    OVERFLOW=False,
                 ),
                 # float32 runs IEEE FMA products by design: no tensor cores expected there
                 expect={"spill_bytes": 0, "mma": dtype != torch.float32},
@@ -369,5 +437,14 @@ def _fwd_audit_configs() -> list[dict]:
     return configs
 
 
+def _overflow_variant(cfg: dict) -> dict:
+    """The same entry with ``OVERFLOW=True``: the tail loop that runs only when a host
+    ``max_seqlen`` understated a sequence. Audited to compile; it is not performance-critical."""
+    return dict(
+        cfg, name=cfg["name"] + "_overflow", constexprs=dict(cfg["constexprs"], OVERFLOW=True), expect={}
+    )
+
+
 # Read by ``bench/kernel_audit.py``: compiled ahead of time for sm_90 and sm_80.
 AUDIT_CONFIGS: list[dict] = _fwd_audit_configs()
+AUDIT_CONFIGS.append(_overflow_variant(AUDIT_CONFIGS[1]))

@@ -44,6 +44,7 @@ from .attention import (
     _audit_signature,
     _count_at_most,
     _load_runs,
+    _overflow_variant,
     _run_position,
     block_d,
     dot_precision,
@@ -69,7 +70,7 @@ def _attn_bwd_preprocess_kernel(
     HAS_DLSE: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    pid_h = tl.program_id(1).to(tl.int64)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < n_tokens
@@ -144,7 +145,8 @@ def _attn_bwd_dq_inner(
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(
+def _attn_bwd_dq_block(
+    m0,
     q_ptr,
     k_ptr,
     v_ptr,
@@ -171,6 +173,13 @@ def _attn_bwd_dq_kernel(
     qk_scale,
     sm_scale,
     causal_offset,
+    pid_h,
+    pid_hk,
+    pid_b,
+    q_beg,
+    seqlen_q,
+    k_beg,
+    seqlen_k,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -180,18 +189,6 @@ def _attn_bwd_dq_kernel(
     HAS_RUNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_b = tl.program_id(2)
-    q_beg = tl.load(cu_q_ptr + pid_b)
-    seqlen_q = tl.load(cu_q_ptr + pid_b + 1) - q_beg
-    m0 = pid_m * BLOCK_M
-    if m0 >= seqlen_q:
-        return
-    k_beg = tl.load(cu_k_ptr + pid_b)
-    seqlen_k = tl.load(cu_k_ptr + pid_b + 1) - k_beg
-    pid_hk = pid_h // GROUP
-
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -202,7 +199,9 @@ def _attn_bwd_dq_kernel(
         q_ptr + rows * stride_q_tok + pid_h * stride_q_head + offs_d[None, :], mask=io_mask, other=0.0
     )
     do = tl.load(
-        dout_ptr + rows * stride_do_tok + pid_h * stride_do_head + offs_d[None, :], mask=io_mask, other=0.0
+        dout_ptr + rows * stride_do_tok + pid_h * stride_do_head + offs_d[None, :],
+        mask=io_mask,
+        other=0.0,
     )
     lse = tl.load(
         lse_ptr + pid_h.to(tl.int64) * stride_lse_head + q_beg + offs_m, mask=row_ok, other=float("inf")
@@ -246,6 +245,77 @@ def _attn_bwd_dq_kernel(
     )  # fmt: skip
     dq_rows = (q_beg + offs_m).to(tl.int64)[:, None] * stride_dq_tok
     tl.store(dq_ptr + dq_rows + pid_h * stride_dq_head + offs_d[None, :], dq * sm_scale, mask=io_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    dout_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    q_runs_ptr,
+    k_runs_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_dq_tok,
+    stride_dq_head,
+    stride_lse_head,
+    stride_delta_head,
+    qk_scale,
+    sm_scale,
+    causal_offset,
+    main_blocks,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_RUNS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    OVERFLOW: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1).to(tl.int64)  # int64: head offsets can pass 2**31 elements
+    pid_b = tl.program_id(2)
+    q_beg = tl.load(cu_q_ptr + pid_b)
+    seqlen_q = tl.load(cu_q_ptr + pid_b + 1) - q_beg
+    k_beg = tl.load(cu_k_ptr + pid_b)
+    seqlen_k = tl.load(cu_k_ptr + pid_b + 1) - k_beg
+    pid_hk = pid_h // GROUP
+    if OVERFLOW:
+        # query blocks past the main grid: only when max_seqlen_q understated a sequence
+        for m0 in range((main_blocks + pid_m) * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
+            _attn_bwd_dq_block(
+                m0, q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
+                q_runs_ptr, k_runs_ptr, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                stride_v_tok, stride_v_head, stride_do_tok, stride_do_head, stride_dq_tok,
+                stride_dq_head, stride_lse_head, stride_delta_head, qk_scale, sm_scale, causal_offset,
+                pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D,
+                BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        m0 = pid_m * BLOCK_M
+        if m0 < seqlen_q:
+            _attn_bwd_dq_block(
+                m0, q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
+                q_runs_ptr, k_runs_ptr, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                stride_v_tok, stride_v_head, stride_do_tok, stride_do_head, stride_dq_tok,
+                stride_dq_head, stride_lse_head, stride_delta_head, qk_scale, sm_scale, causal_offset,
+                pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D,
+                BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -305,7 +375,8 @@ def _attn_bwd_dkdv_inner(
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(
+def _attn_bwd_dkdv_block(
+    n0,
     q_ptr,
     k_ptr,
     v_ptr,
@@ -335,6 +406,12 @@ def _attn_bwd_dkdv_kernel(
     qk_scale,
     sm_scale,
     causal_offset,
+    pid_hk,
+    pid_b,
+    q_beg,
+    seqlen_q,
+    k_beg,
+    seqlen_k,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -344,17 +421,6 @@ def _attn_bwd_dkdv_kernel(
     HAS_RUNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_hk = tl.program_id(1)
-    pid_b = tl.program_id(2)
-    k_beg = tl.load(cu_k_ptr + pid_b)
-    seqlen_k = tl.load(cu_k_ptr + pid_b + 1) - k_beg
-    n0 = pid_n * BLOCK_N
-    if n0 >= seqlen_k:
-        return
-    q_beg = tl.load(cu_q_ptr + pid_b)
-    seqlen_q = tl.load(cu_q_ptr + pid_b + 1) - q_beg
-
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -402,6 +468,81 @@ def _attn_bwd_dkdv_kernel(
              + offs_d[None, :], dk * sm_scale, mask=io_mask)  # fmt: skip
     tl.store(dv_ptr + (k_beg + offs_n).to(tl.int64)[:, None] * stride_dv_tok + pid_hk * stride_dv_head
              + offs_d[None, :], dv, mask=io_mask)  # fmt: skip
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    dout_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    q_runs_ptr,
+    k_runs_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_dk_tok,
+    stride_dk_head,
+    stride_dv_tok,
+    stride_dv_head,
+    stride_lse_head,
+    stride_delta_head,
+    qk_scale,
+    sm_scale,
+    causal_offset,
+    main_blocks,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_RUNS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    OVERFLOW: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_hk = tl.program_id(1).to(tl.int64)  # int64: head offsets can pass 2**31 elements
+    pid_b = tl.program_id(2)
+    k_beg = tl.load(cu_k_ptr + pid_b)
+    seqlen_k = tl.load(cu_k_ptr + pid_b + 1) - k_beg
+    q_beg = tl.load(cu_q_ptr + pid_b)
+    seqlen_q = tl.load(cu_q_ptr + pid_b + 1) - q_beg
+    if OVERFLOW:
+        # key blocks past the main grid: only when max_seqlen_k understated a sequence
+        for n0 in range((main_blocks + pid_n) * BLOCK_N, seqlen_k, tl.num_programs(0) * BLOCK_N):
+            _attn_bwd_dkdv_block(
+                n0, q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr,
+                cu_k_ptr, q_runs_ptr, k_runs_ptr, stride_q_tok, stride_q_head, stride_k_tok,
+                stride_k_head, stride_v_tok, stride_v_head, stride_do_tok, stride_do_head,
+                stride_dk_tok, stride_dk_head, stride_dv_tok, stride_dv_head, stride_lse_head,
+                stride_delta_head, qk_scale, sm_scale, causal_offset, pid_hk, pid_b, q_beg, seqlen_q,
+                k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS,
+                DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        n0 = pid_n * BLOCK_N
+        if n0 < seqlen_k:
+            _attn_bwd_dkdv_block(
+                n0, q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr,
+                cu_k_ptr, q_runs_ptr, k_runs_ptr, stride_q_tok, stride_q_head, stride_k_tok,
+                stride_k_head, stride_v_tok, stride_v_head, stride_do_tok, stride_do_head,
+                stride_dk_tok, stride_dk_head, stride_dv_tok, stride_dv_head, stride_lse_head,
+                stride_delta_head, qk_scale, sm_scale, causal_offset, pid_hk, pid_b, q_beg, seqlen_q,
+                k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS,
+                DOT_PRECISION,
+            )  # fmt: skip
 
 
 def bwd_config(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -482,24 +623,31 @@ def attn_bwd(
         DOT_PRECISION=dot_precision(q.dtype), num_stages=cfg["stages"],
     )  # fmt: skip
     qk_scale = softmax_scale * LOG2E
-    if max_seqlen_q > 0:
-        grid = (triton.cdiv(max_seqlen_q, cfg["dq_BLOCK_M"]), n_heads, batch)
-        launchable(_attn_bwd_dq_kernel)[grid](
-            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), delta.stride(0),
-            qk_scale, softmax_scale, causal_offset,
-            BLOCK_M=cfg["dq_BLOCK_M"], BLOCK_N=cfg["dq_BLOCK_N"], num_warps=cfg["dq_warps"], **common,
-        )  # fmt: skip
-    if max_seqlen_k > 0:
-        grid = (triton.cdiv(max_seqlen_k, cfg["kv_BLOCK_N"]), n_kv_heads, batch)
-        launchable(_attn_bwd_dkdv_kernel)[grid](
-            q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            lse.stride(0), delta.stride(0), qk_scale, softmax_scale, causal_offset,
-            BLOCK_M=cfg["kv_BLOCK_M"], BLOCK_N=cfg["kv_BLOCK_N"], num_warps=cfg["kv_warps"], **common,
-        )  # fmt: skip
+    # Each kernel runs its main grid (from the host's max_seqlen) and then one program per (head,
+    # sequence) for whatever a wrong max_seqlen left out (it exits at once when nothing was), so no
+    # gradient row stays unwritten.
+    dq_blocks = triton.cdiv(max_seqlen_q, cfg["dq_BLOCK_M"])
+    for overflow, m_grid in ((False, dq_blocks), (True, 1)):
+        if m_grid:
+            launchable(_attn_bwd_dq_kernel)[(m_grid, n_heads, batch)](
+                q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), delta.stride(0),
+                qk_scale, softmax_scale, causal_offset, dq_blocks,
+                BLOCK_M=cfg["dq_BLOCK_M"], BLOCK_N=cfg["dq_BLOCK_N"], num_warps=cfg["dq_warps"],
+                OVERFLOW=overflow, **common,
+            )  # fmt: skip
+    kv_blocks = triton.cdiv(max_seqlen_k, cfg["kv_BLOCK_N"])
+    for overflow, n_grid in ((False, kv_blocks), (True, 1)):
+        if n_grid:
+            launchable(_attn_bwd_dkdv_kernel)[(n_grid, n_kv_heads, batch)](
+                q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                lse.stride(0), delta.stride(0), qk_scale, softmax_scale, causal_offset, kv_blocks,
+                BLOCK_M=cfg["kv_BLOCK_M"], BLOCK_N=cfg["kv_BLOCK_N"], num_warps=cfg["kv_warps"],
+                OVERFLOW=overflow, **common,
+            )  # fmt: skip
     return dq, dk, dv
 
 
@@ -514,6 +662,7 @@ def _bwd_audit_configs() -> list[dict]:
         short = "bf16" if dtype == torch.bfloat16 else "fp32"
         common = dict(GROUP=2, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), CAUSAL=True, HAS_RUNS=True)
         common["DOT_PRECISION"] = dot_precision(dtype)
+        common["OVERFLOW"] = False  # the main grid (the overflow variant runs only when needed)
         for kernel, prefix in ((_attn_bwd_dq_kernel, "dq"), (_attn_bwd_dkdv_kernel, "kv")):
             configs.append(
                 dict(
@@ -546,3 +695,6 @@ def _bwd_audit_configs() -> list[dict]:
 
 # Read by ``bench/kernel_audit.py``: compiled ahead of time for sm_90 and sm_80.
 AUDIT_CONFIGS: list[dict] = _bwd_audit_configs()
+AUDIT_CONFIGS += [
+    _overflow_variant(c) for c in AUDIT_CONFIGS if c["name"].endswith("bf16_d128_causal_runs_gqa")
+]

@@ -22,8 +22,9 @@ written exactly once, no atomics, no per-token index tensor. The source row is c
 binary search over the destination ``cu_seqlens`` (``n_iters = ceil(log2 n)`` probes, all hitting
 L1/L2 since ``cu_seqlens`` is tiny); unpack needs no search (row ``r`` of the padded output is
 segment ``r // max_seqlen``). ``BLOCK_R`` spans 16-byte-aligned runs of the row so the loads and
-stores vectorise to 128-bit accesses when the row length and strides are multiples of 16 bytes
-(Triton specialises integer arguments on divisibility by 16 at launch). No arithmetic is done on
+stores vectorise to 128-bit accesses when the pointers are 16-byte aligned and the row length and
+strides, counted in elements, are multiples of 16 (Triton specialises integer arguments on
+divisibility by 16 elements at launch, not 16 bytes). No arithmetic is done on
 the payload, so there is no accumulation dtype: every dtype (float or integer) is copied bit-exactly.
 
 Where the idea comes from: the packed layout is flash-attention's varlen convention

@@ -197,6 +197,8 @@ def _attention_block_fwd_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs
     )
     same_cu = cu_seqlens_q is cu_seqlens_k
+    # the kernels index cu_seqlens through its raw pointer: any strided view becomes contiguous
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     chosen = _select_backend(backend, q, causal, causal_offset, q_runs is not None, same_cu)
     if chosen == "reference":
         return _ref.attention_block_fwd_ref(
@@ -292,6 +294,7 @@ def _attention_block_bwd_op(
     _check_bwd_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                     q_runs, k_runs, dlse)  # fmt: skip
     same_cu = cu_seqlens_q is cu_seqlens_k
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     chosen = _select_backend(
         backend, q, causal, causal_offset, q_runs is not None, same_cu, dlse is not None, backward=True
     )
@@ -413,6 +416,8 @@ def _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale) -> f
     _ref.check_host_int("max_seqlen_k", max_seqlen_k, 0)
     _ref.check_host_int("causal_offset", causal_offset)
     if softmax_scale is None:
+        if isinstance(q, Tensor) and q.dim() == 3 and q.shape[-1] == 0:
+            raise ValueError("q must have a head dim >= 1, got shape " + str(tuple(q.shape)))
         return q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 3 else 1.0
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")

@@ -128,6 +128,8 @@ def check_block_args(
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[2] == 0:
+        raise ValueError(f"q, k and v must have a head dim >= 1, got shape {tuple(q.shape)}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"the number of q heads ({q.shape[1]}) must be a multiple of k's ({k.shape[1]})")
     check_host_int("max_seqlen_q", max_seqlen_q, 0)
@@ -249,12 +251,14 @@ def attention_block_bwd_ref(
     k_runs: torch.Tensor | None = None,
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference backward from the saved ``out``/``lse``: float32 (float64) ``dq``, ``dk``, ``dv``.
+    """Reference backward from the saved ``out``/``lse``: ``dq``, ``dk``, ``dv`` in float32 (float64
+    for float64 ``q``), whatever the dtype of ``lse``; computed in float64 if any input is.
 
     ``lse`` may be a merged LSE over more keys than this block holds (a ring); ``dlse`` is the
     gradient reaching ``lse``, if any.
     """
     acc = acc_dtype(q, lse)
+    grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     tq, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -285,7 +289,7 @@ def attention_block_bwd_ref(
         dv_b = torch.matmul(p.transpose(1, 2), dob)
         dk[ks:ke] = dk_b.view(n_kv, group, ke - ks, head_dim).sum(1).transpose(0, 1)
         dv[ks:ke] = dv_b.view(n_kv, group, ke - ks, head_dim).sum(1).transpose(0, 1)
-    return dq, dk, dv
+    return dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype)
 
 
 def merge_weights(

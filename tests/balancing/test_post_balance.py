@@ -170,6 +170,16 @@ def test_lengths_from_numpy_and_integral_floats():
         (dict(lengths=[1, 2], num_ranks=4, ranks_per_node=0), ValueError, "ranks_per_node"),
         (dict(lengths=[1, 2], num_ranks=2, alpha=-1.0), ValueError, "alpha"),
         (dict(lengths=[1, 2], num_ranks=2, beta=float("inf")), ValueError, "beta"),
+        # costs that overflow float64 (these crashed the process in "conv" / "padded_quadratic")
+        (dict(lengths=[3, 3, 3], num_ranks=2, policy="conv", alpha=1e308), ValueError, "overflow"),
+        (dict(lengths=[3, 3, 3], num_ranks=2, policy="padded_quadratic", beta=1e307), ValueError, "overflow"),
+        (dict(lengths=[3, 3, 3], num_ranks=2, policy="quadratic", beta=1e308), ValueError, "overflow"),
+        # sizes past what int64 token counts and float64 costs represent exactly
+        (dict(lengths=[2**63 - 5, 1], num_ranks=2), ValueError, "too large"),
+        (dict(lengths=[2**64, 1], num_ranks=2), ValueError, "too large"),
+        (dict(lengths=np.full(2**14, 2**40), num_ranks=2), ValueError, "sum to more"),
+        (dict(lengths=[1, 2, 3], num_ranks=2**31), ValueError, "num_ranks must be <="),
+        (dict(lengths=[1, 2, 3], num_ranks=10**8), ValueError, "num_ranks must be <="),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmbalance.collectives import Orchestrator, PhaseSpec
 from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -167,3 +168,38 @@ def test_two_encoder_model_same_loss_and_grads(world):
             assert abs(loss - ref_loss) <= 1e-12 * max(1.0, abs(ref_loss)), (mode, loss, ref_loss)
             np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
         assert set(res["summary"]) == {"vision", "audio", "llm"}
+
+
+@pytest.mark.parametrize(
+    ("make", "word"),
+    [
+        (lambda: PhaseSpec("max"), "policy"),
+        (lambda: PhaseSpec("conv", alpha=-1.0), "alpha"),
+        (lambda: PhaseSpec("conv", beta=float("nan")), "beta"),
+        (lambda: PhaseSpec(downsample=0), "downsample"),
+        (lambda: PhaseSpec(downsample=True), "downsample"),
+        # an order that leaves a modality out would drop its tokens at assembly
+        (
+            lambda: Orchestrator({"vision": PhaseSpec(), "audio": PhaseSpec()}, orders=[("vision", "text")]),
+            "order",
+        ),
+        (lambda: Orchestrator({"vision": PhaseSpec()}, orders=[("vision", "vision", "text")]), "order"),
+        (lambda: Orchestrator({"vision": PhaseSpec()}, llm="sum"), "llm"),
+        (lambda: Orchestrator({"vision": PhaseSpec()}, ranks_per_node=0), "ranks_per_node"),
+    ],
+    ids=[
+        "policy",
+        "alpha",
+        "beta",
+        "downsample0",
+        "downsample-bool",
+        "order-missing",
+        "order-dup",
+        "llm",
+        "rpn",
+    ],
+)
+def test_bad_configuration_is_refused_at_construction(make, word):
+    """Not at ``future.result()`` in the planning thread: where the user wrote it."""
+    with pytest.raises((ValueError, TypeError), match=word):
+        make()

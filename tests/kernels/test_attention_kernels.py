@@ -296,3 +296,64 @@ def test_bf16_forward_backward_gpu(causal, head_dim):
     assert_close_lowp(out.cpu(), ref_out, out_lp, atol=1e-3)
     for got, want, their in zip((dq, dk, dv), expected, theirs):
         assert_close_lowp(got.cpu(), want, their, atol=1e-3)
+
+
+# ------------------------------------------------------------------ faults the fast path must survive
+@pytest.mark.parametrize("max_q,max_k", [(5, 3), (0, 0), (16, 17)], ids=["understated", "zero", "tile"])
+def test_understated_max_seqlen_still_writes_every_row(max_q, max_k):
+    """On CUDA without MMBALANCE_DEBUG nobody checks the host's max_seqlen against cu_seqlens: a
+    too-small value must still give every row its correct value (no NaN from unwritten memory)."""
+    q, k, v, cu_q, cu_k = _batch(torch.float32, seed=3)
+    args = _mask_args(MASKS["causal"], DEVICE)
+    scale = 0.41
+    out, lse = _poisoned(q.shape, torch.float32), _poisoned((q.shape[1], q.shape[0]), torch.float32)
+    KF.attn_fwd(q, k, v, cu_q, cu_k, max_q, scale, True, 0, out=out, lse=lse)
+    (q64, k64, v64), ref_out, ref_lse = _expected(q, k, v, cu_q, cu_k, scale, args, requires_grad=True)
+    torch.testing.assert_close(out.double().cpu(), ref_out, **tol(torch.float32, max(LK)))
+    _check_lse(lse, ref_lse)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    grads = tuple(_poisoned(t.shape, torch.float32) for t in (q, k, v))
+    dq, dk, dv = KB.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, True, grads=grads)
+    expected = torch.autograd.grad((ref_out * dout.cpu().double()).sum(), (q64, k64, v64))
+    for got, want in zip((dq, dk, dv), expected):
+        torch.testing.assert_close(got.double().cpu(), want, **tol(torch.float32, max(LQ) + max(LK)))
+
+
+def test_strided_cu_seqlens_are_read_by_value():
+    """A non-contiguous int32 cu_seqlens view (every other element of a buffer) gives the same
+    result as the contiguous one: the op hands the kernels a contiguous copy."""
+    q, k, v, cu_q, cu_k = _batch(torch.float32, seed=5)
+    junk_q = torch.stack([cu_q, torch.full_like(cu_q, 10**6)], 1)[:, 0]
+    junk_k = torch.stack([cu_k, torch.full_like(cu_k, -7)], 1)[:, 0]
+    assert not junk_q.is_contiguous() and torch.equal(junk_q, cu_q)
+    got = ops.attention_block(q, k, v, junk_q, junk_k, max(LQ), max(LK), softmax_scale=0.3, causal=True,
+                              backend="triton")  # fmt: skip
+    want = ops.attention_block(q, k, v, cu_q, cu_k, max(LQ), max(LK), softmax_scale=0.3, causal=True,
+                               backend="triton")  # fmt: skip
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_head_offsets_past_2_to_the_31():
+    """Head offsets are int64: a view whose head stride puts the last head past 2**31 elements (the
+    buffer is reserved, only the touched pages are ever written) reads and writes the right rows."""
+    n_heads, d, t = 3, 16, 20
+    stride_head = 2**30  # head 2 starts at element 2**31: wraps to a negative offset in int32
+    buf = torch.empty(stride_head * (n_heads - 1) + t * d, dtype=torch.float16, device=DEVICE)
+    q = buf.as_strided((t, n_heads, d), (d, stride_head, 1))
+    g = torch.Generator().manual_seed(6)
+    q.copy_(torch.randn(t, n_heads, d, generator=g).to(torch.float16))
+    k = torch.randn(t, n_heads, d, generator=g).to(torch.float16).to(DEVICE)
+    v = torch.randn(t, n_heads, d, generator=g).to(torch.float16).to(DEVICE)
+    cu = torch.tensor([0, 7, t], dtype=torch.int32, device=DEVICE)
+    out, lse = _poisoned((t, n_heads, d), torch.float16), _poisoned((n_heads, t), torch.float32)
+    KF.attn_fwd(q, k, v, cu, cu, 13, 0.25, True, out=out, lse=lse)
+    args = dict(causal=True, causal_offset=0)
+    (q64, k64, v64), ref_out, ref_lse = _expected(q, k, v, cu, cu, 0.25, args, requires_grad=True)
+    torch_out = _lowp_attention(q.contiguous(), k, v, cu, cu, 0.25, args)[3]
+    _check(out, ref_out, torch_out, torch.float16, t)
+    _check_lse(lse, ref_lse)
+    dout = torch.randn(t, n_heads, d, generator=g).to(torch.float16).to(DEVICE)
+    grads = tuple(_poisoned((t, n_heads, d), torch.float32) for _ in range(3))
+    dq, _, _ = KB.attn_bwd(dout, q, k, v, out, lse, cu, cu, 13, 13, 0.25, True, grads=grads)
+    want = torch.autograd.grad((ref_out * dout.cpu().double()).sum(), q64)[0]
+    torch.testing.assert_close(dq.double().cpu(), want, atol=2e-2, rtol=2e-2)

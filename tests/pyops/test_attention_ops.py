@@ -134,6 +134,19 @@ def test_opcheck_backward():
             (dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, scale, causal, offset, q_runs, k_runs, dlse, backend))  # fmt: skip
 
 
+def test_opcheck_backward_with_a_float64_lse():
+    """A float64 LSE with float32 q: the gradients are float32, as the fake implementation says."""
+    args = _fwd_args(False, True)
+    out, lse = torch.ops.mmbalance.attention_block_fwd(*args)
+    q, k, v, cu_q, cu_k, mq, mk, scale, causal, offset, q_runs, k_runs, _, backend = args
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    call = (dout, q, k, v, out, lse.double(), cu_q, cu_k, mq, mk, scale, causal, offset, q_runs, k_runs, None,
+            backend)  # fmt: skip
+    grads = torch.ops.mmbalance.attention_block_bwd(*call)
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    opcheck(torch.ops.mmbalance.attention_block_bwd, call)
+
+
 def _merge_inputs(dtype_b=torch.float32, with_empty=True):
     g = torch.Generator().manual_seed(8)
     t, h, d = 9, 3, 5
@@ -228,6 +241,7 @@ def _bad_inputs():
             ValueError,
         ),
         ("backend", dict(backend="cuda"), ValueError),
+        ("head dim", dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]), ValueError),
     ]
 
 

@@ -1,0 +1,143 @@
+"""Fault injection on gloo ranks: every rank's outcome, including ranks that die.
+
+``run_ranks(fn, world, *args, pg_timeout=...)`` starts ``world`` fresh processes joined into one gloo
+group with the given (short) timeout and runs ``fn(rank, world, *args)`` in each. Unlike
+``tests.dist_utils.run_distributed`` it never stops at the first error: it waits for every rank and
+returns one :class:`Outcome` per rank, with whatever the rank returned, or the exception it raised
+and how long after the start, or the exit code of a process that died without reporting (a signal
+such as SIGABRT shows as a negative code).
+
+Scenarios call :func:`attempt` for each injected fault: it runs the call, records whether it raised
+(type, message, seconds), and then re-synchronises the healthy group with a barrier, so many faults
+that the agreement step catches can run one after another in one process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+
+import torch.multiprocessing as mp
+
+
+@dataclasses.dataclass
+class Outcome:
+    rank: int
+    value: object = None  # what fn returned
+    error: str | None = None  # a traceback if fn itself raised
+    exitcode: int | None = None  # the process's exit code if it never reported
+
+    @property
+    def reported(self) -> bool:
+        return self.exitcode is None
+
+
+def attempt(call, *, barrier: bool = True) -> dict:
+    """Run ``call()``; return ``{"raised": bool, "type", "message", "seconds", "value"}``."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    try:
+        value = portable(call())
+        out = {"raised": False, "type": None, "message": "", "value": value}
+    except Exception as exc:  # noqa: BLE001 - the outcome is the point
+        out = {"raised": True, "type": type(exc).__name__, "message": str(exc), "value": None}
+        out["bases"] = [c.__name__ for c in type(exc).__mro__]
+    out["seconds"] = time.perf_counter() - t0
+    if barrier:
+        dist.barrier()
+    return out
+
+
+def portable(value):
+    """``value`` as something a multiprocessing queue can carry: tensors become numpy arrays,
+    containers are converted item by item, anything else unpicklable becomes its type's name."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(portable(v) for v in value)
+    try:
+        ForkingPickler.dumps(value)
+    except Exception:  # noqa: BLE001 - a module, a process group ...: only its type travels
+        return f"<{type(value).__name__}>"
+    return value
+
+
+def _worker(rank, world, init_file, fn, args, queue, pg_timeout):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        value = fn(rank, world, *args)
+        ForkingPickler.dumps(value)  # fail here, loudly, rather than silently in the queue's feeder thread
+        queue.put((rank, value, None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, None, traceback.format_exc()))
+    # no destroy_process_group: after a fault the group may be broken, and tearing it down can
+    # block on peers that are gone; the process exits and the OS closes its sockets
+
+
+def run_ranks(fn, world: int, *args, pg_timeout: float = 20.0, timeout: float = 120.0) -> list[Outcome]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; every rank's :class:`Outcome`."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, init_file, fn, args, queue, pg_timeout), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        outcomes: dict[int, Outcome] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outcomes) < world and time.monotonic() < deadline:
+                try:
+                    rank, value, error = queue.get(timeout=0.5)
+                    outcomes[rank] = Outcome(rank, value, error)
+                except queue_mod.Empty:
+                    pass
+                # a process that exited with a failure code without reporting died (os._exit, a
+                # signal, an abort); one that exited cleanly has reported (its message may still
+                # be in flight)
+                for r, p in enumerate(procs):
+                    if r not in outcomes and p.exitcode not in (None, 0):
+                        time.sleep(0.5)
+                        try:
+                            while True:
+                                rank, value, error = queue.get_nowait()
+                                outcomes[rank] = Outcome(rank, value, error)
+                        except queue_mod.Empty:
+                            pass
+                        if r not in outcomes:
+                            outcomes[r] = Outcome(r, exitcode=p.exitcode)
+        finally:
+            for p in procs:
+                p.join(timeout=2)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+        for r in range(world):
+            if r not in outcomes:
+                raise TimeoutError(f"rank {r} neither reported nor exited within {timeout:.0f}s: a hang")
+        return [outcomes[r] for r in range(world)]
