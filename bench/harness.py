@@ -127,3 +127,56 @@ def base_parser(description: str):
         "--quick", action="store_true", help="a smoke run: the smallest sizes only (same rows, fewer of them)"
     )
     return p
+
+
+def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 600.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes joined in one gloo group (NCCL
+    when every rank has a GPU); return what each rank returned, by rank. ``fn`` must be a
+    module-level function (the processes are spawned)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=_spawned, args=(r, world, init, fn, args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        try:
+            for _ in range(world):
+                rank, value, err = queue.get(timeout=timeout)
+                if err:
+                    raise RuntimeError(f"rank {rank} failed:\n{err}")
+                out[rank] = value
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    return [out[r] for r in range(world)]
+
+
+def _spawned(rank, world, init, fn, args, queue):
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+        if cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=300),
+        )  # fmt: skip
+        value = fn(rank, world, *args)
+        dist.destroy_process_group()
+        queue.put((rank, value, None))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, None, traceback.format_exc()))

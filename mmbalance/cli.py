@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap")
+BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf")
 
 
 def usage_error(prog: str, message: str) -> int:

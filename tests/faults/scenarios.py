@@ -402,6 +402,14 @@ def lost_rank(rank: int, world: int, entry: str, how: str, linger: float) -> dic
         torch.manual_seed(0)
         col = ColumnParallelLinear(4, 7, dtype=torch.float64)
         call = lambda: col(torch.randn(2, 4, dtype=torch.float64))  # noqa: E731
+    elif entry == "HF encoder balance":
+        from mmbalance.integrations.hf import apply_encoder_balance
+        from tests.integrations import hf_zoo as Z
+
+        model = Z.build("qwen2_vl", seed=1)
+        apply_encoder_balance(model)
+        batch = Z.batch("qwen2_vl", model, [[(4, 4)]], seed=rank)
+        call = lambda: model(**batch).loss  # noqa: E731
     else:
         raise ValueError(entry)
     import torch.distributed as dist
@@ -413,3 +421,31 @@ def lost_rank(rank: int, world: int, entry: str, how: str, linger: float) -> dic
         time.sleep(linger)  # left the step: alive, but never calls
         return {"left": True}
     return attempt(call, barrier=False)
+
+
+# ---------------------------------------------------------------------------------- HF encoder balancing
+def hf_faults(rank: int, world: int) -> dict:
+    from mmbalance.integrations.hf import apply_encoder_balance
+    from tests.integrations import hf_zoo as Z
+
+    bad = rank == FAULTY
+    out: dict = {}
+    model = Z.build("qwen2_vl", seed=1)
+    handle = apply_encoder_balance(model)
+    spec = [[(4, 4), (2, 6)]] if rank != 2 else [[(6, 4)]]
+    batch = Z.batch("qwen2_vl", model, spec, seed=rank)
+    wrong = dict(batch, image_grid_thw=batch["image_grid_thw"] + 2) if bad else batch
+    out["wrong lengths"] = attempt(lambda: model(**wrong).loss)
+    # a rank whose handle prices items differently would plan differently: refused before data moves
+    handle.remove()
+    handle = apply_encoder_balance(model, cost="items" if bad else "rows")
+    out["different plan"] = attempt(lambda: model(**batch).loss)
+    handle.remove()
+    # pixel values in another dtype are cast to the tower's dtype: not a fault
+    mixed = dict(batch, pixel_values=batch["pixel_values"].double()) if bad else batch
+    handle = apply_encoder_balance(model)
+    ok = attempt(lambda: float(model(**mixed).loss))
+    ref = float(type(model).forward(model, **batch).loss)
+    out["wrong dtype"] = dict(ok, reference=ref)
+    handle.remove()
+    return out

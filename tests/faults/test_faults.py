@@ -90,11 +90,15 @@ RAISES = [
     ("tp_module_faults", "different flags", ["chunks differs"]),
     ("tp_module_faults", "wrong dtype", ["dtype"]),
     ("tp_module_faults", "wrong lengths", ["shard_sizes"]),
+    ("hf_faults", "wrong lengths", ["image_grid_thw", "pixel_values"]),
+    ("hf_faults", "different plan", ["cost differs"]),
 ]
 
 
 @pytest.mark.parametrize(("scenario", "fault", "words"), RAISES, ids=[f"{s[:-7]}-{f}" for s, f, _ in RAISES])
 def test_fault_raises_on_every_rank(scenario, fault, words):
+    if scenario.startswith("hf"):
+        pytest.importorskip("transformers", minversion="5.18")
     for r, row in enumerate(rows(scenario, fault)):
         assert row["raised"], f"rank {r} returned normally from '{fault}'"
         assert row["seconds"] < QUICK, f"rank {r} took {row['seconds']:.1f}s: found by a timeout, not checked"
@@ -268,6 +272,13 @@ def test_tp_modules_uneven_and_mixed_grad(fault):
             assert row["value"]["gx"] is None
 
 
+def test_hf_balance_casts_pixel_values_of_another_dtype():
+    pytest.importorskip("transformers", minversion="5.18")
+    for row in rows("hf_faults", "wrong dtype"):
+        assert not row["raised"], row["message"]
+        assert row["value"] == pytest.approx(row["reference"], rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------- lost ranks
 ENTRIES = [
     "gather_lengths",
@@ -277,6 +288,7 @@ ENTRIES = [
     "all_gather_matmul",
     "matmul_reduce_scatter",
     "TP modules",
+    "HF encoder balance",
 ]
 LOST = [(e, how) for e in ENTRIES for how in ("dies", "leaves")]
 

@@ -1,0 +1,155 @@
+"""Encoder balancing of a Hugging Face model: its per-step overhead against the encoder's own time.
+
+    python -m mmbalance.bench.hf [--world 2] [--steps 8] [--json FILE]
+
+A Qwen2-VL (random weights, built from a config: no download) trains on ``--world`` ranks with a
+skewed batch (rank 0 several large images, the others one small image each), balanced with
+``apply_encoder_balance``. Per forward the handle times the size exchange and planning, the
+all-to-all of the inputs, the encoder, and the all-to-all of the outputs; the rows report their
+medians over the steps (the slowest rank), the overhead (planning plus both all-to-alls) over the
+encoder's time, the vision max/mean before and after, and the step time balanced vs unbalanced.
+Two sizes: ``tiny`` (hidden 32, the test configuration) and ``small`` (ViT width 256, 4 layers,
+larger images), where the encoder does real work. On a CPU with gloo these are loopback numbers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .harness import Row, base_parser, device_name, report, spawn
+
+CONFIGS = {
+    # name: (ViT depth, ViT width, LLM width, large image side in patches, large images on rank 0)
+    "tiny": (1, 32, 32, 8, 4),
+    "small": (4, 256, 256, 24, 6),
+}
+
+
+def _model(depth: int, width: int, llm: int):
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    half = llm // 8  # half the head dim of 4 heads: the M-RoPE sections must add up to it
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=256, hidden_size=llm, intermediate_size=2 * llm, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2, rope_parameters={"rope_type": "default", "mrope_section": section}),
+        vision_config=dict(depth=depth, embed_dim=width, hidden_size=llm, num_heads=4, mlp_ratio=4,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2),
+        image_token_id=100, vision_start_token_id=101, vision_end_token_id=102,
+    )  # fmt: skip
+    return Qwen2VLForConditionalGeneration(cfg).train()
+
+
+def _batch(rank: int, step: int, side: int, count: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    grids = [(side, side)] * count if rank == 0 else [(4, 4)]
+    rows, types, pix = [], [], []
+    for h, w in grids:
+        n = h * w // 4
+        rows.append([5] * 3 + [101] + [100] * n + [102] + [7] * 8)
+        types.append([0] * 4 + [1] * n + [0] * 9)
+        pix.append(torch.randn(h * w, 96, generator=g))
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask, tt = torch.zeros_like(ids), torch.zeros(len(rows), width, dtype=torch.int)
+    for i, (r, t) in enumerate(zip(rows, types)):
+        ids[i, : len(r)], mask[i, : len(r)], tt[i, : len(t)] = torch.tensor(r), 1, torch.tensor(t)
+    return dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=tt, labels=ids.masked_fill(tt != 0, -100),
+                pixel_values=torch.cat(pix), image_grid_thw=torch.tensor([[1, h, w] for h, w in grids]))  # fmt: skip
+
+
+def _worker(rank: int, world: int, config: str, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from mmbalance.integrations.hf import apply_encoder_balance
+
+    depth, width, llm, side, count = CONFIGS[config]
+    out = {}
+    for balanced in (True, False):
+        model = _model(depth, width, llm)
+        handle = apply_encoder_balance(model) if balanced else None
+        timings, stats, step_ms = [], [], []
+        for step in range(steps + 2):  # two warm-up steps
+            batch = _batch(rank, step, side, count)
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(**batch).loss.backward()
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if step >= 2:
+                step_ms.append(1e3 * float(dt))
+                if handle:
+                    t = handle.timings["vision"]
+                    vec = torch.tensor([t["plan_ms"], t["move_in_ms"], t["encode_ms"], t["move_back_ms"]])
+                    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+                    timings.append(vec.tolist())
+                    stats.append(handle.stats["vision"])
+        key = "balanced" if balanced else "unbalanced"
+        out[key] = {"step_ms": float(np.median(step_ms))}
+        if handle:
+            med = np.median(np.asarray(timings), axis=0)
+            out[key].update(plan_ms=med[0], move_in_ms=med[1], encode_ms=med[2], move_back_ms=med[3])
+            out[key].update(before=stats[-1]["before"], after=stats[-1]["after"], moved=stats[-1]["moved"])
+            handle.remove()
+    return out
+
+
+def bench(world: int, steps: int, configs) -> list[Row]:
+    rows = []
+    for config in configs:
+        res = spawn(_worker, world, config, steps)[0]
+        b, u = res["balanced"], res["unbalanced"]
+        overhead = b["plan_ms"] + b["move_in_ms"] + b["move_back_ms"]
+        depth, width, llm, side, count = CONFIGS[config]
+        rows.append(
+            Row(
+                "hf_encoder_balance[qwen2_vl]",
+                "mmbalance",
+                f"{config}: ViT {depth}x{width}, {world} ranks, rank 0 {count} images of {side}x{side} patches",
+                "float32",
+                device_name(),
+                overhead,
+                {
+                    "plan_ms": b["plan_ms"],
+                    "all_to_alls_ms": b["move_in_ms"] + b["move_back_ms"],
+                    "encoder_ms": b["encode_ms"],
+                    "overhead/encoder": overhead / max(b["encode_ms"], 1e-9),
+                    "vision_before": b["before"],
+                    "vision_after": b["after"],
+                    "moved": b["moved"],
+                    "step_ms_balanced": b["step_ms"],
+                    "step_ms_unbalanced": u["step_ms"],
+                },
+            )
+        )
+    return rows
+
+
+def main(argv=None) -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    args = p.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print('mmbalance bench hf needs transformers (pip install "mmbalance[hf]"); skipped')
+        return
+    configs = ["tiny"] if args.quick else ["tiny", "small"]
+    report(
+        bench(args.world, max(2, args.steps // 2) if args.quick else args.steps, configs),
+        args.json,
+        "encoder balancing of a Hugging Face Qwen2-VL: overhead (plan + two all-to-alls) vs the encoder",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Hugging Face transformers integration (``pip install "mmbalance[hf]"``, transformers >= 5.18).
+
+* :func:`apply_encoder_balance`: balance the vision/audio encoders of a Hugging Face multimodal
+  model over the data-parallel ranks in every forward, with results identical to not balancing::
+
+      handle = apply_encoder_balance(model)          # after init_process_group, before training
+      loss = model(**batch).loss                      # unchanged training loop (DDP, FSDP2 ...)
+      handle.stats["vision"]                          # {"before": 1.9, "after": 1.01, "moved": 0.3}
+
+* :class:`EncoderAdapter` / :func:`register_adapter`: teach it a model class it does not know.
+* :func:`register_attention`: a packed (padding-free) varlen attention backend for transformers'
+  ``AttentionInterface``, named ``"mmbalance_varlen"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_MIN_TRANSFORMERS = (5, 18)
+
+
+def _require_transformers() -> None:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            'mmbalance.integrations.hf needs transformers: pip install "mmbalance[hf]"'
+        ) from exc
+    parts = []
+    for p in transformers.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits or 0))
+    if tuple(parts) < _MIN_TRANSFORMERS:
+        raise ImportError(
+            f"mmbalance.integrations.hf needs transformers >= {'.'.join(map(str, _MIN_TRANSFORMERS))} "
+            f'(the mm_encoder_outputs hook), found {transformers.__version__}: pip install -U "mmbalance[hf]"'
+        )
+
+
+_require_transformers()
+
+from .adapter import EncoderAdapter, Items  # noqa: E402
+from .attention import ATTENTION_NAME, register_attention  # noqa: E402
+from .balance import (  # noqa: E402
+    EncoderBalanceHandle,
+    apply_encoder_balance,
+    register_adapter,
+    registered_adapters,
+)
+
+importlib.import_module(f"{__name__}.adapters")  # registers the built-in adapters
+
+__all__ = [
+    "ATTENTION_NAME",
+    "EncoderAdapter",
+    "EncoderBalanceHandle",
+    "Items",
+    "apply_encoder_balance",
+    "register_adapter",
+    "register_attention",
+    "registered_adapters",
+]

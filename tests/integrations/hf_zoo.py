@@ -1,0 +1,292 @@
+"""Tiny real Hugging Face multimodal models (random weights, hidden size 32, no downloads) and
+batches whose placeholder tokens match their encoder inputs.
+
+``build(name, seed)`` returns the model; ``batch(name, model, spec, seed)`` a training batch for a
+per-rank ``spec``: a list of sequences, each a list of item sizes in the model's own terms (image
+sizes in patches for the Qwen ViTs, ``("video", t, h, w)`` for videos, tile counts for InternVL,
+original image sizes for LLaVA-NeXT, valid mel frames for audio clips). ``spec == []``: one
+text-only sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TEXT = 5  # an ordinary text token
+IMG, VID, VS, VE = 100, 101, 102, 103
+AUD, AS, AE = 104, 105, 106
+PATCH, TPATCH, MERGE = 4, 2, 2
+S, P = 16, 4  # tile side and patch of the CLIP/InternViT towers
+PINPOINTS = [[16, 32], [32, 16], [32, 32]]
+MEL, MSP = 8, 16  # Qwen2-Audio: fixed 2 * MSP = 32 mel frames per clip
+
+MODELS = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llava",
+    "llava_next",
+    "internvl",
+    "qwen2_audio",
+    "qwen2_5_omni",
+)
+
+
+def _text(**extra):
+    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2)  # fmt: skip
+    base.update(extra)
+    return base
+
+
+def _qwen_rope(section, **extra):
+    return {"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0, **extra}
+
+
+def build(name: str, seed: int = 0):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    ids = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
+    qwen_vision = dict(patch_size=PATCH, temporal_patch_size=TPATCH, spatial_merge_size=MERGE)
+    clip = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, image_size=S, patch_size=P, projection_dim=32)  # fmt: skip
+    if name == "qwen2_vl":
+        cfg = tf.Qwen2VLConfig(
+            text_config=_text(rope_parameters=_qwen_rope([2, 3, 3])),
+            vision_config=dict(
+                depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, **qwen_vision
+            ),
+            **ids,
+        )
+        model = tf.Qwen2VLForConditionalGeneration(cfg)
+    elif name == "qwen2_5_vl":
+        cfg = tf.Qwen2_5_VLConfig(
+            text_config=_text(rope_parameters=_qwen_rope([2, 3, 3])),
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                out_hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                window_size=16,
+                fullatt_block_indexes=[1],
+                **qwen_vision,
+            ),  # fmt: skip
+            **ids,
+        )
+        model = tf.Qwen2_5_VLForConditionalGeneration(cfg)
+    elif name == "qwen3_vl":
+        cfg = tf.Qwen3VLConfig(
+            text_config=_text(
+                num_hidden_layers=2,
+                head_dim=16,
+                rope_parameters=_qwen_rope([4, 2, 2], mrope_interleaved=True),
+            ),  # fmt: skip
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                out_hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0, 1],
+                **qwen_vision,
+            ),  # fmt: skip
+            **ids,
+        )
+        model = tf.Qwen3VLForConditionalGeneration(cfg)
+    elif name == "llava":
+        cfg = tf.LlavaConfig(vision_config=clip, text_config=_text(model_type="llama"), image_token_index=IMG,
+                             image_seq_length=(S // P) ** 2, vision_feature_layer=-2,
+                             vision_feature_select_strategy="default")  # fmt: skip
+        model = tf.LlavaForConditionalGeneration(cfg)
+    elif name == "llava_next":
+        cfg = tf.LlavaNextConfig(vision_config=clip, text_config=_text(model_type="llama"), image_token_index=IMG,
+                                 image_grid_pinpoints=PINPOINTS, vision_feature_layer=-2,
+                                 vision_feature_select_strategy="default")  # fmt: skip
+        model = tf.LlavaNextForConditionalGeneration(cfg)
+    elif name == "internvl":
+        cfg = tf.InternVLConfig(
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               image_size=[S, S], patch_size=[P, P]),  # fmt: skip
+            text_config=_text(model_type="qwen2"),
+            image_token_id=IMG, image_seq_length=int((S // P * 0.5) ** 2), downsample_ratio=0.5,
+            vision_feature_layer=-1, vision_feature_select_strategy="default",
+        )  # fmt: skip
+        model = tf.InternVLForConditionalGeneration(cfg)
+    elif name == "qwen2_audio":
+        cfg = tf.Qwen2AudioConfig(
+            audio_config=dict(
+                d_model=32,
+                encoder_layers=1,
+                encoder_attention_heads=2,
+                encoder_ffn_dim=64,
+                num_mel_bins=MEL,
+                max_source_positions=MSP,
+            ),  # fmt: skip
+            text_config=_text(model_type="qwen2"),
+            audio_token_index=AUD,
+        )
+        model = tf.Qwen2AudioForConditionalGeneration(cfg)
+    elif name == "qwen2_5_omni":
+        cfg = tf.Qwen2_5OmniThinkerConfig(
+            audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                              num_mel_bins=MEL, max_source_positions=64, n_window=4, output_dim=32),  # fmt: skip
+            vision_config=dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2,
+                               window_size=16, fullatt_block_indexes=[1], **qwen_vision),  # fmt: skip
+            text_config=_text(rope_parameters=_qwen_rope([2, 3, 3])),
+            audio_token_index=AUD, image_token_index=IMG, video_token_index=VID, vision_start_token_id=VS,
+            vision_end_token_id=VE, audio_start_token_id=AS, audio_end_token_id=AE,
+        )  # fmt: skip
+        model = tf.Qwen2_5OmniThinkerForConditionalGeneration(cfg)
+    else:
+        raise ValueError(name)
+    return model.float().train()
+
+
+def _finish(rows: list[list[int]], types: list[list[int]] | None = None) -> dict:
+    length = max(map(len, rows))
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    attn = torch.zeros_like(input_ids)
+    for i, r in enumerate(rows):
+        input_ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+    special = (input_ids >= IMG) & (input_ids <= AE)
+    out = dict(
+        input_ids=input_ids, attention_mask=attn, labels=input_ids.masked_fill((attn == 0) | special, -100)
+    )
+    if types is not None:
+        tt = torch.zeros_like(input_ids, dtype=torch.int)
+        for i, t in enumerate(types):
+            tt[i, : len(t)] = torch.tensor(t)
+        out["mm_token_type_ids"] = tt
+    return out
+
+
+def _audio_out_len(n: int) -> int:
+    return ((n - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
+    """A batch for ``spec`` (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    spec = spec or [[]]
+    rows, types = [], []
+    if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni"):
+        row = 3 * TPATCH * PATCH * PATCH
+        pix, grids, vpix, vgrids, feats = [], [], [], [], []
+        img = IMG
+        for seq in spec:
+            ids, tt = [TEXT] * 4, [0] * 4
+            for item in seq:
+                if isinstance(item, tuple) and item[0] == "video":
+                    _, t, h, w = item
+                    n = t * h * w // MERGE**2
+                    groups = [h * w // MERGE**2] * t if name == "qwen3_vl" else [n]
+                    for k in groups:
+                        ids += [TEXT + 2, VS] + [VID] * k + [VE]
+                        tt += [0, 0] + [2] * k + [0]
+                    vgrids.append([t, h, w])
+                    vpix.append(torch.randn(t * h * w, row, generator=g))
+                elif isinstance(item, tuple) and item[0] == "audio":
+                    ids += [AS] + [AUD] * _audio_out_len(item[1]) + [AE, TEXT + 1]
+                    tt += [0] * (_audio_out_len(item[1]) + 3)
+                    feats.append(item[1])
+                else:
+                    h, w = item
+                    n = h * w // MERGE**2
+                    ids += [VS] + [img] * n + [VE, TEXT + 1]
+                    tt += [0] + [1] * n + [0, 0]
+                    grids.append([1, h, w])
+                    pix.append(torch.randn(h * w, row, generator=g))
+            ids += [TEXT + 3] * 3
+            tt += [0] * 3
+            rows.append(ids)
+            types.append(tt)
+        out = _finish(rows, types if name != "qwen2_5_omni" else None)
+        if pix:
+            out.update(pixel_values=torch.cat(pix), image_grid_thw=torch.tensor(grids))
+        if vpix:
+            out.update(pixel_values_videos=torch.cat(vpix), video_grid_thw=torch.tensor(vgrids))
+        if feats:
+            longest = max(feats)
+            f = torch.zeros(len(feats), MEL, longest)
+            m = torch.zeros(len(feats), longest, dtype=torch.long)
+            for i, n in enumerate(feats):
+                f[i, :, :n] = torch.randn(MEL, n, generator=g)
+                m[i, :n] = 1
+            out.update(input_features=f, feature_attention_mask=m)
+        return out
+    if name == "llava":
+        n_tok = (S // P) ** 2
+        count = 0
+        for seq in spec:
+            ids = [TEXT] * 4
+            for _ in seq:
+                ids += [IMG] * n_tok + [TEXT + 1]
+                count += 1
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if count:
+            out["pixel_values"] = torch.randn(count, 3, S, S, generator=g)
+        return out
+    if name == "llava_next":
+        from transformers.models.llava_next.modeling_llava_next import (
+            get_anyres_image_grid_shape,
+            image_size_to_num_patches,
+            unpad_image,
+        )
+
+        side = S // P
+        sizes, tiles = [], []
+        for seq in spec:
+            ids = [TEXT] * 4
+            for hw in seq:
+                n_tiles = image_size_to_num_patches(list(hw), PINPOINTS, S)
+                nph, npw = get_anyres_image_grid_shape(list(hw), PINPOINTS, S)
+                h, w = unpad_image(torch.empty(1, nph * side, npw * side), list(hw)).shape[1:]
+                ids += [IMG] * (side * side + h * (w + 1)) + [TEXT + 1]
+                sizes.append(list(hw))
+                tiles.append(n_tiles)
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if sizes:
+            pv = torch.zeros(len(sizes), max(tiles), 3, S, S)
+            for i, t in enumerate(tiles):
+                pv[i, :t] = torch.randn(t, 3, S, S, generator=g)
+            out.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
+        return out
+    if name == "internvl":
+        per_tile = int((S // P * 0.5) ** 2)
+        n_tiles = 0
+        for seq in spec:
+            ids = [TEXT] * 4
+            for k in seq:
+                ids += [VS] + [IMG] * (k * per_tile) + [VE, TEXT + 1]
+                n_tiles += k
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if n_tiles:
+            out["pixel_values"] = torch.randn(n_tiles, 3, S, S, generator=g)
+        return out
+    if name == "qwen2_audio":
+        frames = 2 * MSP
+        feats = []
+        for seq in spec:
+            ids = [TEXT] * 4
+            for n in seq:
+                ids += [AS] + [AUD] * _audio_out_len(n) + [AE, TEXT + 1]
+                feats.append(n)
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if feats:
+            f = torch.zeros(len(feats), MEL, frames)
+            m = torch.zeros(len(feats), frames, dtype=torch.long)
+            for i, n in enumerate(feats):
+                f[i, :, :n] = torch.randn(MEL, n, generator=g)
+                m[i, :n] = 1
+            out.update(input_features=f, feature_attention_mask=m)
+        return out
+    raise ValueError(name)
