@@ -25,9 +25,9 @@ quadratic"                                         padding): best of alg. 2, LPT
 
 With ``src_ranks`` (the rank each example was sampled on) the plan also minimizes data movement:
 each rank keeps its examples up to the balanced makespan, sheds a near-minimal set above it, and the
-shed examples fill the free capacity elsewhere, own node first (``ranks_per_node``). The makespan
-target is that of the plain plan up to a small ``tolerance`` (0.05% by default, and never above
-the paper's algorithm), so locality costs no meaningful balance.
+shed examples fill the free capacity elsewhere, own node first (``ranks_per_node``). The makespan is
+at most ``max(lower bound x (1 + tolerance), plain plan)`` with a small ``tolerance`` (0.05% by
+default), so locality costs no meaningful balance.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def post_balance(
         alpha, beta: cost coefficients of the "quadratic", "conv" and "padded_quadratic" policies
             (``>= 0``).
         tolerance: with ``src_ranks`` and an additive policy, accept a makespan up to
-            ``(1 + tolerance)`` times the plain plan's (but never above the paper's algorithm's) in
-            exchange for less movement. Default ``5e-4``; ``0`` insists on the plain makespan.
+            ``(1 + tolerance)`` times the lower bound (or the plain plan's, where that is higher) in
+            exchange for less movement. Default ``5e-4``.
 
     Returns:
         A :class:`Plan`. Deterministic: identical inputs give byte-identical plans in every process.
@@ -99,10 +99,9 @@ def post_balance(
     if src_ranks is not None:
         src = as_ranks(src_ranks, n, num_ranks, "src_ranks")
     check_cost_range(lengths, policy, alpha, beta)
-    dst_rank, dst_slot, costs = core().plan(
-        lengths, num_ranks, POLICY_IDS[policy], alpha, beta, src, rpn, tolerance
+    dst_rank, dst_slot, costs, src_slot = core().plan(
+        lengths, num_ranks, POLICY_IDS[policy], alpha, beta, src, rpn, tolerance, True
     )
-    src_slot = None if src is None else core().slots(src, num_ranks)
     return Plan(
         dst_rank=dst_rank,
         dst_slot=dst_slot,

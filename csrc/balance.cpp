@@ -120,8 +120,14 @@ Index argmin(const std::vector<double>& v) {
 }  // namespace
 
 std::vector<Index> order_by_length_desc(const int64_t* lengths, Index n) {
-  std::vector<Index> order(n);
-  if (n == 0) return order;
+  std::vector<Index> order;
+  order_by_length_desc(lengths, n, order);
+  return order;
+}
+
+void order_by_length_desc(const int64_t* lengths, Index n, std::vector<Index>& order) {
+  order.resize(n);
+  if (n == 0) return;
   int64_t mx = 0;
   for (Index i = 0; i < n; ++i) mx = std::max(mx, lengths[i]);
   constexpr int kBits = 11;
@@ -148,7 +154,7 @@ std::vector<Index> order_by_length_desc(const int64_t* lengths, Index n) {
       std::swap(a, b);
     }
     for (Index i = 0; i < n; ++i) order[i] = static_cast<Index>(a[i] & 0xffffffffu);
-    return order;
+    return;
   }
   std::vector<uint64_t> key(n), key_tmp(n);
   std::vector<Index> tmp(n);
@@ -173,7 +179,6 @@ std::vector<Index> order_by_length_desc(const int64_t* lengths, Index n) {
     order.swap(tmp);
     key.swap(key_tmp);
   }
-  return order;
 }
 
 double item_weight(int64_t length, const CostModel& cm) {

@@ -25,6 +25,7 @@ using Index = int64_t;
 
 // Indices 0..n-1 sorted by length descending, ties by index ascending (LSD radix sort, O(n)).
 std::vector<Index> order_by_length_desc(const int64_t* lengths, Index n);
+void order_by_length_desc(const int64_t* lengths, Index n, std::vector<Index>& order);
 
 // Additive per-example weight for the "sum" and "quadratic" policies.
 double item_weight(int64_t length, const CostModel& cm);

@@ -61,15 +61,35 @@ std::vector<Index> slots_of(const std::vector<Index>& dst, Index d) {
 }
 
 // Slots in (source rank, index) order: what an all-to-all receive buffer holds, so no reordering
-// is needed after the exchange.
-std::vector<Index> slots_by_source(const std::vector<Index>& dst, const Index* src, Index d) {
+// is needed after the exchange. With `src_slot`, also each example's slot among its source rank's
+// (index order). Sources in rank-major order (what gather_lengths gives) need no sort at all.
+std::vector<Index> slots_by_source(const std::vector<Index>& dst, const Index* src, Index d,
+                                   std::vector<Index>* src_slot = nullptr) {
   const size_t n = dst.size();
+  bool sorted = true;
+  for (size_t i = 1; i < n && sorted; ++i) sorted = src[i - 1] <= src[i];
+  std::vector<Index> next(d, 0), slot(n);
+  if (sorted) {
+    for (size_t i = 0; i < n; ++i) slot[i] = next[dst[i]]++;
+    if (src_slot) {
+      src_slot->resize(n);
+      for (size_t i = 0; i < n; ++i) (*src_slot)[i] = (i > 0 && src[i] == src[i - 1]) ? (*src_slot)[i - 1] + 1 : 0;
+    }
+    return slot;
+  }
   std::vector<Index> start(d + 1, 0), order(n);
   for (size_t i = 0; i < n; ++i) ++start[src[i] + 1];
   for (Index r = 0; r < d; ++r) start[r + 1] += start[r];
-  for (size_t i = 0; i < n; ++i) order[start[src[i]]++] = static_cast<Index>(i);
-  std::vector<Index> next(d, 0), slot(n);
+  if (src_slot) src_slot->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const Index pos = start[src[i]]++;
+    order[pos] = static_cast<Index>(i);
+  }
   for (Index i : order) slot[i] = next[dst[i]]++;
+  if (src_slot) {
+    std::fill(next.begin(), next.end(), 0);
+    for (size_t i = 0; i < n; ++i) (*src_slot)[i] = next[src[i]]++;
+  }
   return slot;
 }
 
@@ -82,31 +102,37 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "plan",
       [](const I64& lengths, Index d, int policy, double alpha, double beta, py::object src, Index rpn,
-         double tolerance) {
-        check_common(lengths, d);
+         double tolerance, bool checked) -> py::tuple {
+        // ``checked``: the caller (mmbalance.balancing) validated lengths and sources already
+        if (!checked) check_common(lengths, d);
         const auto cm = model(policy, alpha, beta);
         const Index n = lengths.shape(0);
-        std::vector<Index> dst, slot;
+        std::vector<Index> dst, slot, src_slot;
         std::vector<double> costs;
         if (src.is_none()) {
           py::gil_scoped_release nogil;
           dst = mmb::balance(lengths.data(), n, d, cm);
           slot = slots_of(dst, d);
           costs = mmb::batch_costs(lengths.data(), n, dst.data(), d, cm);
-        } else {
-          I64 s = src.cast<I64>();
-          check_ranks(s, n, d, "src_ranks");
-          if (rpn < 0 || (rpn > 0 && d % rpn != 0)) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+          py::gil_scoped_acquire gil;
+          return py::make_tuple(to_array(std::move(dst)), to_array(std::move(slot)), to_array(std::move(costs)),
+                                py::none());
+        }
+        I64 s = src.cast<I64>();
+        if (!checked) check_ranks(s, n, d, "src_ranks");
+        if (rpn < 0 || (rpn > 0 && d % rpn != 0)) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+        {
           py::gil_scoped_release nogil;
           dst = mmb::balance_local(lengths.data(), n, d, cm, s.data(), rpn, tolerance);
-          slot = slots_by_source(dst, s.data(), d);
+          slot = slots_by_source(dst, s.data(), d, &src_slot);
           costs = mmb::batch_costs(lengths.data(), n, dst.data(), d, cm);
         }
-        return py::make_tuple(to_array(std::move(dst)), to_array(std::move(slot)), to_array(std::move(costs)));
+        return py::make_tuple(to_array(std::move(dst)), to_array(std::move(slot)), to_array(std::move(costs)),
+                              to_array(std::move(src_slot)));
       },
       py::arg("lengths"), py::arg("num_ranks"), py::arg("policy"), py::arg("alpha"), py::arg("beta"),
-      py::arg("src_ranks"), py::arg("ranks_per_node"), py::arg("tolerance"),
-      "Plan one phase: returns (dst_rank, dst_slot, costs).");
+      py::arg("src_ranks"), py::arg("ranks_per_node"), py::arg("tolerance"), py::arg("checked") = false,
+      "Plan one phase: returns (dst_rank, dst_slot, costs, src_slot or None).");
 
   m.def(
       "batch_costs",

@@ -43,7 +43,9 @@ def skewed_batch(rank: int, step: int) -> dict:
     rows, types, pixels = [], [], []
     for h, w in grids:
         n = h * w // 4  # 2x2 patches merge into one LLM token
-        rows.append([TEXT] * 3 + [VSTART] + [IMAGE] * n + [VEND] + torch.randint(3, 99, (8,), generator=g).tolist())
+        rows.append(
+            [TEXT] * 3 + [VSTART] + [IMAGE] * n + [VEND] + torch.randint(3, 99, (8,), generator=g).tolist()
+        )
         types.append([0] * 4 + [1] * n + [0] * 9)
         pixels.append(torch.randn(h * w, 3 * 2 * 4 * 4, generator=g))
     width = max(map(len, rows))
@@ -84,6 +86,9 @@ def main() -> None:
             print(f"step {step}  loss {total.item() / dist.get_world_size():.6f}  {where}", flush=True)
     if handle:
         handle.remove()
+    # Free DDP (its reducer holds the process group) before the group goes: tearing down a gloo
+    # group from inside the reducer's destructor at interpreter exit can deadlock.
+    del model, opt
     dist.destroy_process_group()
 
 

@@ -18,7 +18,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 
-pytestmark = [pytest.mark.soak, pytest.mark.distributed]
+pytestmark = [pytest.mark.soak, pytest.mark.distributed, pytest.mark.timeout(3600)]
 
 STEPS = int(os.environ.get("MMBALANCE_SOAK_STEPS", "5000"))
 WARMUP = max(1, STEPS // 10)
