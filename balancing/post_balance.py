@@ -9,19 +9,26 @@ algorithm on every input:
 ========== ======================================= ==============================================
 policy     cost                                    algorithm
 ========== ======================================= ==============================================
-"sum"      ``sum l``                               LPT (alg. 1) + move/swap local search
+"sum"      ``sum l``                               LPT (alg. 1) + move/swap local search, largest
+                                                   differencing (Karmarkar-Karp) as a candidate
 "padded"   ``b * max l``                           exact: greedy from the largest + binary search
                                                    (alg. 2 searches with an ascending greedy that
                                                    can miss the optimum)
-"quadratic" ``alpha*sum l + beta*sum l^2``         the cost is additive per example, so LPT on the
-                                                   true weights + local search; alg. 4 with a zero
-                                                   tolerance is kept as a candidate
-"conv"     ``alpha*sum l + beta*b*(max l)^2``      best of alg. 5, LPT and the padded optimum, each
+"quadratic" ``alpha*sum l + beta*sum l^2``         the cost is additive per example, so as "sum" on
+                                                   the true weights; alg. 4 with a zero tolerance
+                                                   is kept as a candidate
+"conv"     ``alpha*sum l + beta*b*(max l)^2``      best of alg. 5, LPT, the padded optimum and the
+                                                   best split of the sorted order into runs, each
                                                    improved by local search on the true cost
-"padded_   ``alpha*b*max l + beta*b*(max l)^2``    a padded transformer (OrchMLLM eq. 2 with
-quadratic"                                         padding): best of alg. 2, LPT and the padded
-                                                   optimum, each improved by local search
+"padded_   ``alpha*b*max l + beta*b*(max l)^2``    exact: the padded algorithm on ``b * h(max l)``
+quadratic"                                         (a padded transformer, OrchMLLM eq. 2)
 ========== ======================================= ==============================================
+
+With few examples over few ranks (at most 64 over at most 16), where heuristics can miss the
+optimum by percents, a budgeted branch and bound (decision probes on the makespan, limited
+discrepancy search) then looks for a better plan; its budget counts nodes, not time, so plans stay
+deterministic. Against proven optima on 1000 small hard instances the plans are within 0.03% on
+average and 1.3% at worst for every policy.
 
 With ``src_ranks`` (the rank each example was sampled on) the plan also minimizes data movement:
 each rank keeps its examples up to the balanced makespan, sheds a near-minimal set above it, and the

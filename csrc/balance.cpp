@@ -546,6 +546,19 @@ std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index d) {
   return dst;
 }
 
+namespace {
+constexpr Index kSearchMaxItems = 64, kSearchMaxRanks = 16;
+constexpr int64_t kSearchBudget = 200000;
+constexpr Index kDifferencingMaxItems = 4096, kDifferencingMaxWork = 1 << 18;
+
+// Within 1e-4 of the additive lower bound: nothing left worth a costlier candidate.
+bool near_bound(const double* w, Index n, Index d, double makespan) {
+  double total = 0.0, wmax = 0.0;
+  for (Index i = 0; i < n; ++i) total += w[i], wmax = std::max(wmax, w[i]);
+  return makespan <= std::max(wmax, total / static_cast<double>(d)) * (1.0 + 1e-4);
+}
+}  // namespace
+
 std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostModel& cm) {
   if (d < 1) throw std::invalid_argument("num_ranks must be >= 1");
   if (n == 0) return {};
@@ -554,6 +567,9 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
   // milliseconds at thousands of ranks (where LPT is already within ~1e-4 of the bound) and lets
   // small clusters, where the LPT tail matters most, search longer.
   const Index iters = std::min<Index>(4 * d + 64, std::max<Index>(32, 4000000 / std::max<Index>(n, 1)));
+  // Few examples over few ranks: heuristics can miss the optimum by percents there, and a bounded
+  // branch and bound (at most a few milliseconds) usually closes the gap.
+  const bool small = n <= kSearchMaxItems && d <= kSearchMaxRanks;
   switch (cm.policy) {
     case Policy::Sum:
     case Policy::Quadratic: {
@@ -570,17 +586,27 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
         refine_additive(w, n, d, alt, iters);
         if (max_cost(lengths, n, alt, d, cm) < max_cost(lengths, n, best, d, cm)) best.swap(alt);
       }
+      if (small || (n <= kDifferencingMaxItems && n * d <= kDifferencingMaxWork &&
+                    !near_bound(w, n, d, max_cost(lengths, n, best, d, cm)))) {
+        // many examples per rank: differencing often finds a near-perfect split that LPT misses
+        auto alt = largest_differencing(w, n, d);
+        refine_additive(w, n, d, alt, iters);
+        if (max_cost(lengths, n, alt, d, cm) < max_cost(lengths, n, best, d, cm)) best.swap(alt);
+      }
+      if (small) improve_small(lengths, n, d, cm, best, kSearchBudget);
       return best;
     }
     case Policy::Padded:
       return padded_optimal(lengths, n, d);
-    case Policy::Conv:
-    case Policy::PaddedQuadratic: {
-      // Candidates: the paper's algorithm for the policy (alg. 5 for conv, alg. 2 for a padded
-      // transformer), LPT and the padded optimum; each refined by local search on the true cost.
+    case Policy::PaddedQuadratic:
+      return padded_general_optimal(lengths, n, d, cm);
+    case Policy::Conv: {
+      // Candidates: the paper's algorithm 5, LPT, the padded optimum and the best partition into
+      // runs of the sorted order; each refined by local search on the true cost.
       const auto order = order_by_length_desc(lengths, n);
       std::vector<std::vector<Index>> cands;
-      cands.push_back(cm.policy == Policy::Conv ? paper_conv(lengths, n, d) : paper_padded(lengths, n, d));
+      cands.push_back(paper_conv(lengths, n, d));
+      if (n <= kSearchMaxItems * 8) cands.push_back(conv_runs(lengths, n, d, cm));
       std::vector<double> s(n);
       for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
       cands.push_back(lpt(s.data(), order, d));
@@ -592,6 +618,7 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
         const double mc = max_cost(lengths, n, c, d, cm);
         if (mc < best_cost) best_cost = mc, best = c;
       }
+      if (small) improve_small(lengths, n, d, cm, best, kSearchBudget);
       return best;
     }
   }

@@ -62,6 +62,25 @@ std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index num_ranks);
 double max_cost(const int64_t* lengths, Index n, const std::vector<Index>& dst, Index num_ranks,
                 const CostModel& cm);
 
+// --- exact and near-exact plain planners (search.cpp) ----------------------------------------
+
+// Cost of one batch from its sums: `sum` of lengths, `sq` of squared lengths, `count`, `mx` largest.
+double batch_cost(const CostModel& cm, double sum, double sq, double count, double mx);
+
+// Exact min-max partition for a batch cost count * h(max length) ("padded", "padded_quadratic").
+std::vector<Index> padded_general_optimal(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm);
+
+// Optimal partition of the length-sorted order into at most num_ranks runs (a "conv" candidate).
+std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm);
+
+// Largest differencing (Karmarkar-Karp) on additive weights: destination of each example.
+std::vector<Index> largest_differencing(const double* weights, Index n, Index num_ranks);
+
+// Branch and bound for a plan strictly better than `dst` within `budget` nodes; replaces `dst` and
+// returns true if it finds one. Deterministic (the budget counts nodes, not time).
+bool improve_small(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm, std::vector<Index>& dst,
+                   int64_t budget);
+
 // --- locality (locality.cpp) ----------------------------------------------------------------
 
 // Balancing that keeps examples on their source rank unless moving them is needed to reach the

@@ -661,7 +661,12 @@ std::vector<Index> balance_local(const int64_t* lengths, Index n, Index d, const
       target = m_plain;
       ok = attempt(target);
     }
-    if (!ok) return regroup(plain);  // rare: keep the plain plan's balance, choose ranks for its batches
+    if (!ok) {  // rare: keep the plain plan's balance, choose ranks for its batches
+      dst = regroup(plain);
+      for (Index i = 0; i < n; ++i)  // examples that cost nothing stay (the makespan cannot rise)
+        if (w[i] == 0.0) dst[i] = src[i];
+      return dst;
+    }
   }
   if (per < d)
     level_off_node(w.data(), d, per, src, placer, target, dst);
