@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "balance.hpp"
+#include "csr.hpp"
 
 namespace mmb {
 
@@ -98,22 +99,6 @@ void radix_sort(std::vector<uint64_t>& keys, int bits) {
 }
 
 // Examples grouped by a key (counting sort, stable): key k owns order[start[k] .. start[k+1]).
-struct Csr {
-  std::vector<Index> start, order;
-  // items in `visit` order (all of 0..n-1 when null) grouped by key, keeping that order per key
-  void build(const Index* key, Index n, Index keys, const Index* visit = nullptr) {
-    start.assign(keys + 1, 0);
-    for (Index i = 0; i < n; ++i) ++start[key[i] + 1];
-    for (Index k = 0; k < keys; ++k) start[k + 1] += start[k];
-    order.resize(n);
-    std::vector<Index> fill(start.begin(), start.end() - 1);
-    for (Index j = 0; j < n; ++j) {
-      const Index i = visit ? visit[j] : j;
-      order[fill[key[i]]++] = i;
-    }
-  }
-};
-
 class Placer {
  public:
   // One per thread, reused from call to call (no fresh multi-megabyte buffers, whose page faults
@@ -536,80 +521,6 @@ void level_off_node(const double* w, Index d, Index per, const Index* src, Place
 }
 
 }  // namespace
-
-std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* group, const Index* src, Index d,
-                                 Index rpn) {
-  // Overlap of every group with every source rank (tokens of group g sampled on rank r), from one
-  // counting sort by group and a scratch accumulator: O(n + d).
-  Csr by_group;
-  by_group.build(group, n, d);
-  std::vector<int64_t> acc(d, 0);
-  std::vector<Index> touched;
-  std::vector<int64_t> tok;  // entry k: tokens of (grp[k], rnk[k])
-  std::vector<Index> grp, rnk, first_of_group(d + 1, 0);
-  for (Index g = 0; g < d; ++g) {
-    touched.clear();
-    for (Index k = by_group.start[g]; k < by_group.start[g + 1]; ++k) {
-      const Index i = by_group.order[k];
-      if (acc[src[i]] == 0 && lengths[i] > 0) touched.push_back(src[i]);
-      acc[src[i]] += lengths[i];
-    }
-    std::sort(touched.begin(), touched.end());
-    for (Index r : touched) {
-      tok.push_back(acc[r]);
-      grp.push_back(g);
-      rnk.push_back(r);
-      acc[r] = 0;
-    }
-    first_of_group[g + 1] = static_cast<Index>(tok.size());
-  }
-  // Entries by tokens descending, ties in (group, rank) order: a stable sort of an index array.
-  const Index m = static_cast<Index>(tok.size());
-  std::vector<Index> idx(m);
-  for (Index k = 0; k < m; ++k) idx[k] = k;
-  std::stable_sort(idx.begin(), idx.end(), [&](Index a, Index b) { return tok[a] > tok[b]; });
-  std::vector<Index> rank_of(d, -1), group_on(d, -1);
-  for (Index k : idx) {
-    const Index g = grp[k], r = rnk[k];
-    if (rank_of[g] < 0 && group_on[r] < 0) rank_of[g] = r, group_on[r] = g;
-  }
-  // Groups left over go to a free rank of the node that contributed most of their tokens (among
-  // the nodes they touch), else to the first node with a free rank.
-  const Index per = rpn > 0 ? rpn : d;
-  const Index nodes = d / per;
-  std::vector<Index> free_in_node(nodes, 0), next_free(nodes);
-  for (Index r = 0; r < d; ++r) free_in_node[r / per] += group_on[r] < 0;
-  for (Index q = 0; q < nodes; ++q) next_free[q] = q * per;
-  auto take = [&](Index node, Index g) {
-    Index& r = next_free[node];
-    while (group_on[r] >= 0) ++r;
-    rank_of[g] = r, group_on[r] = g, --free_in_node[node];
-  };
-  std::vector<int64_t> node_tok(nodes, 0);
-  std::vector<Index> seen;
-  Index scan = 0;
-  for (Index g = 0; g < d; ++g) {
-    if (rank_of[g] >= 0) continue;
-    seen.clear();
-    for (Index k = first_of_group[g]; k < first_of_group[g + 1]; ++k) {
-      const Index q = rnk[k] / per;
-      if (node_tok[q] == 0) seen.push_back(q);
-      node_tok[q] += tok[k];
-    }
-    Index best = -1;
-    for (Index q : seen) {
-      if (free_in_node[q] > 0 && (best < 0 || node_tok[q] > node_tok[best] || (node_tok[q] == node_tok[best] && q < best)))
-        best = q;
-      node_tok[q] = 0;
-    }
-    if (best < 0) {
-      while (free_in_node[scan] == 0) ++scan;
-      best = scan;
-    }
-    take(best, g);
-  }
-  return rank_of;
-}
 
 std::vector<Index> balance_local(const int64_t* lengths, Index n, Index d, const CostModel& cm, const Index* src,
                                  Index rpn, double tolerance) {
