@@ -365,14 +365,19 @@ double conv_cost(const CostModel& cm, double sum, double count, double mx) {
 }  // namespace
 
 void refine_general(const int64_t* lengths, Index n, Index d, const CostModel& cm, std::vector<Index>& dst,
-                    Index max_iters) {
+                    Index max_iters, const std::vector<Index>* order) {
   if (d < 2 || n == 0) return;
   auto before = [&](Index p, Index q) { return lengths[p] > lengths[q] || (lengths[p] == lengths[q] && p < q); };
+  std::vector<Index> own;
+  if (!order) order = &(own = order_by_length_desc(lengths, n));
+  // every rank's items in descending order, from one pass over the global order
+  std::vector<Index> count(d, 0);
+  for (Index i = 0; i < n; ++i) ++count[dst[i]];
   std::vector<RankState> st(d);
-  for (Index i = 0; i < n; ++i) st[dst[i]].items.push_back(i);
-  for (auto& s : st) {
-    std::sort(s.items.begin(), s.items.end(), before);
-    for (Index i : s.items) s.sum += static_cast<double>(lengths[i]);
+  for (Index r = 0; r < d; ++r) st[r].items.reserve(count[r] + 1);
+  for (Index i : *order) {
+    st[dst[i]].items.push_back(i);
+    st[dst[i]].sum += static_cast<double>(lengths[i]);
   }
   auto cost_of = [&](const RankState& s) {
     if (s.items.empty()) return 0.0;
@@ -539,7 +544,7 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
       std::vector<Index> best;
       double best_cost = std::numeric_limits<double>::infinity();
       for (auto& c : cands) {
-        refine_general(lengths, n, d, cm, c, std::min<Index>(iters, 1024));
+        refine_general(lengths, n, d, cm, c, std::min<Index>(iters, 1024), &order);
         const double mc = max_cost(lengths, n, c, d, cm);
         if (mc < best_cost) best_cost = mc, best = c;
       }

@@ -47,8 +47,9 @@ void refine_additive(const double* weights, Index n, Index num_ranks, std::vecto
                      Index max_iters);
 
 // General local search under any cost model (used for "conv"); never raises the makespan.
+// `order`: the examples by length descending, ties by index, if the caller has it.
 void refine_general(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm,
-                    std::vector<Index>& dst, Index max_iters);
+                    std::vector<Index>& dst, Index max_iters, const std::vector<Index>* order = nullptr);
 
 // Exact min-max "padded" partition (count * max length) into at most num_ranks groups.
 std::vector<Index> padded_optimal(const int64_t* lengths, Index n, Index num_ranks);

@@ -214,7 +214,7 @@ class Placer {
   // Every rank above the cut sheds; ranks are independent, so large problems split them over two
   // threads (the shed examples are sorted afterwards: the result does not depend on the split).
   void shed_all(double cut) {
-    if (n_ < 200000 || d_ < 64) {
+    if (n_ < 100000 || d_ < 64) {
       shed_range(0, d_, cut, main_);
       pool_.swap(main_.pool);
       return;
