@@ -64,7 +64,9 @@ def test_readme_api_block_runs_and_keeps_the_loss():
 
     weight = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
     parts = [_data(r) for r in range(2)]
-    ref = sum(float(((t @ weight - y) ** 2).sum()) for t, y, _ in parts) / sum(t.shape[0] for t, _, _ in parts)
+    ref = sum(float(((t @ weight - y) ** 2).sum()) for t, y, _ in parts) / sum(
+        t.shape[0] for t, _, _ in parts
+    )
     for total, moved, _ in got:
         assert total == pytest.approx(ref, rel=1e-12)
         assert moved > 0  # the block did balance something
