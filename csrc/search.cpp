@@ -42,19 +42,39 @@ double double_of(int64_t b) {
   return x;
 }
 
+// Smallest key in [lo, hi] with feasible(key), given feasible(hi) and a monotone predicate:
+// galloping up from lo in steps of `step`, 2 step, 4 step ... (a lower bound is usually close to
+// the optimum, so few probes are far from it), then bisection of the last gap.
+template <class F>
+int64_t least_feasible_key(int64_t lo, int64_t hi, int64_t step, F feasible) {
+  step = std::max<int64_t>(step, 1);
+  while (lo < hi) {
+    const int64_t probe = hi - lo > step ? lo + step : hi;
+    if (feasible(probe)) {
+      hi = probe;
+      break;
+    }
+    lo = probe + 1;
+    step = step > (std::numeric_limits<int64_t>::max() >> 2) ? step : 2 * step;
+  }
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (feasible(mid))
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return lo;
+}
+
 // Smallest double B in [lo, hi] with feasible(B), given feasible(hi). Non-negative finite doubles
-// are ordered like their bit patterns, so this is an exact search in at most 64 steps.
+// are ordered like their bit patterns, so the search is exact; it starts at lo in relative steps
+// of about 2^-10.
 template <class F>
 double least_feasible(double lo, double hi, F feasible) {
-  int64_t a = bits_of(lo), b = bits_of(hi);
-  while (a < b) {
-    const int64_t mid = a + (b - a) / 2;
-    if (feasible(double_of(mid)))
-      b = mid;
-    else
-      a = mid + 1;
-  }
-  return double_of(a);
+  const int64_t key = least_feasible_key(bits_of(lo), bits_of(hi), int64_t{1} << 42,
+                                         [&](int64_t k) { return feasible(double_of(k)); });
+  return double_of(key);
 }
 
 // Cost of a batch of `count` examples, the largest `mx` long and `sum` tokens in all.
@@ -66,21 +86,17 @@ double run_cost(const CostModel& cm, double sum, double count, double mx) {
 
 namespace {
 
-// Groups of a descending-sorted sequence under padded bound B: each group starts at its largest
+// Groups of a descending-sorted sequence `s` under padded bound B: each group starts at its largest
 // item l and holds at most floor(B / l) items. Returns the number of groups (stops past `limit`).
-Index greedy_groups_desc(const int64_t* lengths, const std::vector<Index>& order, int64_t bound, Index limit,
-                         std::vector<Index>* dst) {
-  const Index n = static_cast<Index>(order.size());
+Index greedy_groups_desc(const std::vector<int64_t>& s, int64_t bound, Index limit) {
+  const Index n = static_cast<Index>(s.size());
   Index groups = 0, i = 0;
   while (i < n) {
     if (groups == limit) return limit + 1;
-    const int64_t first = lengths[order[i]];
+    const int64_t first = s[i];
     const Index cap = first == 0 ? n : static_cast<Index>(bound / first);
     if (cap < 1) return limit + 1;
-    const Index end = std::min(n, i + cap);
-    if (dst)
-      for (Index j = i; j < end; ++j) (*dst)[order[j]] = groups;
-    i = end;
+    i = std::min(n, i + cap);
     ++groups;
   }
   return groups;
@@ -92,20 +108,25 @@ std::vector<Index> padded_optimal(const int64_t* lengths, Index n, Index d) {
   std::vector<Index> dst(n, 0);
   if (n == 0) return dst;
   const auto order = order_by_length_desc(lengths, n);
-  const int64_t lmax = lengths[order[0]];
+  std::vector<int64_t> s(n);
+  for (Index k = 0; k < n; ++k) s[k] = lengths[order[k]];
   // Exchange argument: for a bound B some optimal partition puts the largest item with the next
   // floor(B/l_max)-1 largest ones, recursively; so the greedy decides feasibility exactly and the
-  // binary search finds the optimal min-max padded cost.
-  int64_t lo = lmax, hi = lmax * ((n + d - 1) / d);
-  if (hi < lo) hi = lo;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (greedy_groups_desc(lengths, order, mid, d, nullptr) <= d)
-      hi = mid;
-    else
-      lo = mid + 1;
+  // search finds the optimal min-max padded cost. It starts from the count bound (the k largest
+  // put ceil(k/d) of them on one rank, each padded to at least the k-th largest).
+  int64_t lo = s[0];
+  for (Index k = 0; k < n; ++k) lo = std::max(lo, s[k] * ((k + d) / d));
+  const int64_t hi = std::max(lo, s[0] * ((n + d - 1) / d));
+  const int64_t best =
+      least_feasible_key(lo, hi, lo >> 10, [&](int64_t b) { return greedy_groups_desc(s, b, d) <= d; });
+  Index g = 0, i = 0;
+  while (i < n) {
+    const Index cap = s[i] == 0 ? n : static_cast<Index>(best / s[i]);
+    const Index end = std::min(n, i + cap);
+    for (Index j = i; j < end; ++j) dst[order[j]] = g;
+    i = end;
+    ++g;
   }
-  greedy_groups_desc(lengths, order, lo, d, &dst);
   return dst;
 }
 
@@ -143,6 +164,8 @@ std::vector<Index> padded_general_optimal(const int64_t* lengths, Index n, Index
   std::vector<Index> dst(n, 0);
   if (n == 0) return dst;
   const auto order = order_by_length_desc(lengths, n);
+  std::vector<double> s(n);
+  for (Index k = 0; k < n; ++k) s[k] = static_cast<double>(lengths[order[k]]);
   // For a bound B the batch holding the largest example may hold at most the c examples with
   // count * h(l_max) <= B; giving it the next c - 1 largest lowers every other batch's maximum, so
   // the greedy from the largest decides feasibility exactly (the exchange argument of the padded
@@ -151,16 +174,15 @@ std::vector<Index> padded_general_optimal(const int64_t* lengths, Index n, Index
     Index g = 0, i = 0;
     while (i < n) {
       if (g == limit) return limit + 1;
-      const double m = static_cast<double>(lengths[order[i]]);
-      Index end = i + 1;
-      if (run_cost(cm, 0.0, 1.0, m) > bound) return limit + 1;
-      // the largest count c with cost(c) <= bound: from the quotient, then exact steps
+      const double m = s[i];
       const double one = run_cost(cm, 0.0, 1.0, m);
+      if (one > bound) return limit + 1;
+      // the largest count c with cost(c) <= bound: from the quotient, then exact steps
       Index c = one > 0.0 ? static_cast<Index>(std::min<double>(static_cast<double>(n), std::floor(bound / one))) : n;
       c = std::max<Index>(c, 1);
       while (c > 1 && run_cost(cm, 0.0, static_cast<double>(c), m) > bound) --c;
       while (c < n && run_cost(cm, 0.0, static_cast<double>(c + 1), m) <= bound) ++c;
-      end = std::min(n, i + c);
+      const Index end = std::min(n, i + c);
       if (out)
         for (Index j = i; j < end; ++j) (*out)[order[j]] = g;
       i = end;
@@ -168,9 +190,11 @@ std::vector<Index> padded_general_optimal(const int64_t* lengths, Index n, Index
     }
     return g;
   };
-  const double m0 = static_cast<double>(lengths[order[0]]);
-  const double lo = run_cost(cm, 0.0, 1.0, m0);
-  const double hi = run_cost(cm, 0.0, static_cast<double>((n + d - 1) / d), m0);
+  // from the count bound: the k largest put ceil(k/d) of them on one rank, whose maximum is at
+  // least the k-th largest
+  double lo = run_cost(cm, 0.0, 1.0, s[0]);
+  for (Index k = 0; k < n; ++k) lo = std::max(lo, run_cost(cm, 0.0, static_cast<double>((k + d) / d), s[k]));
+  const double hi = run_cost(cm, 0.0, static_cast<double>((n + d - 1) / d), s[0]);
   const double best = least_feasible(lo, std::max(lo, hi), [&](double b) { return groups(b, d, nullptr) <= d; });
   groups(best, d, &dst);
   return dst;
