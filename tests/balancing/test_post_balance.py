@@ -198,6 +198,11 @@ for policy in ["sum", "padded", "quadratic", "conv"]:
     src = np.repeat(np.arange(12), 50)
     out.append(post_balance(l, 12, policy, alpha=1.0, beta=1e-3).digest().hex())
     out.append(post_balance(l, 12, policy, src_ranks=src, ranks_per_node=4, alpha=1.0, beta=1e-3).digest().hex())
+# few examples over few ranks: the branch-and-bound path (its budget counts nodes, not time)
+for policy in ["sum", "padded", "quadratic", "conv", "padded_quadratic"]:
+    for k in range(6):
+        l = rng.integers(0, 4000, size=20 + 4 * k)
+        out.append(post_balance(l, 2 + k, policy, alpha=1.0, beta=1e-4).digest().hex())
 print(" ".join(out))
 """
 
