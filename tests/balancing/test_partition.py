@@ -180,3 +180,14 @@ def test_deterministic():
     a = balanced_partition(fwd, act, 6)
     b = balanced_partition(fwd, act, 6)
     assert [c.boundaries for c in a.candidates] == [c.boundaries for c in b.candidates]
+
+
+def test_a_huge_radius_is_the_whole_model_not_a_hang():
+    # the paper's jitter set grows as (2 radius + 1)^stages; a radius past the layer count means
+    # "every cut", which is answered directly
+    rng = np.random.default_rng(0)
+    fwd, act = rng.uniform(1, 10, 24), rng.uniform(0, 1, 24)
+    huge = balanced_partition(fwd, act, 4, radius=10**6, comm_weight=0.1)
+    whole = balanced_partition(fwd, act, 4, radius=24, comm_weight=0.1)
+    assert list(huge.best.boundaries) == list(whole.best.boundaries)
+    assert huge.best.score == whole.best.score
