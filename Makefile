@@ -16,13 +16,19 @@ $(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.hpp)
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
-PEERS := $(VENV)/.peers
+PEERS_VENV := .venv-peers
+PEERS := $(PEERS_VENV)/.installed
 
-# verl's Karmarkar-Karp balancer, the peer the planner benchmark compares against (its own
-# dependency set is large; only the parts its balancer module imports are installed).
-$(PEERS): $(STAMP)
-	$(PIP) install -q --no-deps verl==0.9.1
-	$(PIP) install -q packaging omegaconf 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11' ray
+# verl's Karmarkar-Karp balancer, the peer the planner benchmark compares against, in an environment
+# of its own: its pins (transformers<5.11) conflict with ours, so the benchmark runs it in a
+# subprocess of $(PEERS_VENV)/bin/python. Only what its balancer module imports is installed. A
+# .venv that got verl from an older version of this target gets our own pins back.
+$(PEERS):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q torch==2.13.0
+	$(PEERS_VENV)/bin/pip install -q --no-deps verl==0.9.1
+	$(PEERS_VENV)/bin/pip install -q numpy packaging omegaconf 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11' ray
+	if [ -f $(VENV)/.peers ]; then $(PIP) uninstall -q -y verl && $(PIP) install -q -e ".[dev]" && rm -f $(VENV)/.peers; fi
 	touch $(PEERS)
 
 peers: $(PEERS)
@@ -47,4 +53,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info mmbalance/_core*.so
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info mmbalance/_core*.so

@@ -159,13 +159,85 @@ def check_cost_range(lengths: np.ndarray, policy: str, alpha: float, beta: float
 def lower_bound(
     lengths, num_ranks: int, policy: str = "sum", *, alpha: float = 1.0, beta: float = 0.0
 ) -> float:
-    """A proven lower bound on the optimal makespan.
+    """A proven lower bound on the optimal makespan (no plan of any planner has a smaller one).
 
-    ``"sum"``/``"quadratic"``: ``max(largest item, total / ranks)`` on the per-example weights.
-    ``"padded"``: ``max(l_max, max_k l_(k) * ceil(k / ranks))`` over the k-th largest lengths (the
-    k largest examples need at least ``ceil(k/ranks)`` slots on some rank, each padded to at least the
-    k-th largest); ``"padded_quadratic"`` the same argument on ``alpha*l + beta*l^2``. ``"conv"``: the sum bound on ``alpha*l`` plus the single-example conv cost.
+    Every policy's batch cost splits the same way: with ``m`` the largest length in a batch of ``b``
+    examples, ``cost = sum_i a(l_i) + b * h(m)`` with ``a`` and ``h`` non-negative and
+    non-decreasing:
+
+    ================== ======================= ======================
+    policy             ``a(l)``                ``h(m)``
+    ================== ======================= ======================
+    "sum"              ``l``                   0
+    "quadratic"        ``alpha*l + beta*l^2``  0
+    "padded"           0                       ``m``
+    "conv"             ``alpha*l``             ``beta*m^2``
+    "padded_quadratic" 0                       ``alpha*m + beta*m^2``
+    ================== ======================= ======================
+
+    The bound is the largest of four, each proven below (``s_1 >= s_2 >= ...`` the sorted lengths,
+    ``d = num_ranks``):
+
+    1. **Count bound** ``max over k of sum_{j=k-c+1..k} a(s_j) + c * h(s_{k-c+1})``, ``c =
+       ceil(k/d)``. The ``k`` largest examples on ``d`` ranks put ``c`` of them on one rank. Their
+       ``a`` sum to at least that of the ``c`` smallest of the ``k`` (``a`` non-decreasing); ``c``
+       distinct positions among ``1..k`` include one ``<= k-c+1``, so the rank's largest length is
+       at least ``s_{k-c+1}`` and it pays ``h`` of at least that for each of its ``>= c`` examples.
+       ``k = 1`` is the largest single example; for "sum" ``k = d+1`` gives ``s_d + s_{d+1}``.
+    2. **Total bound** ``sum_i (a(l_i) + h(l_i)) / d``: a batch costs at least the sum of its
+       examples' costs alone (``h(m) >= h(l_i)``), and the largest of ``d`` batches is at least
+       their mean.
+    3. **Fluid bound** (policies with padding, ``h != 0``), the one that sees the padding across
+       ranks. Relax the problem: examples may be split into fractions placed on different ranks; a
+       rank with designated leader value ``m`` may hold fractions of examples with ``l <= m`` at
+       ``a(l) + h(m)`` per unit. Every plan is such a relaxed solution (``m`` its largest length), so
+       if the relaxation needs more than ``d`` ranks for makespan ``C``, so does every plan. The
+       relaxation is solved exactly by the greedy that walks the sorted lengths as a continuum and
+       fills rank after rank up to ``C``, each led by the length where it starts. Proof that the
+       greedy needs no more ranks than any relaxed solution ``y`` (induction on the greedy's ranks):
+       let ``y`` cover what remains after the greedy's first ``j-1`` ranks with ranks ``j..k``. Cap
+       every leader of ``y`` at the largest remaining length ``L`` (costs only drop) and call rank
+       ``j`` one of ``y``'s ranks holding some of the example at ``L``, so its leader is ``L``, the
+       greedy's, and no other leader is larger. Let ``P`` be the stretch the greedy's rank ``j``
+       takes. While ``y``'s rank ``j`` holds some of an example ``t'`` after ``P`` and some rank
+       ``b`` holds some of an example ``t`` in ``P`` (``l_t >= l_t'``, ``h_j >= h_b``): move
+       ``e`` of ``t`` from ``b`` to ``j`` and ``e * (a(l_t) + h_j) / (a(l_t') + h_j)`` of ``t'``
+       from ``j`` to ``b``. Rank ``j``'s cost is unchanged and rank ``b``'s changes by ``e * (a(l_t)
+       - a(l_t')) * (h_b - h_j) / (a(l_t') + h_j) <= 0``; both stay within their leaders; taking
+       ``e`` as large as the two amounts allow empties one of the offending pairs and creates none
+       (a zero-cost ``t'``, ``a(l_t') + h_j = 0``, just moves to ``b``). Afterwards either rank ``j``
+       holds nothing after ``P``, and moving the rest of ``P`` onto it makes it the greedy's rank
+       (cost at most ``C``), or no other rank holds any of ``P``: then rank ``j`` holds all of
+       ``P``, which costs ``C`` already (unless ``P`` is all that remains), so anything else on it
+       costs nothing and moves off for free. Either way ranks ``j+1..k`` cover the rest. So ``C`` is
+       a bound whenever the greedy needs more than ``d`` ranks at ``C``. Without padding (``h = 0``)
+       the fluid bound is the total bound.
+    4. **Whole-example bound** (``h != 0``): drop the ``a`` of every example but the largest of its
+       batch, ``cost >= a(m) + b * h(m)``, which depends on the count and the largest length only.
+       For such costs some optimal plan is contiguous in the sorted order (order the batches by
+       their largest length and refill them with the same counts, largest examples first: no
+       batch's largest length grows), and the greedy that gives each rank in turn as many of the
+       largest remaining examples as fit under ``C`` needs no more ranks than any contiguous plan
+       (by induction its ``j``-th rank starts no earlier in the sorted order, so its largest length
+       is no larger, it takes at least as many and ends no earlier). For "padded" and "padded_quadratic" (``a = 0``) this is the
+       optimum itself. 3. is stronger where ``a`` weighs much (many examples per rank), 4. where
+       whole examples matter (few per rank).
+
+    3. and 4. are found by bisection on ``C`` (each greedy is monotone in ``C``) to a relative
+    ``1e-7``; the largest ``C`` the greedy refutes is returned, lowered by ``1e-9`` for rounding.
+    Cost: ``O(n log n)`` plus, with padding, about 25 passes of each greedy, ``O(min(d, u) log u)``
+    each for ``u`` distinct lengths (real data: 5-50 ms at 64-2560 ranks, under 0.5 s at 16384).
+
+    Args:
+        lengths: ``[n]`` non-negative integer lengths, as for :func:`post_balance`.
+        num_ranks, policy, alpha, beta: as for :func:`post_balance`.
+
+    Returns:
+        The bound as a float; ``0.0`` for empty ``lengths``.
     """
+    import bisect
+    import math
+
     lengths = as_lengths(lengths)
     num_ranks = as_num_ranks(num_ranks)
     if policy not in POLICY_IDS:
@@ -175,25 +247,125 @@ def lower_bound(
     check_cost_range(lengths, policy, alpha, beta)
     if lengths.size == 0:
         return 0.0
-    l = lengths.astype(np.float64)
-    if policy == "sum":
-        return float(max(l.max(), l.sum() / num_ranks))
-    if policy == "quadratic":
-        w = alpha * l + beta * l * l
-        return float(max(w.max(), w.sum() / num_ranks))
-    if policy == "padded":
-        s = np.sort(l)[::-1]
-        k = np.arange(1, s.size + 1)
-        return float(max(np.max(s * np.ceil(k / num_ranks)), l.sum() / num_ranks))
-    if policy == "conv":
-        single = alpha * l + beta * l * l
-        return float(max(single.max(), alpha * l.sum() / num_ranks))
-    if policy == "padded_quadratic":
-        # the k largest examples put ceil(k/ranks) of them on some rank, whose max is >= the k-th
-        s = np.sort(l)[::-1]
-        k = np.arange(1, s.size + 1)
-        return float(np.max(np.ceil(k / num_ranks) * (alpha * s + beta * s * s)))
-    raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
+    d = num_ranks
+    values, counts = np.unique(lengths, return_counts=True)
+    values, counts = values[::-1].astype(np.float64), counts[::-1]  # distinct lengths, descending
+    zero = np.zeros_like(values)
+    a, h = {
+        "sum": (values, zero),
+        "quadratic": (alpha * values + beta * values * values, zero),
+        "padded": (zero, values),
+        "conv": (alpha * values, beta * values * values),
+        "padded_quadratic": (zero, alpha * values + beta * values * values),
+    }[policy]
+
+    # 1. count bound, over every k at once (s_j = the j-th largest length, run-length encoded)
+    s_a = np.repeat(a, counts)
+    s_h = np.repeat(h, counts)
+    n = s_a.size
+    k = np.arange(1, n + 1)
+    c = -(-k // d)
+    cum_a = np.concatenate(([0.0], np.cumsum(s_a)))
+    bound = float(np.max(cum_a[k] - cum_a[k - c] + c * s_h[k - c]))
+    # 2. total bound
+    total_a = float(np.dot(counts, a))
+    bound = max(bound, (total_a + float(np.dot(counts, h))) / d)
+    if not h.any():
+        return bound
+
+    # 3. and 4.: greedy passes over runs of equal lengths (prefix sums of counts and of a per run)
+    runs = values.size
+    cnt = counts.astype(np.float64).tolist()
+    a_run, h_run = a.tolist(), h.tolist()
+    pre_n = np.concatenate(([0.0], np.cumsum(counts, dtype=np.float64))).tolist()
+    pre_a = np.concatenate(([0.0], np.cumsum(counts * a))).tolist()
+    pos = range(runs + 1)
+
+    def fluid_fits(cap: float) -> bool:
+        """Whether the fluid greedy covers every example with at most ``d`` ranks of cost ``<= cap``."""
+        used, r, done = 0, 0, 0.0  # ranks used; the greedy stands ``done`` units into run r
+        while r < runs:
+            used += 1
+            if used > d:
+                return False
+            lead = h_run[r]
+            unit = a_run[r] + lead
+            if unit == 0.0:  # this and every later example cost nothing here
+                return True
+            left = cnt[r] - done
+            if left * unit > cap:  # the rank ends inside this run, and so do the next ones
+                per = cap / unit
+                whole = max(1, math.floor(left / per))
+                used += whole - 1
+                done += whole * per
+                if done >= cnt[r]:
+                    r, done = r + 1, 0.0
+                continue
+            room = cap - left * unit
+            base = pre_a[r + 1] + lead * pre_n[r + 1]
+            # the last run start q the rank reaches: cost of runs r+1..q-1 within room
+            q = bisect.bisect_right(pos, room + base, lo=r + 1, key=lambda i: pre_a[i] + lead * pre_n[i]) - 1
+            if q >= runs:
+                return True
+            room -= pre_a[q] + lead * pre_n[q] - base
+            unit_q = a_run[q] + lead
+            if unit_q == 0.0:
+                return True
+            r, done = q, room / unit_q
+        return True
+
+    def whole_fits(cap: float) -> bool:
+        """Whether ranks of ``a(leader) + count * h(leader) <= cap``, each taking as many of the
+        largest remaining examples as fit, hold every example with at most ``d`` ranks."""
+        used, r, done = 0, 0, 0  # ranks used; examples of run r already placed
+        while r < runs:
+            used += 1
+            if used > d:
+                return False
+            lead = h_run[r]
+            room = cap - a_run[r]
+            if room < 0.0:
+                return False
+            if lead == 0.0:  # no padding from here on: one rank holds the rest
+                return True
+            take = math.floor(room / lead)
+            if take <= 0:
+                return False
+            left = counts[r] - done
+            if take < left:  # whole ranks inside this run
+                whole = left // take
+                used += whole - 1
+                done += whole * take
+                if done == counts[r]:
+                    r, done = r + 1, 0
+                continue
+            # the rank ends in a later run: the run holding example pre_n[r] + done + take
+            end = pre_n[r] + done + take
+            if end >= n:
+                return True
+            r = bisect.bisect_right(pre_n, end, lo=r + 1) - 1
+            done = int(end - pre_n[r])
+        return True
+
+    def largest_infeasible(fits, lo: float) -> float:
+        """The largest cap found (to a relative 1e-7) at which ``fits`` fails, or ``lo`` if it
+        fits there already. ``fits`` is monotone: a solution for one cap is one for any larger."""
+        if fits(lo):
+            return lo
+        hi = 2.0 * lo
+        while not fits(hi):
+            lo, hi = hi, 2.0 * hi
+        while hi > lo * (1.0 + 1e-7):
+            mid = math.sqrt(lo * hi)
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid
+        return lo * (1.0 - 1e-9)  # rounding in the passes
+
+    if a.any():
+        bound = max(bound, largest_infeasible(fluid_fits, bound))
+    return max(bound, largest_infeasible(whole_fits, bound))
 
 
 def paper_algorithm(lengths, num_ranks: int, alg: int) -> np.ndarray:

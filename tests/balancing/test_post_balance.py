@@ -220,3 +220,93 @@ def test_plans_are_identical_across_processes():
         assert res.returncode == 0, res.stderr
         outs.add(res.stdout.strip())
     assert len(outs) == 1
+
+
+# ------------------------------------------------------------------------------ lower_bound
+
+BOUND_COEFS = [(1.0, 0.0), (1.0, 1e-3), (0.5, 0.25), (0.0, 1.0), (1.0, 1.0 / 64)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_lower_bound_never_exceeds_the_brute_force_optimum(policy):
+    rng = np.random.default_rng(100 + POLICIES.index(policy))
+    for k in range(30):
+        n, d = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        pool = [0, 1, 5, 5, 9, 100, 250] if k % 2 else list(range(3000))
+        lengths = [int(x) for x in rng.choice(pool, n)]
+        alpha, beta = BOUND_COEFS[k % len(BOUND_COEFS)]
+        opt = _brute_force(lengths, d, policy, alpha, beta)
+        bound = lower_bound(lengths, d, policy, alpha=alpha, beta=beta)
+        assert bound <= opt * (1 + 1e-12), (lengths, d, alpha, beta, bound, opt)
+        if policy in ("padded", "padded_quadratic"):  # padding-only costs: the bound is the optimum
+            assert bound >= opt * (1 - 1e-6), (lengths, d, alpha, beta, bound, opt)
+
+
+@SETTINGS
+@given(
+    lengths=st.one_of(lengths_st, heavy_st),
+    num_ranks=ranks_st,
+    policy=st.sampled_from(POLICIES),
+    coef=coef_st,
+    located=st.booleans(),
+)
+def test_no_plan_beats_the_lower_bound(lengths, num_ranks, policy, coef, located):
+    alpha, beta = coef
+    src = np.arange(len(lengths)) % num_ranks if located else None
+    plan = post_balance(lengths, num_ranks, policy, alpha=alpha, beta=beta, src_ranks=src)
+    assert plan.makespan >= lower_bound(lengths, num_ranks, policy, alpha=alpha, beta=beta) * (1 - 1e-12)
+
+
+def test_lower_bound_small_cases():
+    assert lower_bound([5, 5, 5], 2) == 10.0  # two of three examples share a rank
+    assert lower_bound([], 4, "conv") == 0.0
+    assert lower_bound([0, 0, 0], 2, "conv", alpha=1.0, beta=1.0) == 0.0
+    # padded on 2 ranks: some rank holds two 4s and something more, or all three (12); the count
+    # argument alone says 2 x 4 = 8
+    assert lower_bound([4, 4, 4, 1, 1], 2, "padded") == pytest.approx(12.0, rel=1e-6)
+
+
+def test_conv_bound_sees_the_padding_across_ranks():
+    from mmbalance.balancing.datasets import mixture
+
+    d, alpha, beta = 64, 1.0, 1.0 / 64
+    audio = mixture(60 * d, 3).audio  # the benchmark's "conv" case: 3 examples in 4 without audio
+    bound = lower_bound(audio, d, "conv", alpha=alpha, beta=beta)
+    l = audio.astype(np.float64)
+    total = float((alpha * l + beta * l * l).sum()) / d  # every example as if it led its batch
+    assert bound >= 1.03 * total
+    assert bound <= post_balance(audio, d, "conv", alpha=alpha, beta=beta).makespan
+
+
+# lower_bound / proven optimum over the instances of tests/balancing/instances.py: (mean, min) floors,
+# measured and rounded down. "padded" and "padded_quadratic" are exact.
+BOUND_TIGHTNESS = {
+    "sum": (0.995, 0.91),  # measured 0.9960, 0.9136
+    "quadratic": (0.99, 0.88),  # 0.9918, 0.8809
+    "conv": (0.985, 0.81),  # 0.9874, 0.8144
+    "padded": (1 - 1e-6, 1 - 1e-6),
+    "padded_quadratic": (1 - 1e-6, 1 - 1e-6),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_lower_bound_against_the_exact_optimum(policy):
+    exact = pytest.importorskip(
+        "tests.balancing.exact", reason="needs the exact solver tests/balancing/exact.py"
+    )
+    instances = pytest.importorskip("tests.balancing.instances")
+    ratios = []
+    for inst in instances.generate(60, seed=11, n_range=(8, 20)):
+        alpha, beta = (1.0, 0.0) if policy in ("sum", "padded") else (inst.alpha, inst.beta)
+        sol = exact.solve(list(inst.lengths), inst.num_ranks, policy, alpha, beta, node_limit=200_000)
+        bound = lower_bound(inst.lengths, inst.num_ranks, policy, alpha=alpha, beta=beta)
+        assert bound <= sol.makespan * (1 + 1e-12), (inst, bound, sol.makespan)  # the best plan found
+        if sol.proven:
+            ratios.append(bound / sol.makespan if sol.makespan else 1.0)
+    ratios = np.asarray(ratios)
+    assert ratios.size >= 50
+    mean_floor, min_floor = BOUND_TIGHTNESS[policy]
+    got = (
+        f"{policy}: lower_bound / optimum mean {ratios.mean():.4f} min {ratios.min():.4f} over {ratios.size}"
+    )
+    assert ratios.mean() >= mean_floor and ratios.min() >= min_floor, got
