@@ -375,6 +375,14 @@ void refine_general(const int64_t* lengths, Index n, Index d, const CostModel& c
   for (Index i = 0; i < n; ++i) ++count[dst[i]];
   std::vector<RankState> st(d);
   for (Index r = 0; r < d; ++r) st[r].items.reserve(count[r] + 1);
+  // first position after `pos` with a shorter item (items sorted by length descending)
+  auto next_length = [&](const std::vector<Index>& items, size_t pos) {
+    const int64_t l = lengths[items[pos]];
+    if (pos + 1 >= items.size() || lengths[items[pos + 1]] != l) return pos + 1;
+    return static_cast<size_t>(std::partition_point(items.begin() + static_cast<std::ptrdiff_t>(pos), items.end(),
+                                                    [&](Index i) { return lengths[i] == l; }) -
+                               items.begin());
+  };
   for (Index i : *order) {
     st[dst[i]].items.push_back(i);
     st[dst[i]].sum += static_cast<double>(lengths[i]);
@@ -407,7 +415,9 @@ void refine_general(const int64_t* lengths, Index n, Index d, const CostModel& c
       const RankState& B = st[b];
       const double cb = static_cast<double>(B.items.size());
       const double mb = B.items.empty() ? 0.0 : static_cast<double>(lengths[B.items[0]]);
-      for (size_t xi = 0; xi < A.items.size(); ++xi) {
+      // one item per distinct length: an item as long as the one before it gives the same moves
+      // and swaps (never better); runs of equal lengths (zeros, fixed sizes) are skipped whole
+      for (size_t xi = 0; xi < A.items.size(); xi = next_length(A.items, xi)) {
         const Index x = A.items[xi];
         const double lx = static_cast<double>(lengths[x]);
         // A without x: its max is the next item when x is the first.
@@ -418,7 +428,7 @@ void refine_general(const int64_t* lengths, Index n, Index d, const CostModel& c
         const double m = std::max(new_a, new_b);
         if (m < best) best = m, bx = x, by = -1, bb = b;
         // Swaps with every y on B (batches are small; bounded by kReceivers ranks).
-        for (size_t yi = 0; yi < B.items.size(); ++yi) {
+        for (size_t yi = 0; yi < B.items.size(); yi = next_length(B.items, yi)) {
           const Index y = B.items[yi];
           const double ly = static_cast<double>(lengths[y]);
           if (ly == lx) continue;
@@ -536,7 +546,7 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
       const auto order = order_by_length_desc(lengths, n);
       std::vector<std::vector<Index>> cands;
       cands.push_back(paper_conv(lengths, n, d));
-      if (n <= kSearchMaxItems * 8) cands.push_back(conv_runs(lengths, n, d, cm));
+      cands.push_back(conv_runs(lengths, n, d, cm));
       std::vector<double> s(n);
       for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
       cands.push_back(lpt(s.data(), order, d));
