@@ -10,6 +10,9 @@ degrees by a 2-D DP. We keep that as one candidate and add one per static unifor
 optimum), regroup for the degrees found, and return the best: never worse than the paper or than
 the best static uniform CP degree under the same cost model. See ``csrc/dhp.cpp``.
 
+The cost is a :class:`CostModel`, per-sequence times from a vectorized callable (one call per
+degree; the search then runs in the compiled core too), or a per-group callable (the slow path).
+
 >>> cost = CostModel(linear=1.0, attention=1e-4, ring=0.5)
 >>> sched = cp_schedule([9000, 500, 400, 300, 200], num_ranks=6, memory_per_rank=4096, cost=cost)
 >>> [(g.degree, g.ranks, g.sequences.tolist()) for g in sched]
@@ -31,6 +34,10 @@ from ._validate import as_count, as_lengths, as_num_ranks
 from .cost_model import CostModel
 
 DEFAULT_COST = CostModel.transformer()
+# A callable cost is evaluated per degree: num_ranks is bounded for it, and so are the n * num_ranks
+# entries of its tables (per-sequence times, or static groupings).
+MAX_CALLABLE_RANKS = 4096
+MAX_TABLE = 1 << 23
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,8 +68,8 @@ class CPSchedule(list):
         num_ranks: ranks available; ``sum(g.degree) <= num_ranks`` (spare ranks stay idle).
         info: ``method`` (the winning candidate), ``static_makespan`` / ``static_degree`` (best
             static uniform degree under the same cost), ``paper_makespan`` (best-fit decreasing +
-            the DP), ``lower_bound`` (no schedule is faster); ``-1`` where infeasible. The
-            static and bound entries are filled with a ``CostModel`` only.
+            the DP), ``lower_bound`` (no schedule is faster; ``0`` with a per-group callable);
+            ``-1`` where infeasible.
     """
 
     def __init__(self, groups, makespan: float, num_ranks: int, info: dict):
@@ -137,10 +144,11 @@ def cp_schedule(
     lengths,
     num_ranks: int,
     memory_per_rank: int,
-    cost: CostModel | Callable[[np.ndarray, int], float] | None = None,
+    cost: CostModel | Callable[[np.ndarray, int], float | np.ndarray] | None = None,
     *,
     ranks_per_node: int | None = None,
     max_rounds: int = 3,
+    vectorized: bool | None = None,
 ) -> CPSchedule:
     """Dynamic CP groups for one micro-batch: every sequence in one group, minimal makespan.
 
@@ -149,26 +157,55 @@ def cp_schedule(
         num_ranks: ranks (model replicas) available; the degrees sum to at most this.
         memory_per_rank: tokens one rank holds; a group of degree ``d`` holds at most
             ``d * memory_per_rank`` tokens (:meth:`CostModel.tokens_per_rank` converts bytes).
-        cost: a :class:`CostModel`, any callable ``cost(lengths: np.ndarray, degree: int) -> float``
-            (estimated seconds of one group), or ``None`` for :meth:`CostModel.transformer`.
-            With a ``CostModel`` everything runs in the compiled core. A callable is probed on a
-            few groups and fitted to the built-in form to search groupings; degrees and the
-            makespan then use the callable itself (``O(groups * num_ranks)`` calls).
+        cost: a :class:`CostModel`, a callable ``cost(lengths: np.ndarray, degree: int)`` (see
+            ``vectorized``), or ``None`` for :meth:`CostModel.transformer`. With a ``CostModel``
+            everything runs in the compiled core.
         ranks_per_node: lay groups out inside nodes of this many ranks where they fit.
         max_rounds: regrouping rounds per candidate (0: no regrouping).
+        vectorized: how a callable ``cost`` reads, given int64 ``lengths`` (read-only) and an int
+            ``degree``:
+
+            - ``True``: per-sequence times, a float array of ``lengths``' shape: each sequence's
+              seconds alone on ``degree`` ranks; a group's time is the sum over its sequences
+              (packed sequences run one after another, so no per-group constant). The callable is
+              called once per degree ``1..num_ranks`` with all the sequences, and the whole
+              search runs in the compiled core on those times.
+            - ``False``: the time of one group, a number: ``lengths`` are the group's sequences.
+              The callable is probed on a few groups and fitted to the built-in form to search
+              groupings; degrees and the makespan then use the callable itself, tabulated on
+              the degrees 1..64 and about 10% apart beyond (at most 108 per group and candidate
+              grouping), plus one call per group of every static degree.
+            - ``None`` (default): decided by the first call, ``cost(lengths, 1)`` with all the
+              sequences: a 1-D array means ``True``, a number ``False``.
+
+            A callable needs ``num_ranks <= 4096`` and ``n * num_ranks <= 2**23``; beyond, fit a
+            ``CostModel`` to it (:meth:`CostModel.fit`).
 
     Returns:
         A :class:`CPSchedule` (a list of :class:`CPGroup`, degree descending). Deterministic.
+        Never slower than the best static uniform degree (``info["static_makespan"]``) nor the
+        paper's schedule (``info["paper_makespan"]``) under the same cost. A static degree ``c``
+        is ``num_ranks // c`` groups of ``c`` ranks, sequences longest first to the group that
+        stays fastest (with a per-group callable, fastest under the fitted form, timed by the
+        callable). Every degree is compared while ``n * num_ranks <= 2**20``; above that the
+        degrees that give each sequence its own group and, of the others, the largest degree of
+        every group count (geometrically spread, about ``2**20 / n`` of them, when those are more).
 
     Raises:
         ValueError: a sequence exceeds the memory of all ranks together, the sequences do not fit
-            in ``num_ranks * memory_per_rank``, or an invalid argument (named in the message).
-        TypeError: an argument of the wrong type.
+            in ``num_ranks * memory_per_rank``, a callable gives a time that is not finite and
+            >= 0 or an array of the wrong shape, a callable with too many ranks, or an invalid
+            argument (named in the message).
+        TypeError: an argument of the wrong type, or a callable that returns no numbers.
 
     Example:
         >>> sched = cp_schedule([30000, 1000, 1000], 4, memory_per_rank=16384)  # default 8B model
         >>> [(g.degree, g.sequences.tolist()) for g in sched], round(sched.makespan, 3)
         ([(4, [0, 1, 2])], 1.281)
+        >>> per_seq = lambda ls, d: 1e-3 * ls / d + 2.0 * (d - 1)  # vectorized: a time per sequence
+        >>> sched = cp_schedule([30000, 1000, 1000], 4, 16384, per_seq)
+        >>> [(g.degree, g.sequences.tolist()) for g in sched], sched.makespan
+        ([(3, [0]), (1, [1, 2])], 14.0)
     """
     lengths, num_ranks, mem = _check(lengths, num_ranks, memory_per_rank)
     cost = _cost_of(cost)
@@ -176,7 +213,11 @@ def cp_schedule(
     if rpn and num_ranks % rpn:
         raise ValueError(f"ranks_per_node ({rpn}) must divide num_ranks ({num_ranks})")
     rounds = as_count(max_rounds, "max_rounds", minimum=0)
+    if vectorized is not None and not isinstance(vectorized, bool):
+        raise TypeError(f"vectorized must be True, False or None, got {type(vectorized).__name__}")
     if isinstance(cost, CostModel):
+        if vectorized is not None:
+            raise ValueError("vectorized applies to a callable cost, not a CostModel")
         r = core().cp_schedule(
             lengths,
             num_ranks,
@@ -190,30 +231,141 @@ def cp_schedule(
             rpn,
             rounds,
         )
-        if lengths.size and r["degree"].size == 0:
-            raise ValueError(
-                f"lengths do not fit in {num_ranks} ranks of memory_per_rank = {mem} tokens as CP groups: "
-                "split the micro-batch"
-            )
-        info = {
-            k: r[k] for k in ("method", "static_makespan", "static_degree", "paper_makespan", "lower_bound")
-        }
-        layout = (r["rank_offset"], r["ranks"])
-        return _build(lengths, r["group_of"], r["degree"], num_ranks, rpn, r["time"], info, layout)
+        return _from_core(lengths, num_ranks, mem, rpn, r)
+    if lengths.size == 0:  # as the compiled path reports it; the callable is not called
+        info = {"method": "empty", "static_makespan": 0.0, "static_degree": 0, "paper_makespan": 0.0}
+        return CPSchedule([], 0.0, num_ranks, {**info, "lower_bound": 0.0})
+    if num_ranks > MAX_CALLABLE_RANKS:
+        raise ValueError(
+            f"num_ranks = {num_ranks}: a callable cost is evaluated on every degree up to num_ranks, "
+            f"at most {MAX_CALLABLE_RANKS}; fit a CostModel to it (CostModel.fit) for more ranks"
+        )
+    if lengths.size * num_ranks > MAX_TABLE:
+        raise ValueError(
+            f"lengths: a callable cost is evaluated for every sequence on every degree, "
+            f"len(lengths) * num_ranks = {lengths.size} * {num_ranks} is more than {MAX_TABLE}; "
+            "fit a CostModel to it (CostModel.fit) or split the micro-batch"
+        )
+    view = lengths.view()
+    view.flags.writeable = False
+    first = None
+    if vectorized is not False:
+        first = cost(view, 1)
+        if vectorized is None:
+            try:
+                vectorized = np.ndim(first) == 1
+            except (TypeError, ValueError):  # not array-like: reported as a bad time below
+                vectorized = False
+    if vectorized:
+        return _schedule_vectorized(lengths, view, num_ranks, mem, cost, first, rpn, rounds)
+    if first is not None:
+        _as_time(first, 1)  # the probe is checked like any other call
     return _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds)
 
 
-def _call(cost, lengths: np.ndarray, d: int) -> float:
-    t = cost(lengths, d)
-    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not np.isfinite(t) or t < 0:
+def _from_core(lengths, num_ranks, mem, rpn, r) -> CPSchedule:
+    if lengths.size and r["degree"].size == 0:
+        raise ValueError(
+            f"lengths do not fit in {num_ranks} ranks of memory_per_rank = {mem} tokens as CP groups: "
+            "split the micro-batch"
+        )
+    info = {k: r[k] for k in ("method", "static_makespan", "static_degree", "paper_makespan", "lower_bound")}
+    layout = (r["rank_offset"], r["ranks"])
+    return _build(lengths, r["group_of"], r["degree"], num_ranks, rpn, r["time"], info, layout)
+
+
+def _per_sequence(t, n: int, d: int) -> np.ndarray:
+    """One degree's row of a vectorized cost: float64 ``[n]`` (values checked with the table)."""
+    kind = getattr(getattr(t, "dtype", None), "kind", None)
+    try:
+        row = np.asarray(t, dtype=np.float64) if kind in (None, "i", "u", "f") else None
+    except (TypeError, ValueError):
+        row = None
+    if row is None:
+        raise TypeError(
+            f"cost(lengths, {d}) must return real numbers (vectorized: one per sequence), got {type(t).__name__}"
+            + (f" of dtype {t.dtype}" if kind else "")
+        )
+    if row.shape != (n,):
+        raise ValueError(
+            f"cost(lengths, {d}) returned shape {row.shape}: a vectorized cost gives one time per "
+            f"sequence, shape ({n},)"
+        )
+    return row
+
+
+def _schedule_vectorized(lengths, view, num_ranks, mem, cost, first, rpn, rounds) -> CPSchedule:
+    n = lengths.size
+    rows = [_per_sequence(cost(view, 1) if first is None else first, n, 1)]
+    rows += [_per_sequence(cost(view, d), n, d) for d in range(2, num_ranks + 1)]
+    table = np.stack(rows)  # [degree - 1, sequence]
+    bad = ~(np.isfinite(table) & (table >= 0))
+    if bad.any():
+        d, i = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(
+            f"cost(lengths, {d + 1}) must return finite times >= 0, got {table[d, i]!r} "
+            f"for lengths[{i}] = {int(lengths[i])}"
+        )
+    # [sequence, degree - 1] for the core, -0.0 as 0.0 (it orders times by their bits)
+    table = np.add(table.T, 0.0, out=np.empty((n, num_ranks)))
+    r = core().cp_schedule_table(lengths, table, num_ranks, mem, rpn, rounds)
+    return _from_core(lengths, num_ranks, mem, rpn, r)
+
+
+def _as_time(t, d: int) -> float:
+    if isinstance(t, np.ndarray) and t.ndim == 0 and t.dtype.kind in "iuf":
+        t = t.item()
+    if isinstance(t, bool) or not isinstance(t, numbers.Real):
+        raise TypeError(
+            f"cost(lengths, {d}) must return a number (the group's time) or, vectorized, an array "
+            f"of one time per sequence; got {type(t).__name__}"
+        )
+    if not np.isfinite(t) or t < 0:
         raise ValueError(f"cost(lengths, {d}) must return a finite number >= 0, got {t!r}")
     return float(t)
 
 
-def _degrees_for(lengths, group_of, num_ranks, mem, cost, paper=False):
-    """Optimal (or the paper's DP) degrees of a fixed grouping under a callable cost."""
+class _GroupTimes:
+    """A per-group callable's times; each (group, degree) is asked once."""
+
+    def __init__(self, cost, lengths: np.ndarray):
+        self.cost, self.lengths, self.cache = cost, lengths, {}
+
+    def __call__(self, members: np.ndarray, d: int) -> float:
+        key = (members.tobytes(), d)
+        t = self.cache.get(key)
+        if t is None:
+            group = self.lengths[members]
+            group.flags.writeable = False
+            t = self.cache[key] = _as_time(self.cost(group, d), d)
+        return t
+
+
+def _members(group_of: np.ndarray, g: int) -> list[np.ndarray]:
+    order = np.argsort(group_of, kind="stable")
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(group_of, minlength=g))])
+    return [order[bounds[k] : bounds[k + 1]] for k in range(g)]
+
+
+def _degree_grid(num_ranks: int) -> np.ndarray:
+    """Degrees a per-group callable is tabulated on: 1..64, then about 10% apart, and num_ranks."""
+    d = set(range(1, min(num_ranks, 64) + 1))
+    x = 64.0
+    while x < num_ranks:
+        x *= 1.1
+        d.add(min(int(round(x)), num_ranks))
+    d.add(num_ranks)
+    return np.array(sorted(d), dtype=np.int64)
+
+
+def _degrees_for(lengths, group_of, num_ranks, mem, cost, paper=False, timer=None, grid=None):
+    """Optimal (or the paper's DP) degrees of a fixed grouping under a cost.
+
+    A callable is tabulated at the degrees of ``grid`` (all when ``None``) and each group's
+    minimum degree; other degrees are not considered.
+    """
     g = int(group_of.max()) + 1
-    members = [np.flatnonzero(group_of == k) for k in range(g)]
+    members = _members(group_of, g)
     tokens = np.array([lengths[m].sum() for m in members], dtype=np.int64)
     dmin = np.maximum(1, -(-tokens // mem)).astype(np.int64)
     total = int(dmin.sum())
@@ -231,9 +383,12 @@ def _degrees_for(lengths, group_of, num_ranks, mem, cost, paper=False):
         valid = (d[None, :] >= dmin[:, None]) & (d[None, :] <= hi[:, None])
         table[valid] = full[valid]
     else:
+        timer = timer or _GroupTimes(cost, lengths)
         for k in range(g):
-            for d in range(int(dmin[k]), int(hi[k]) + 1):
-                table[k, d] = _call(cost, lengths[members[k]], d)
+            lo, up = int(dmin[k]), int(hi[k])
+            ds = range(lo, up + 1) if grid is None else [lo, *grid[(grid > lo) & (grid <= up)].tolist()]
+            for d in ds:
+                table[k, d] = timer(members[k], d)
     fn = core().paper_dp_degrees if paper else core().optimal_degrees
     degree, makespan = fn(table, dmin, num_ranks)
     if degree.size == 0:
@@ -257,31 +412,42 @@ def _probe_fit(cost, lengths: np.ndarray, num_ranks: int, mem: int) -> CostModel
         return DEFAULT_COST
 
 
+def _call(cost, lengths: np.ndarray, d: int) -> float:
+    lengths.flags.writeable = False
+    return _as_time(cost(lengths, d), d)
+
+
 def _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds) -> CPSchedule:
+    """A per-group callable: candidate groupings from the fitted form, times from the callable."""
     n = lengths.size
-    if n == 0:
-        return CPSchedule([], 0.0, num_ranks, {"method": "empty"})
+    timer = _GroupTimes(cost, lengths)
+    grid = _degree_grid(num_ranks)
     paper_groups, _ = core().bfd_groups(lengths, mem)
     proxy = _probe_fit(cost, lengths, num_ranks, mem)
-    r = core().cp_schedule(
-        lengths,
-        num_ranks,
-        mem,
-        proxy.linear,
-        proxy.attention,
-        proxy.ring,
-        proxy.ring_latency,
-        proxy.fixed,
-        True,
-        0,
-        rounds,
-    )
+    form = (proxy.linear, proxy.attention, proxy.ring, proxy.ring_latency, proxy.fixed, True)
+    r = core().cp_schedule(lengths, num_ranks, mem, *form, 0, rounds)
+    # static uniform degrees: the fitted form's greedy groupings, timed by the callable
+    statics, _ = core().cp_static_groups(lengths, num_ranks, mem, *form, np.arange(1, num_ranks + 1))
+    static = None
+    for c, grouping in enumerate(statics, start=1):
+        if grouping[0] < 0:
+            continue
+        _, grouping = np.unique(grouping, return_inverse=True)
+        times = np.array([timer(m, c) for m in _members(grouping, int(grouping.max()) + 1)])
+        if static is None or times.max() < static[0]:
+            static = (float(times.max()), c, grouping, times)
     best = None
+    if static is not None:
+        ms, c, grouping, times = static
+        best = (ms, "static", grouping, np.full(times.size, c, dtype=np.int64), times)
     paper_ms = -1.0
-    for method, grouping in (("paper", paper_groups), ("proxy", r["group_of"])):
+    candidates = [("paper", paper_groups), ("proxy", r["group_of"])]
+    if static is not None:
+        candidates.append(("static+dp", static[2]))
+    for method, grouping in candidates:
         if grouping.size != n:
             continue
-        degree, ms, times = _degrees_for(lengths, grouping, num_ranks, mem, cost)
+        degree, ms, times = _degrees_for(lengths, grouping, num_ranks, mem, cost, timer=timer, grid=grid)
         if degree is None:
             continue
         if method == "paper":
@@ -297,7 +463,13 @@ def _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds) -> CPSchedule
     order = np.argsort(-degree, kind="stable")  # degree descending, as the compiled path
     remap = np.empty_like(order)
     remap[order] = np.arange(order.size)
-    info = {"method": method, "static_makespan": -1.0, "static_degree": 0, "paper_makespan": paper_ms}
+    info = {
+        "method": method,
+        "static_makespan": -1.0 if static is None else static[0],
+        "static_degree": 0 if static is None else static[1],
+        "paper_makespan": paper_ms,
+        "lower_bound": 0.0,
+    }
     return _build(lengths, remap[grouping], degree[order], num_ranks, rpn, times[order], info)
 
 

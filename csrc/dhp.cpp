@@ -2,19 +2,38 @@
 //
 // The paper: best-fit-decreasing (BFD) packs sequences into memory-full atomic groups, then a 2-D
 // DP gives each group a degree (O(g N^2)). Memory-full groups can be badly balanced in time, so we
-// keep the paper's candidate and add one per static uniform degree c (N / c groups of c ranks,
+// keep the paper's candidate and add the static uniform degrees c (N / c groups of c ranks,
 // sequences longest-first to the group that stays fastest) and "mixed" ones (every sequence too
 // slow or too large for one rank alone on the fewest ranks that fix it, the rest spread over
-// degree-1 groups; retried with the best makespan found as the target). Every candidate gets
-// optimal degrees (an exact threshold search, the same optimum as the DP in O(g N log) instead of
-// O(g N^2)), the best ones a few rounds of regrouping for the degrees found (spare ranks become
-// new groups). The static candidates make the result never worse than the best static uniform CP
-// degree; the paper's candidate makes it never worse than the paper.
+// degree-1 groups; retried with the best makespan found as the target). Candidates get optimal
+// degrees (an exact threshold search, the same optimum as the DP), the best ones a few rounds of
+// regrouping for the degrees found (spare ranks become new groups). The static schedules make the
+// result never worse than the best static uniform CP degree; the paper's candidate makes it never
+// worse than the paper.
+//
+// One search, two forms of cost: the closed form of CpCost (a group's time from its sums of l and
+// l^2), and a table of every sequence's time alone on every degree, a group's time being the sum
+// over its sequences (a vectorized user cost).
+//
+// Size (n sequences, N ranks): a static degree with N / c >= n groups puts every sequence alone,
+// so its makespan is the slowest sequence alone and its optimal-degree version is the one
+// "every sequence alone" candidate. The other static degrees are filled greedily: all of them
+// while n * count <= kStaticBudget, else the largest degree of every distinct group count N / c,
+// thinned geometrically to kStaticBudget / n when even those are too many. All their groupings get
+// optimal degrees while the work stays within kStaticSolves, else the best ones (by static
+// makespan) that fit in it, at least kStaticStarts. The
+// greedy fill scans up to kScanGroups groups; beyond, it keeps the groups ordered by time (per
+// degree, and per regime: ring- or attention-bound) and stops at the first whose time plus the
+// least the sequence can add is above the best found, groups in one state counting once. Closed-
+// form times are quasi-convex in d (a decreasing compute term, a convex ring term), so optimal
+// degrees search each group's best degree instead of tabulating all N.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <queue>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "planners.hpp"
@@ -24,19 +43,19 @@ namespace mmb {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr Index kScanGroups = 64;                    // greedy scans all groups up to this many
+constexpr int64_t kStaticBudget = int64_t{1} << 20;  // sequences x greedy static degrees
+constexpr int64_t kStaticSolves = int64_t{1} << 26;  // work of their optimal-degree solves
+constexpr size_t kStaticStarts = 8;                  // groupings solved at least
+constexpr Index kScanDegrees = 64;                   // degree search scans windows this small
 
-struct Agg {
+// A group while it is filled: time at its degree, sums of l and l^2, tokens, sequences.
+struct Acc {
+  double t = 0.0;
   double s1 = 0.0;
   double s2 = 0.0;
-  Index count = 0;
   int64_t tokens = 0;
-  void add(int64_t l) {
-    const double x = static_cast<double>(l);
-    s1 += x;
-    s2 += x * x;
-    ++count;
-    tokens += l;
-  }
+  Index count = 0;
 };
 
 // A grouping of the sequences with its degrees and makespan.
@@ -60,64 +79,403 @@ double double_of(uint64_t u) {
   return x;
 }
 
-std::vector<Agg> aggregates(const int64_t* lengths, Index n, const std::vector<Index>& group_of, Index g) {
-  std::vector<Agg> agg(g);
-  for (Index i = 0; i < n; ++i) agg[group_of[i]].add(lengths[i]);
-  return agg;
+// The smallest tau with sum_k need_k(tau) <= num_ranks, need_k(tau) = the first d in
+// [dmin_k, best_k] with time(k, d) <= tau, where time(k, .) does not increase on that range and
+// time(k, best_k) is the group's best. Returns need_k at that tau (empty: infeasible).
+template <class Time>
+std::vector<Index> threshold_degrees(Index g, Index num_ranks, const Index* dmin, const Index* best, const Time& time) {
+  Index total = 0;
+  for (Index k = 0; k < g; ++k) total += dmin[k];
+  if (total > num_ranks) return {};
+  std::vector<double> floor_t(g);
+  double lo_t = 0.0, hi_t = 0.0;
+  for (Index k = 0; k < g; ++k) {
+    floor_t[k] = time(k, best[k]);
+    lo_t = std::max(lo_t, floor_t[k]);
+    hi_t = std::max(hi_t, time(k, dmin[k]));  // feasible: every group on its minimum degree
+  }
+  if (!std::isfinite(hi_t)) return {};
+  // need_k falls as tau grows: between a feasible and an infeasible tau it lies in [lo_k, up_k],
+  // so each search only covers what the thresholds tried so far left open.
+  std::vector<Index> lo_d(dmin, dmin + g), up_d(best, best + g), cur(g), degree(dmin, dmin + g);
+  Index done = 0;  // needs computed by the last call
+  auto needs = [&](double tau) {
+    Index sum = 0;
+    for (done = 0; done < g; ++done) {
+      const Index k = done;
+      if (floor_t[k] > tau) return false;
+      Index lo = lo_d[k], up = up_d[k];
+      while (lo < up) {
+        const Index mid = lo + (up - lo) / 2;
+        if (time(k, mid) <= tau) {
+          up = mid;
+        } else {
+          lo = mid + 1;
+        }
+      }
+      cur[k] = lo;
+      if ((sum += lo) > num_ranks) {
+        ++done;
+        return false;
+      }
+    }
+    return true;
+  };
+  auto narrow = [&](bool feasible) {
+    if (feasible) {
+      degree = cur;
+      lo_d = cur;
+    } else {
+      std::copy(cur.begin(), cur.begin() + done, up_d.begin());
+    }
+    return feasible;
+  };
+  // Few spare ranks: hand them one at a time to the slowest group (optimal for non-increasing
+  // times); the threshold is the slowest time then. Else (or if rounding upsets that) bisection.
+  if (num_ranks - total <= 32 * g) {
+    std::vector<Index> d(dmin, dmin + g);
+    std::priority_queue<std::pair<double, Index>> slowest;
+    for (Index k = 0; k < g; ++k) slowest.push({time(k, d[k]), k});
+    for (Index spare = num_ranks - total; spare > 0 && d[slowest.top().second] < best[slowest.top().second]; --spare) {
+      const Index k = slowest.top().second;
+      slowest.pop();
+      slowest.push({time(k, ++d[k]), k});
+    }
+    if (needs(slowest.top().first)) return cur;
+  }
+  uint64_t lo = bits_of(lo_t), up = bits_of(hi_t);
+  while (lo < up) {
+    const uint64_t mid = lo + (up - lo) / 2;
+    if (narrow(needs(double_of(mid)))) {
+      up = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return degree;
 }
 
-// Optimal degrees for the groups of `c` under `cost`; fills c.degree and c.makespan.
-void solve_degrees(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
-                   Candidate& c) {
-  Index g = 0;
-  for (Index i = 0; i < n; ++i) g = std::max(g, c.group_of[i] + 1);
-  const auto agg = aggregates(lengths, n, c.group_of, g);
-  std::vector<Index> dmin(g);
-  Index total = 0;
-  for (Index k = 0; k < g; ++k) total += dmin[k] = min_degree(agg[k].tokens, mem);
-  c.degree.clear();
-  c.makespan = kInf;
-  if (total > num_ranks) return;
-  const Index w = num_ranks + 1;
-  std::vector<double> table(static_cast<size_t>(g) * w, kInf);
-  for (Index k = 0; k < g; ++k) {
-    const Index hi = num_ranks - (total - dmin[k]);
-    for (Index d = dmin[k]; d <= hi; ++d) table[k * w + d] = cost.time(agg[k].s1, agg[k].s2, agg[k].count, d);
+// The closed form: CpCost of a group's sums.
+struct CpModel {
+  const int64_t* len;
+  Index n;
+  Index num_ranks;
+  int64_t mem;
+  CpCost cost;
+
+  double time(const Acc& a, Index d) const { return cost.time(a.s1, a.s2, a.count, d); }
+  double alone(Index i, Index d) const {
+    const double x = static_cast<double>(len[i]);
+    return cost.time(x, x * x, 1, d);
   }
-  double ms = kInf;
-  c.degree = optimal_degrees(table.data(), g, num_ranks, dmin.data(), &ms);
-  c.makespan = c.degree.empty() ? kInf : ms;
-}
+  double after(const Acc& a, Index i, Index d) const {
+    const double x = static_cast<double>(len[i]);
+    return cost.time(a.s1 + x, a.s2 + x * x, a.count + 1, d);
+  }
+  void add(Acc& a, Index i, Index d) const {
+    const double x = static_cast<double>(len[i]);
+    a.s1 += x;
+    a.s2 += x * x;
+    a.tokens += len[i];
+    ++a.count;
+    a.t = time(a, d);
+  }
+  // 1 for a group whose ring exchange outlasts its attention (overlap only), else 0: adding to it
+  // grows its time by at least the ring growth, else by at least the attention growth.
+  int regime(const Acc& a, Index d) const {
+    if (!cost.overlap || d == 1) return 0;
+    const double dd = static_cast<double>(d);
+    return cost.attn * a.s2 / dd < cost.ring * a.s1 * (dd - 1.0) / dd + cost.ring_latency * (dd - 1.0);
+  }
+  // At most after(a, i, d) - a.t for a non-empty group of the regime: linear x / d plus the
+  // attention growth, the ring growth, or both without overlap.
+  double least_increase(Index i, int reg, Index d) const {
+    const double x = static_cast<double>(len[i]), dd = static_cast<double>(d);
+    const double attn = reg == 0 || !cost.overlap ? cost.attn * x * x : 0.0;
+    const double ring = reg == 1 || !cost.overlap ? cost.ring * x * (dd - 1.0) : 0.0;
+    return (cost.linear * x + attn + ring) / dd;
+  }
+  // No group of time t can beat `best` (the margin covers rounding of the bound above).
+  static bool beyond(double t, double inc, double best) { return (t + inc) * (1.0 - 1e-12) > best; }
+
+  // A degree in [lo, hi] with the smallest time: times are quasi-convex in d, so a ternary search
+  // narrows to a window, scanned for its first minimum.
+  Index best_degree(const Acc& a, Index lo, Index hi) const {
+    while (hi - lo > kScanDegrees) {
+      const Index m1 = lo + (hi - lo) / 3, m2 = hi - (hi - lo) / 3;
+      if (time(a, m1) <= time(a, m2)) {
+        hi = m2;
+      } else {
+        lo = m1;
+      }
+    }
+    Index b = lo;
+    double bt = time(a, lo);
+    for (Index d = lo + 1; d <= hi; ++d) {
+      const double t = time(a, d);
+      if (t < bt) {
+        bt = t;
+        b = d;
+      }
+    }
+    return b;
+  }
+  std::vector<Acc> sums(const std::vector<Index>& group_of, Index g) const {
+    std::vector<Acc> acc(g);
+    for (Index i = 0; i < n; ++i) {
+      Acc& a = acc[group_of[i]];
+      const double x = static_cast<double>(len[i]);
+      a.s1 += x;
+      a.s2 += x * x;
+      a.tokens += len[i];
+      ++a.count;
+    }
+    return acc;
+  }
+  // Optimal degrees of the groups of c.group_of (g of them); fills c.degree and c.makespan.
+  void solve(Index g, Candidate& c) const {
+    const auto acc = sums(c.group_of, g);
+    std::vector<Index> dmin(g), best(g);
+    Index total = 0;
+    for (Index k = 0; k < g; ++k) total += dmin[k] = min_degree(acc[k].tokens, mem);
+    c.degree.clear();
+    c.makespan = kInf;
+    if (total > num_ranks) return;
+    for (Index k = 0; k < g; ++k) best[k] = best_degree(acc[k], dmin[k], num_ranks - (total - dmin[k]));
+    auto t = [&](Index k, Index d) { return time(acc[k], d); };
+    c.degree = threshold_degrees(g, num_ranks, dmin.data(), best.data(), t);
+    if (c.degree.empty()) return;
+    c.makespan = 0.0;
+    for (Index k = 0; k < g; ++k) c.makespan = std::max(c.makespan, t(k, c.degree[k]));
+  }
+  // About the time evaluations of solve() on g groups: a bisection on the threshold's 64 bits.
+  int64_t solve_work(Index g) const {
+    int64_t log = 1;
+    while ((int64_t{1} << log) <= num_ranks) ++log;
+    return g * 64 * log;
+  }
+  std::vector<double> group_times(const std::vector<Index>& group_of, const std::vector<Index>& degree) const {
+    const auto acc = sums(group_of, static_cast<Index>(degree.size()));
+    std::vector<double> out(degree.size());
+    for (size_t k = 0; k < out.size(); ++k) out[k] = time(acc[k], degree[k]);
+    return out;
+  }
+  // Static degree c with every sequence alone: the longest is the slowest (time grows with l).
+  double static_alone(Index c, Index longest) const { return alone(longest, c); }
+  // max(the longest sequence alone on its best degree, (linear * S1 + attention * S2) / N):
+  // every group of degree d and time T does at least d * T >= its linear + attention work.
+  double lower_bound(Index longest) const {
+    double work = 0.0;
+    for (Index i = 0; i < n; ++i) {
+      const double x = static_cast<double>(len[i]);
+      work += cost.linear * x + cost.attn * x * x;
+    }
+    Acc a;
+    add(a, longest, 1);
+    const double single = time(a, best_degree(a, min_degree(len[longest], mem), num_ranks));
+    return std::max(single, work / static_cast<double>(num_ranks));
+  }
+  // Fewest ranks on which sequence i alone takes at most `target` (else its best degree).
+  Index fewest_ranks(Index i, double target) const {
+    const Index lo = min_degree(len[i], mem);
+    if (!std::isfinite(target)) return lo;
+    Acc a;
+    add(a, i, 1);
+    Index up = best_degree(a, lo, num_ranks);
+    if (time(a, up) > target) return up;
+    for (Index l = lo; l < up;) {
+      const Index mid = l + (up - l) / 2;
+      if (time(a, mid) <= target) {
+        up = mid;
+      } else {
+        l = mid + 1;
+      }
+    }
+    return up;
+  }
+};
+
+// The table form: cost[i * num_ranks + d - 1] is sequence i alone on d ranks; groups add up.
+struct TableModel {
+  const int64_t* len;
+  Index n;
+  Index num_ranks;
+  int64_t mem;
+  const double* cost;
+  mutable std::vector<double> env;  // solve()'s table, reused
+
+  double alone(Index i, Index d) const { return cost[i * num_ranks + d - 1]; }
+  double after(const Acc& a, Index i, Index d) const { return a.t + alone(i, d); }
+  void add(Acc& a, Index i, Index d) const {
+    a.t += alone(i, d);
+    a.tokens += len[i];
+    ++a.count;
+  }
+  int regime(const Acc&, Index) const { return 0; }
+  double least_increase(Index i, int, Index d) const { return alone(i, d); }
+  static bool beyond(double t, double inc, double best) { return t + inc > best; }  // exact: t + x grows with t
+
+  // Sums in index order, as group_times; then the threshold search on their running minima.
+  void solve(Index g, Candidate& c) const {
+    std::vector<int64_t> tokens(g, 0);
+    for (Index i = 0; i < n; ++i) tokens[c.group_of[i]] += len[i];
+    std::vector<Index> dmin(g), hi(g);
+    Index total = 0;
+    for (Index k = 0; k < g; ++k) total += dmin[k] = min_degree(tokens[k], mem);
+    c.degree.clear();
+    c.makespan = kInf;
+    if (total > num_ranks) return;
+    const Index w = num_ranks + 1;
+    env.assign(static_cast<size_t>(g) * w, 0.0);
+    for (Index i = 0; i < n; ++i) {  // whole rows: in index order per group, as group_times
+      double* row = env.data() + c.group_of[i] * w + 1;
+      const double* t = cost + i * num_ranks;
+      for (Index d = 0; d < num_ranks; ++d) row[d] += t[d];
+    }
+    for (Index k = 0; k < g; ++k) {
+      hi[k] = num_ranks - (total - dmin[k]);
+      for (Index d = dmin[k] + 1; d <= hi[k]; ++d) env[k * w + d] = std::min(env[k * w + d], env[k * w + d - 1]);
+    }
+    auto t = [&](Index k, Index d) { return env[k * w + d]; };
+    c.degree = threshold_degrees(g, num_ranks, dmin.data(), hi.data(), t);
+    if (c.degree.empty()) return;
+    c.makespan = 0.0;  // the first degree under the threshold is where the minimum was reached
+    for (Index k = 0; k < g; ++k) c.makespan = std::max(c.makespan, t(k, c.degree[k]));
+  }
+  int64_t solve_work(Index g) const { return (n + g) * num_ranks; }  // the table's sums
+  std::vector<double> group_times(const std::vector<Index>& group_of, const std::vector<Index>& degree) const {
+    std::vector<double> out(degree.size(), 0.0);
+    for (Index i = 0; i < n; ++i) out[group_of[i]] += alone(i, degree[group_of[i]]);
+    return out;
+  }
+  double static_alone(Index c, Index) const {
+    double worst = 0.0;
+    for (Index i = 0; i < n; ++i) worst = std::max(worst, alone(i, c));
+    return worst;
+  }
+  // max(the slowest sequence on its best degree, sum_i min_d d * t_i(d) / N).
+  double lower_bound(Index) const {
+    double single = 0.0, total = 0.0;
+    for (Index i = 0; i < n; ++i) {
+      double best = kInf, work = kInf;
+      for (Index d = min_degree(len[i], mem); d <= num_ranks; ++d) {
+        best = std::min(best, alone(i, d));
+        work = std::min(work, static_cast<double>(d) * alone(i, d));
+      }
+      single = std::max(single, best);
+      total += work;
+    }
+    return std::max(single, total / static_cast<double>(num_ranks));
+  }
+  Index fewest_ranks(Index i, double target) const {
+    const Index lo = min_degree(len[i], mem);
+    Index best = lo;
+    for (Index d = lo; d <= num_ranks; ++d) {
+      if (alone(i, d) <= target) return d;
+      if (alone(i, d) < alone(i, best)) best = d;
+    }
+    return best;
+  }
+};
+
+// A non-empty group in the greedy's ordered set. Groups with equal time, sums, tokens and degree
+// are interchangeable: the lowest index stands for them all.
+struct Key {
+  double t, s1, s2;
+  int64_t tokens;
+  Index d, k;
+  bool operator<(const Key& o) const {
+    return std::tie(t, s1, s2, tokens, d, k) < std::tie(o.t, o.s1, o.s2, o.tokens, o.d, o.k);
+  }
+};
 
 // Longest first, each sequence to the group whose time after adding it is smallest (ties: lowest
 // group), among the groups with memory left. Returns false if a sequence fits nowhere.
-bool greedy_assign(const int64_t* lengths, const std::vector<Index>& order, const std::vector<Index>& degree,
-                   int64_t mem, const CpCost& cost, std::vector<Index>& group_of, std::vector<Agg>* out) {
+template <class M>
+bool greedy_assign(const M& m, const std::vector<Index>& order, const std::vector<Index>& degree,
+                   std::vector<Index>& group_of, std::vector<Acc>* out) {
   const Index g = static_cast<Index>(degree.size());
-  std::vector<Agg> agg(g);
-  for (Index i : order) {
-    const int64_t l = lengths[i];
-    const double x = static_cast<double>(l);
-    Index best = -1;
-    double best_t = kInf;
-    for (Index k = 0; k < g; ++k) {
-      if (agg[k].tokens + l > degree[k] * mem) continue;
-      const double t = cost.time(agg[k].s1 + x, agg[k].s2 + x * x, agg[k].count + 1, degree[k]);
-      if (t < best_t) {
-        best_t = t;
-        best = k;
+  const int64_t mem = m.mem;
+  std::vector<Acc> acc(g);
+  if (g <= kScanGroups) {
+    for (Index i : order) {
+      const int64_t l = m.len[i];
+      Index best = -1;
+      double best_t = kInf;
+      for (Index k = 0; k < g; ++k) {
+        if (acc[k].tokens + l > degree[k] * mem) continue;
+        const double t = m.after(acc[k], i, degree[k]);
+        if (t < best_t) {
+          best_t = t;
+          best = k;
+        }
       }
+      if (best < 0) return false;
+      m.add(acc[best], i, degree[best]);
+      group_of[i] = best;
     }
-    if (best < 0) return false;
-    agg[best].add(l);
-    group_of[i] = best;
+  } else {
+    // Empty groups of one degree are taken in index order: only the first of each degree counts.
+    std::vector<Index> distinct(degree);
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    auto slot = [&](Index d) { return std::lower_bound(distinct.begin(), distinct.end(), d) - distinct.begin(); };
+    std::vector<std::vector<Index>> empty(distinct.size());
+    for (Index k = 0; k < g; ++k) empty[slot(degree[k])].push_back(k);
+    std::vector<size_t> next(distinct.size(), 0);
+    // non-empty groups by degree and regime, each set with its own bound
+    std::vector<std::set<Key>> busy(2 * distinct.size());
+    auto key = [&](Index k) { return Key{acc[k].t, acc[k].s1, acc[k].s2, acc[k].tokens, degree[k], k}; };
+    auto same = [](const Key& a, const Key& b) {
+      return a.t == b.t && a.s1 == b.s1 && a.s2 == b.s2 && a.tokens == b.tokens && a.d == b.d;
+    };
+    for (Index i : order) {
+      const int64_t l = m.len[i];
+      Index best = -1;
+      double best_t = kInf;
+      auto consider = [&](Index k, double t) {
+        if (t < best_t || (t == best_t && k < best)) {
+          best_t = t;
+          best = k;
+        }
+      };
+      for (size_t j = 0; j < distinct.size(); ++j)
+        if (next[j] < empty[j].size() && l <= distinct[j] * mem) consider(empty[j][next[j]], m.alone(i, distinct[j]));
+      for (size_t j = 0; j < busy.size(); ++j) {
+        const auto& set = busy[j];
+        const Index d = distinct[j / 2];
+        if (set.empty() || l > d * mem) continue;
+        const double inc = m.least_increase(i, static_cast<int>(j % 2), d);
+        for (auto it = set.begin(); it != set.end();) {
+          if (M::beyond(it->t, inc, best_t)) break;
+          if (it->tokens + l <= d * mem) consider(it->k, m.after(acc[it->k], i, d));
+          auto nx = std::next(it);
+          if (nx != set.end() && same(*nx, *it)) {  // skip the group's twins at once
+            Key past = *it;
+            past.k = std::numeric_limits<Index>::max();
+            nx = set.upper_bound(past);
+          }
+          it = nx;
+        }
+      }
+      if (best < 0) return false;
+      const size_t j = 2 * static_cast<size_t>(slot(degree[best]));
+      if (acc[best].count == 0) {
+        ++next[j / 2];
+      } else {
+        busy[j + m.regime(acc[best], degree[best])].erase(key(best));
+      }
+      m.add(acc[best], i, degree[best]);
+      busy[j + m.regime(acc[best], degree[best])].insert(key(best));
+      group_of[i] = best;
+    }
   }
-  if (out) *out = std::move(agg);
+  if (out) *out = std::move(acc);
   return true;
 }
 
-// Renumber groups 0..g'-1 dropping empty ones (first appearance in `order` keeps it stable).
-void compact(std::vector<Index>& group_of, std::vector<Index>* degree) {
+// Renumber groups 0..g'-1 dropping empty ones (first appearance keeps it stable); returns g'.
+Index compact(std::vector<Index>& group_of) {
   Index g = 0;
   for (Index k : group_of) g = std::max(g, k + 1);
   std::vector<Index> map(g, -1);
@@ -126,30 +484,24 @@ void compact(std::vector<Index>& group_of, std::vector<Index>* degree) {
     if (map[k] < 0) map[k] = next++;
     k = map[k];
   }
-  if (degree) {
-    std::vector<Index> nd(next);
-    for (Index k = 0; k < g; ++k)
-      if (map[k] >= 0) nd[map[k]] = (*degree)[k];
-    *degree = std::move(nd);
-  }
+  return next;
 }
 
 // Regroup for the degrees found (spare ranks as new degree-1 groups), re-solve the degrees; keep
 // going while the makespan improves.
-void improve(const int64_t* lengths, Index n, const std::vector<Index>& order, Index num_ranks, int64_t mem,
-             const CpCost& cost, Index rounds, Candidate& best) {
+template <class M>
+void improve(const M& m, const std::vector<Index>& order, Index rounds, Candidate& best) {
   Candidate cur = best;
   for (Index r = 0; r < rounds && !cur.degree.empty(); ++r) {
     std::vector<Index> degree = cur.degree;
     Index used = 0;
     for (Index d : degree) used += d;
-    for (Index s = used; s < num_ranks; ++s) degree.push_back(1);
+    for (Index s = used; s < m.num_ranks; ++s) degree.push_back(1);
     Candidate next;
-    next.group_of.assign(n, 0);
+    next.group_of.assign(m.n, 0);
     next.method = best.method;
-    if (!greedy_assign(lengths, order, degree, mem, cost, next.group_of, nullptr)) return;
-    compact(next.group_of, nullptr);
-    solve_degrees(lengths, n, num_ranks, mem, cost, next);
+    if (!greedy_assign(m, order, degree, next.group_of, nullptr)) return;
+    m.solve(compact(next.group_of), next);
     if (!(next.makespan < cur.makespan)) return;
     cur = std::move(next);
     if (cur.makespan < best.makespan) best = cur;
@@ -159,42 +511,184 @@ void improve(const int64_t* lengths, Index n, const std::vector<Index>& order, I
 // Sequences whose single time on their fewest ranks exceeds `target` get a group of their own with
 // the fewest ranks that bring them under it (memory minimum with target = inf); the rest of the
 // ranks become degree-1 groups; then greedy assignment and optimal degrees.
-bool mixed_start(const int64_t* lengths, Index n, const std::vector<Index>& order, Index num_ranks, int64_t mem,
-                 const CpCost& cost, double target, Candidate& out) {
+template <class M>
+bool mixed_start(const M& m, const std::vector<Index>& order, double target, Candidate& out) {
   std::vector<Index> degree;
   Index used = 0;
   for (Index i : order) {
-    const double x = static_cast<double>(lengths[i]);
-    Index d = min_degree(lengths[i], mem);
-    while (d < num_ranks && cost.time(x, x * x, 1, d) > target) ++d;
+    const Index d = m.fewest_ranks(i, target);
     if (d == 1) break;
     degree.push_back(d);
     used += d;
-    if (used > num_ranks) return false;
+    if (used > m.num_ranks) return false;
   }
   if (degree.empty()) return false;
-  for (Index s = used; s < num_ranks; ++s) degree.push_back(1);
-  out.group_of.assign(n, 0);
+  for (Index s = used; s < m.num_ranks; ++s) degree.push_back(1);
+  out.group_of.assign(m.n, 0);
   out.method = std::isfinite(target) ? "mixed-time" : "mixed-memory";
-  if (!greedy_assign(lengths, order, degree, mem, cost, out.group_of, nullptr)) return false;
-  compact(out.group_of, nullptr);
-  solve_degrees(lengths, n, num_ranks, mem, cost, out);
+  if (!greedy_assign(m, order, degree, out.group_of, nullptr)) return false;
+  m.solve(compact(out.group_of), out);
   return std::isfinite(out.makespan);
 }
 
-// max(best single-sequence time, (linear * S1 + attention * S2) / N): every group of degree d and
-// time T does at least d * T >= its linear + attention work.
-double lower_bound(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost) {
-  double work = 0.0, single = 0.0;
-  for (Index i = 0; i < n; ++i) {
-    const double x = static_cast<double>(lengths[i]);
-    work += cost.linear * x + cost.attn * x * x;
-    double best = kInf;
-    for (Index d = min_degree(lengths[i], mem); d <= num_ranks; ++d)
-      best = std::min(best, cost.time(x, x * x, 1, d));
-    single = std::max(single, best);
+// The static degrees filled greedily: those with fewer groups (N / c) than sequences. All of them
+// within the budget, else the largest degree of each group count, thinned geometrically.
+std::vector<Index> greedy_static_degrees(Index n, Index num_ranks) {
+  std::vector<Index> cs;
+  const Index c0 = num_ranks / n + 1;
+  if (c0 > num_ranks) return cs;
+  if (num_ranks - c0 + 1 <= kStaticBudget / n) {
+    for (Index c = c0; c <= num_ranks; ++c) cs.push_back(c);
+    return cs;
   }
-  return std::max(single, work / static_cast<double>(num_ranks));
+  for (Index c = c0; c <= num_ranks; c = num_ranks / (num_ranks / c) + 1) cs.push_back(num_ranks / (num_ranks / c));
+  const Index most = std::max<Index>(8, kStaticBudget / n);
+  if (static_cast<Index>(cs.size()) <= most) return cs;
+  std::vector<Index> kept;
+  const double ratio =
+      std::pow(static_cast<double>(num_ranks) / static_cast<double>(c0), 1.0 / static_cast<double>(most - 1));
+  double next = 0.0;
+  for (size_t j = 0; j < cs.size(); ++j) {
+    if (static_cast<double>(cs[j]) >= next || j + 1 == cs.size()) {
+      kept.push_back(cs[j]);
+      next = static_cast<double>(cs[j]) * ratio;
+    }
+  }
+  return kept;
+}
+
+template <class M>
+CpResult schedule(const M& m, Index ranks_per_node, Index max_rounds) {
+  CpResult res;
+  const Index n = m.n, num_ranks = m.num_ranks;
+  if (n == 0) {
+    res.rank_offset.assign(1, 0);
+    res.method = "empty";
+    res.static_makespan = res.paper_makespan = 0.0;
+    return res;
+  }
+  const auto order = order_by_length_desc(m.len, n);
+  const Index longest = order[0];
+  std::vector<Candidate> starts;
+
+  // the paper: BFD atomic groups + optimal degrees
+  {
+    Candidate c;
+    std::vector<Index> dmin;
+    c.group_of = bfd_groups(m.len, n, m.mem, dmin);
+    c.method = "paper";
+    m.solve(static_cast<Index>(dmin.size()), c);
+    res.paper_makespan = std::isfinite(c.makespan) ? c.makespan : -1.0;
+    starts.push_back(std::move(c));
+  }
+  auto note_static = [&](double ms, Index c) {
+    if (res.static_makespan < 0 || ms < res.static_makespan) {
+      res.static_makespan = ms;
+      res.static_degree = c;
+    }
+  };
+  // static degrees with at least as many groups as sequences: every sequence alone
+  for (Index c = 1; c <= num_ranks && num_ranks / c >= n; ++c)
+    if (m.len[longest] <= c * m.mem) note_static(m.static_alone(c, longest), c);
+  if (n <= num_ranks) {
+    Candidate c;
+    c.group_of.resize(n);
+    for (Index i = 0; i < n; ++i) c.group_of[i] = i;
+    c.method = "static+dp";
+    m.solve(n, c);
+    starts.push_back(std::move(c));
+  }
+  // the other static degrees greedily; their groupings get optimal degrees (all of them while the
+  // solves' work stays within kStaticSolves, else the best static makespans that fit in it)
+  const auto cs = greedy_static_degrees(n, num_ranks);
+  int64_t work = 0;
+  for (Index c : cs) work += m.solve_work(std::min(n, num_ranks / c));
+  const size_t keep = work <= kStaticSolves
+                          ? cs.size()
+                          : std::max<size_t>(kStaticStarts, static_cast<size_t>(kStaticSolves / (work / cs.size())));
+  std::vector<std::pair<double, std::vector<Index>>> kept;
+  for (Index c : cs) {
+    std::vector<Index> group_of(n);
+    std::vector<Acc> acc;
+    if (!greedy_assign(m, order, std::vector<Index>(num_ranks / c, c), group_of, &acc)) continue;
+    double ms = 0.0;
+    for (const Acc& a : acc) ms = std::max(ms, a.t);
+    note_static(ms, c);
+    if (kept.size() < keep) {
+      kept.emplace_back(ms, std::move(group_of));
+    } else {
+      auto worst =
+          std::max_element(kept.begin(), kept.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      if (ms < worst->first) *worst = {ms, std::move(group_of)};
+    }
+  }
+  for (auto& [ms, group_of] : kept) {
+    Candidate c;
+    c.group_of = std::move(group_of);
+    c.method = "static+dp";
+    m.solve(compact(c.group_of), c);
+    starts.push_back(std::move(c));
+  }
+  // mixed, by memory: long sequences alone on their minimum degree
+  {
+    Candidate cand;
+    if (mixed_start(m, order, kInf, cand)) starts.push_back(std::move(cand));
+  }
+  // improve the three best starts
+  std::vector<Index> idx(starts.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<Index>(i);
+  std::stable_sort(idx.begin(), idx.end(), [&](Index a, Index b) { return starts[a].makespan < starts[b].makespan; });
+  Candidate best;
+  for (size_t j = 0; j < idx.size(); ++j) {
+    Candidate c = starts[idx[j]];
+    if (!std::isfinite(c.makespan)) break;
+    if (j < 3) improve(m, order, max_rounds, c);
+    if (c.makespan < best.makespan) best = std::move(c);
+  }
+  // mixed, by time: sequences slower than the best makespan alone get their own groups; retry
+  // while that helps, then once halfway to the lower bound
+  const double lb = m.lower_bound(longest);
+  res.lower_bound = lb;
+  for (Index r = 0, halfway = 0; r < 4 && std::isfinite(best.makespan); ++r) {
+    const double target = halfway ? 0.5 * (best.makespan + lb) : best.makespan;
+    Candidate c;
+    bool better = false;
+    if (mixed_start(m, order, target, c)) {
+      improve(m, order, max_rounds, c);
+      if (c.makespan < best.makespan) {
+        best = std::move(c);
+        better = true;
+      }
+    }
+    if (!better) {
+      if (halfway) break;
+      halfway = 1;
+    }
+  }
+  if (!std::isfinite(best.makespan)) return res;  // nothing fits: the caller reports it
+
+  // output order: degree descending, then smallest sequence index
+  const Index g = static_cast<Index>(best.degree.size());
+  std::vector<Index> first(g, n);
+  for (Index i = n - 1; i >= 0; --i) first[best.group_of[i]] = i;
+  std::vector<Index> perm(g);
+  for (Index k = 0; k < g; ++k) perm[k] = k;
+  std::stable_sort(perm.begin(), perm.end(), [&](Index a, Index b) {
+    if (best.degree[a] != best.degree[b]) return best.degree[a] > best.degree[b];
+    return first[a] < first[b];
+  });
+  std::vector<Index> rank_of(g);
+  for (Index k = 0; k < g; ++k) rank_of[perm[k]] = k;
+  res.group_of.resize(n);
+  for (Index i = 0; i < n; ++i) res.group_of[i] = rank_of[best.group_of[i]];
+  res.degree.resize(g);
+  for (Index k = 0; k < g; ++k) res.degree[k] = best.degree[perm[k]];
+  res.time = m.group_times(res.group_of, res.degree);
+  res.makespan = 0.0;
+  for (double t : res.time) res.makespan = std::max(res.makespan, t);
+  res.method = best.method;
+  layout_ranks(res.degree, num_ranks, ranks_per_node, res.rank_offset, res.ranks);
+  return res;
 }
 
 }  // namespace
@@ -226,8 +720,7 @@ std::vector<Index> bfd_groups(const int64_t* lengths, Index n, int64_t mem, std:
   return group_of;
 }
 
-std::vector<Index> optimal_degrees(const double* table, Index g, Index num_ranks, const Index* dmin,
-                                   double* makespan) {
+std::vector<Index> optimal_degrees(const double* table, Index g, Index num_ranks, const Index* dmin, double* makespan) {
   Index total = 0;
   for (Index k = 0; k < g; ++k) total += dmin[k];
   if (total > num_ranks) return {};
@@ -235,51 +728,13 @@ std::vector<Index> optimal_degrees(const double* table, Index g, Index num_ranks
   // env[k][d]: best time on at most d ranks (non-increasing), for d in [dmin_k, hi_k].
   std::vector<double> env(static_cast<size_t>(g) * w, kInf);
   std::vector<Index> hi(g);
-  double top = 0.0;
   for (Index k = 0; k < g; ++k) {
     hi[k] = num_ranks - (total - dmin[k]);
     double run = kInf;
     for (Index d = dmin[k]; d <= hi[k]; ++d) env[k * w + d] = run = std::min(run, table[k * w + d]);
-    top = std::max(top, env[k * w + dmin[k]]);
   }
-  // need_k(tau): fewest ranks with env <= tau (binary search on the non-increasing row).
-  auto need = [&](Index k, double tau) -> Index {
-    const double* row = env.data() + k * w;
-    if (row[hi[k]] > tau) return -1;
-    Index lo = dmin[k], up = hi[k];
-    while (lo < up) {
-      const Index mid = (lo + up) / 2;
-      if (row[mid] <= tau) {
-        up = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    return lo;
-  };
-  auto feasible = [&](double tau) {
-    Index sum = 0;
-    for (Index k = 0; k < g; ++k) {
-      const Index d = need(k, tau);
-      if (d < 0) return false;
-      sum += d;
-      if (sum > num_ranks) return false;
-    }
-    return true;
-  };
-  if (!std::isfinite(top)) return {};
-  uint64_t lo = 0, up = bits_of(top);  // feasible(top): every group on its minimum degree
-  while (lo < up) {
-    const uint64_t mid = lo + (up - lo) / 2;
-    if (feasible(double_of(mid))) {
-      up = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  const double tau = double_of(up);
-  std::vector<Index> degree(g);
-  for (Index k = 0; k < g; ++k) degree[k] = need(k, tau);
+  auto degree = threshold_degrees(g, num_ranks, dmin, hi.data(), [&](Index k, Index d) { return env[k * w + d]; });
+  if (degree.empty()) return degree;
   *makespan = 0.0;
   for (Index k = 0; k < g; ++k) *makespan = std::max(*makespan, table[k * w + degree[k]]);
   return degree;
@@ -319,8 +774,8 @@ std::vector<Index> paper_dp_degrees(const double* table, Index g, Index num_rank
   return degree;
 }
 
-void layout_ranks(const std::vector<Index>& degree, Index num_ranks, Index ranks_per_node,
-                  std::vector<Index>& offset, std::vector<Index>& ranks) {
+void layout_ranks(const std::vector<Index>& degree, Index num_ranks, Index ranks_per_node, std::vector<Index>& offset,
+                  std::vector<Index>& ranks) {
   const Index g = static_cast<Index>(degree.size());
   offset.assign(g + 1, 0);
   ranks.clear();
@@ -328,41 +783,47 @@ void layout_ranks(const std::vector<Index>& degree, Index num_ranks, Index ranks
   const bool nodes = ranks_per_node > 0 && num_ranks % ranks_per_node == 0;
   const Index num_nodes = nodes ? num_ranks / ranks_per_node : 0;
   std::vector<Index> free_in(num_nodes, ranks_per_node);
+  std::vector<char> whole_node(num_nodes, 0);
+  Index first_free = 0;  // every rank below it is taken
   auto take = [&](Index r) {
     used[r] = 1;
     ranks.push_back(r);
     if (nodes) --free_in[r / ranks_per_node];
   };
+  std::vector<Index> whole;
   for (Index k = 0; k < g; ++k) {
     const Index d = degree[k];
     const size_t start = ranks.size();
     bool placed = false;
     if (nodes) {
       // whole free nodes for the full part, then the best-fitting node for the rest
-      std::vector<Index> whole;
-      for (Index v = 0; v < num_nodes && static_cast<Index>(whole.size()) < d / ranks_per_node; ++v)
+      const Index full = d / ranks_per_node, rest = d % ranks_per_node;
+      whole.clear();
+      for (Index v = 0; v < num_nodes && static_cast<Index>(whole.size()) < full; ++v)
         if (free_in[v] == ranks_per_node) whole.push_back(v);
-      const Index rest = d % ranks_per_node;
-      Index fit = -1;
-      if (static_cast<Index>(whole.size()) == d / ranks_per_node && rest > 0) {
-        for (Index v = 0; v < num_nodes; ++v) {
-          if (std::find(whole.begin(), whole.end(), v) != whole.end()) continue;
-          if (free_in[v] >= rest && (fit < 0 || free_in[v] < free_in[fit])) fit = v;
+      if (static_cast<Index>(whole.size()) == full) {
+        Index fit = -1;
+        if (rest > 0) {
+          for (Index v : whole) whole_node[v] = 1;
+          for (Index v = 0; v < num_nodes; ++v)
+            if (!whole_node[v] && free_in[v] >= rest && (fit < 0 || free_in[v] < free_in[fit])) fit = v;
+          for (Index v : whole) whole_node[v] = 0;
         }
-      }
-      if (static_cast<Index>(whole.size()) == d / ranks_per_node && (rest == 0 || fit >= 0)) {
-        for (Index v : whole)
-          for (Index r = v * ranks_per_node; r < (v + 1) * ranks_per_node; ++r) take(r);
-        for (Index r = fit * ranks_per_node, left = rest; left > 0; ++r)
-          if (!used[r]) {
-            take(r);
-            --left;
-          }
-        placed = true;
+        if (rest == 0 || fit >= 0) {
+          for (Index v : whole)
+            for (Index r = v * ranks_per_node; r < (v + 1) * ranks_per_node; ++r) take(r);
+          for (Index r = fit * ranks_per_node, left = rest; left > 0; ++r)
+            if (!used[r]) {
+              take(r);
+              --left;
+            }
+          placed = true;
+        }
       }
     }
     if (!placed) {
-      for (Index r = 0, left = d; left > 0 && r < num_ranks; ++r)
+      while (first_free < num_ranks && used[first_free]) ++first_free;
+      for (Index r = first_free, left = d; left > 0 && r < num_ranks; ++r)
         if (!used[r]) {
           take(r);
           --left;
@@ -375,109 +836,25 @@ void layout_ranks(const std::vector<Index>& degree, Index num_ranks, Index ranks
 
 CpResult cp_schedule(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
                      Index ranks_per_node, Index max_rounds) {
-  CpResult res;
-  if (n == 0) {
-    res.rank_offset.assign(1, 0);
-    res.method = "empty";
-    res.static_makespan = res.paper_makespan = 0.0;
-    return res;
-  }
-  const auto order = order_by_length_desc(lengths, n);
-  std::vector<Candidate> starts;
+  return schedule(CpModel{lengths, n, num_ranks, mem, cost}, ranks_per_node, max_rounds);
+}
 
-  // the paper: BFD atomic groups + optimal degrees
-  {
-    Candidate c;
-    std::vector<Index> dmin;
-    c.group_of = bfd_groups(lengths, n, mem, dmin);
-    c.method = "paper";
-    solve_degrees(lengths, n, num_ranks, mem, cost, c);
-    res.paper_makespan = std::isfinite(c.makespan) ? c.makespan : -1.0;
-    starts.push_back(std::move(c));
-  }
-  // every static uniform degree
-  for (Index c = 1; c <= num_ranks; ++c) {
-    const Index g = num_ranks / c;
-    Candidate cand;
-    cand.group_of.assign(n, 0);
-    std::vector<Index> degree(g, c);
-    std::vector<Agg> agg;
-    if (!greedy_assign(lengths, order, degree, mem, cost, cand.group_of, &agg)) continue;
-    double ms = 0.0;
-    for (Index k = 0; k < g; ++k) ms = std::max(ms, cost.time(agg[k].s1, agg[k].s2, agg[k].count, c));
-    if (res.static_makespan < 0 || ms < res.static_makespan) {
-      res.static_makespan = ms;
-      res.static_degree = c;
-    }
-    compact(cand.group_of, nullptr);
-    cand.method = "static+dp";
-    solve_degrees(lengths, n, num_ranks, mem, cost, cand);
-    starts.push_back(std::move(cand));
-  }
-  // mixed, by memory: long sequences alone on their minimum degree
-  {
-    Candidate cand;
-    if (mixed_start(lengths, n, order, num_ranks, mem, cost, kInf, cand)) starts.push_back(std::move(cand));
-  }
-  // improve the three best starts
-  std::vector<Index> idx(starts.size());
-  for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<Index>(i);
-  std::stable_sort(idx.begin(), idx.end(), [&](Index a, Index b) { return starts[a].makespan < starts[b].makespan; });
-  Candidate best;
-  for (size_t j = 0; j < idx.size(); ++j) {
-    Candidate c = starts[idx[j]];
-    if (!std::isfinite(c.makespan)) break;
-    if (j < 3) improve(lengths, n, order, num_ranks, mem, cost, max_rounds, c);
-    if (c.makespan < best.makespan) best = std::move(c);
-  }
-  // mixed, by time: sequences slower than the best makespan alone get their own groups; retry
-  // while that helps, then once halfway to the lower bound
-  const double lb = lower_bound(lengths, n, num_ranks, mem, cost);
-  res.lower_bound = lb;
-  for (Index r = 0, halfway = 0; r < 4 && std::isfinite(best.makespan); ++r) {
-    const double target = halfway ? 0.5 * (best.makespan + lb) : best.makespan;
-    Candidate c;
-    bool better = false;
-    if (mixed_start(lengths, n, order, num_ranks, mem, cost, target, c)) {
-      improve(lengths, n, order, num_ranks, mem, cost, max_rounds, c);
-      if (c.makespan < best.makespan) {
-        best = std::move(c);
-        better = true;
-      }
-    }
-    if (!better) {
-      if (halfway) break;
-      halfway = 1;
-    }
-  }
-  if (!std::isfinite(best.makespan)) return res;  // nothing fits: the caller reports it
+CpResult cp_schedule_table(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const double* cost,
+                           Index ranks_per_node, Index max_rounds) {
+  return schedule(TableModel{lengths, n, num_ranks, mem, cost, {}}, ranks_per_node, max_rounds);
+}
 
-  // output order: degree descending, then smallest sequence index
-  const Index g = static_cast<Index>(best.degree.size());
-  std::vector<Index> first(g, n);
-  for (Index i = n - 1; i >= 0; --i) first[best.group_of[i]] = i;
-  std::vector<Index> perm(g);
-  for (Index k = 0; k < g; ++k) perm[k] = k;
-  std::stable_sort(perm.begin(), perm.end(), [&](Index a, Index b) {
-    if (best.degree[a] != best.degree[b]) return best.degree[a] > best.degree[b];
-    return first[a] < first[b];
-  });
-  std::vector<Index> rank_of(g);
-  for (Index k = 0; k < g; ++k) rank_of[perm[k]] = k;
-  res.group_of.resize(n);
-  for (Index i = 0; i < n; ++i) res.group_of[i] = rank_of[best.group_of[i]];
-  res.degree.resize(g);
-  for (Index k = 0; k < g; ++k) res.degree[k] = best.degree[perm[k]];
-  const auto agg = aggregates(lengths, n, res.group_of, g);
-  res.time.resize(g);
-  res.makespan = 0.0;
-  for (Index k = 0; k < g; ++k) {
-    res.time[k] = cost.time(agg[k].s1, agg[k].s2, agg[k].count, res.degree[k]);
-    res.makespan = std::max(res.makespan, res.time[k]);
-  }
-  res.method = best.method;
-  layout_ranks(res.degree, num_ranks, ranks_per_node, res.rank_offset, res.ranks);
-  return res;
+std::vector<Index> cp_static_groups(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
+                                    Index degree, double* makespan) {
+  const CpModel m{lengths, n, num_ranks, mem, cost};
+  std::vector<Index> group_of(n);
+  std::vector<Acc> acc;
+  if (!greedy_assign(m, order_by_length_desc(lengths, n), std::vector<Index>(num_ranks / degree, degree), group_of,
+                     &acc))
+    return {};
+  *makespan = 0.0;
+  for (const Acc& a : acc) *makespan = std::max(*makespan, a.t);
+  return group_of;
 }
 
 }  // namespace mmb

@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -15,6 +17,14 @@
 namespace py = pybind11;
 
 namespace mmb {
+
+// dhp.cpp: the scheduler on a table of per-sequence times, cost[i * num_ranks + d - 1] = sequence i
+// alone on d ranks (a group takes the sum over its sequences); and the greedy grouping of one
+// static degree under the closed-form cost (empty if a sequence fits nowhere).
+CpResult cp_schedule_table(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const double* cost,
+                           Index ranks_per_node, Index max_rounds);
+std::vector<Index> cp_static_groups(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
+                                    Index degree, double* makespan);
 
 namespace {
 
@@ -56,6 +66,22 @@ void check_blocks(const I64& order, const I64& offsets, Index n) {
     if (order.data()[i] < 0 || order.data()[i] >= n) throw std::invalid_argument("order out of range");
 }
 
+py::dict cp_result(const CpResult& r) {
+  py::dict out;
+  out["group_of"] = to_i64(r.group_of);
+  out["degree"] = to_i64(r.degree);
+  out["rank_offset"] = to_i64(r.rank_offset);
+  out["ranks"] = to_i64(r.ranks);
+  out["time"] = to_f64(r.time);
+  out["makespan"] = r.makespan;
+  out["static_makespan"] = r.static_makespan;
+  out["static_degree"] = r.static_degree;
+  out["paper_makespan"] = r.paper_makespan;
+  out["lower_bound"] = r.lower_bound;
+  out["method"] = r.method;
+  return out;
+}
+
 }  // namespace
 
 void bind_planners(py::module_& m) {
@@ -72,23 +98,69 @@ void bind_planners(py::module_& m) {
           py::gil_scoped_release nogil;
           r = mmb::cp_schedule(lengths.data(), lengths.shape(0), num_ranks, mem, cost, ranks_per_node, max_rounds);
         }
-        py::dict out;
-        out["group_of"] = to_i64(r.group_of);
-        out["degree"] = to_i64(r.degree);
-        out["rank_offset"] = to_i64(r.rank_offset);
-        out["ranks"] = to_i64(r.ranks);
-        out["time"] = to_f64(r.time);
-        out["makespan"] = r.makespan;
-        out["static_makespan"] = r.static_makespan;
-        out["static_degree"] = r.static_degree;
-        out["paper_makespan"] = r.paper_makespan;
-        out["lower_bound"] = r.lower_bound;
-        out["method"] = r.method;
-        return out;
+        return cp_result(r);
       },
       py::arg("lengths"), py::arg("num_ranks"), py::arg("memory_per_rank"), py::arg("linear"), py::arg("attn"),
       py::arg("ring"), py::arg("ring_latency"), py::arg("fixed"), py::arg("overlap"), py::arg("ranks_per_node"),
       py::arg("max_rounds"), "Dynamic CP groups under the built-in cost model (dhp.txt 4.3 and better).");
+
+  m.def(
+      "cp_schedule_table",
+      [](const I64& lengths, const F64& cost, Index num_ranks, int64_t mem, Index ranks_per_node, Index max_rounds) {
+        need_1d(lengths, "lengths");
+        if (num_ranks < 1 || mem < 1) throw std::invalid_argument("num_ranks and memory_per_rank must be >= 1");
+        const Index n = lengths.shape(0);
+        if (cost.ndim() != 2 || cost.shape(0) != n || cost.shape(1) != num_ranks)
+          throw std::invalid_argument("cost must be [len(lengths), num_ranks]");
+        for (Index j = 0; j < num_ranks * n; ++j)
+          if (!(cost.data()[j] >= 0.0) || !std::isfinite(cost.data()[j]))
+            throw std::invalid_argument("cost must be finite and >= 0");
+        CpResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = cp_schedule_table(lengths.data(), n, num_ranks, mem, cost.data(), ranks_per_node, max_rounds);
+        }
+        return cp_result(r);
+      },
+      py::arg("lengths"), py::arg("cost"), py::arg("num_ranks"), py::arg("memory_per_rank"), py::arg("ranks_per_node"),
+      py::arg("max_rounds"),
+      "Dynamic CP groups under per-sequence times: cost[i, d - 1] is sequence i alone on d ranks, a group "
+      "takes the sum over its sequences.");
+
+  m.def(
+      "cp_static_groups",
+      [](const I64& lengths, Index num_ranks, int64_t mem, double linear, double attn, double ring, double ring_latency,
+         double fixed, bool overlap, const I64& degrees) {
+        need_1d(lengths, "lengths");
+        need_1d(degrees, "degrees");
+        if (num_ranks < 1 || mem < 1) throw std::invalid_argument("num_ranks and memory_per_rank must be >= 1");
+        const Index n = lengths.shape(0), k = degrees.shape(0);
+        for (Index j = 0; j < k; ++j)
+          if (degrees.data()[j] < 1 || degrees.data()[j] > num_ranks)
+            throw std::invalid_argument("degrees out of range");
+        CpCost cost{linear, attn, ring, ring_latency, fixed, overlap};
+        I64 groups({static_cast<py::ssize_t>(k), static_cast<py::ssize_t>(n)});
+        F64 makespan(static_cast<py::ssize_t>(k));
+        Index* out = groups.mutable_data();
+        double* out_ms = makespan.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          for (Index j = 0; j < k; ++j) {
+            out_ms[j] = -1.0;
+            auto g = cp_static_groups(lengths.data(), n, num_ranks, mem, cost, degrees.data()[j], out_ms + j);
+            if (g.empty() && n > 0) {
+              std::fill(out + j * n, out + (j + 1) * n, Index{-1});
+            } else {
+              std::copy(g.begin(), g.end(), out + j * n);
+            }
+          }
+        }
+        return py::make_tuple(groups, makespan);
+      },
+      py::arg("lengths"), py::arg("num_ranks"), py::arg("memory_per_rank"), py::arg("linear"), py::arg("attn"),
+      py::arg("ring"), py::arg("ring_latency"), py::arg("fixed"), py::arg("overlap"), py::arg("degrees"),
+      "Static uniform degrees: the greedy grouping (longest first, fastest group) of each degree and its "
+      "makespan (rows of -1 and makespan -1: a sequence fits nowhere).");
 
   m.def(
       "bfd_groups",
