@@ -75,6 +75,16 @@ std::vector<Index> paper_dp_degrees(const double* table, Index g, Index num_rank
 CpResult cp_schedule(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
                      Index ranks_per_node, Index max_rounds);
 
+// The same scheduler on a table of per-sequence times, cost[i * num_ranks + d - 1] = sequence i
+// alone on d ranks (a group takes the sum over its sequences: a vectorized user cost).
+CpResult cp_schedule_table(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const double* cost,
+                           Index ranks_per_node, Index max_rounds);
+
+// The greedy grouping of one static degree under the closed-form cost (empty if a sequence fits
+// nowhere); its makespan in *makespan.
+std::vector<Index> cp_static_groups(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
+                                    Index degree, double* makespan);
+
 // Ranks of groups with the given degrees: contiguous, and inside one node when a group fits one.
 void layout_ranks(const std::vector<Index>& degree, Index num_ranks, Index ranks_per_node,
                   std::vector<Index>& offset, std::vector<Index>& ranks);

@@ -18,14 +18,6 @@ namespace py = pybind11;
 
 namespace mmb {
 
-// dhp.cpp: the scheduler on a table of per-sequence times, cost[i * num_ranks + d - 1] = sequence i
-// alone on d ranks (a group takes the sum over its sequences); and the greedy grouping of one
-// static degree under the closed-form cost (empty if a sequence fits nowhere).
-CpResult cp_schedule_table(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const double* cost,
-                           Index ranks_per_node, Index max_rounds);
-std::vector<Index> cp_static_groups(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
-                                    Index degree, double* makespan);
-
 namespace {
 
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
