@@ -204,35 +204,50 @@ std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index d, const Cos
   std::vector<Index> dst(n, 0);
   if (n == 0) return dst;
   const auto order = order_by_length_desc(lengths, n);
+  // sorted lengths and their prefix sums (whole numbers below 2^53: exact)
+  std::vector<double> len(n), pre(n + 1, 0.0);
+  double squares = 0.0;
+  for (Index k = 0; k < n; ++k) {
+    len[k] = static_cast<double>(lengths[order[k]]);
+    pre[k + 1] = pre[k] + len[k];
+    squares += len[k] * len[k];
+  }
+  auto cost = [&](Index i, Index j) {  // the run [i, j)
+    return run_cost(cm, pre[j] - pre[i], static_cast<double>(j - i), len[i]);
+  };
   // Greedy longest run from the largest is optimal among partitions into runs of the sorted
-  // order: a run's cost only falls when its first (largest) example is dropped.
+  // order: a run's cost only falls when its first (largest) example is dropped. A run's cost grows
+  // with its end, so each run's end is found by galloping and bisection: O(d log n) per bound.
   auto groups = [&](double bound, Index limit, std::vector<Index>* out) {
     Index g = 0, i = 0;
     while (i < n) {
-      if (g == limit) return limit + 1;
-      const double m = static_cast<double>(lengths[order[i]]);
-      double sum = 0.0;
-      Index j = i;
-      while (j < n) {
-        const double s2 = sum + static_cast<double>(lengths[order[j]]);
-        if (run_cost(cm, s2, static_cast<double>(j - i + 1), m) > bound) break;
-        sum = s2;
-        ++j;
+      if (g == limit || cost(i, i + 1) > bound) return limit + 1;
+      Index ok = i + 1, step = 1;
+      while (ok < n) {  // gallop: ok stays feasible, bad (if any) infeasible
+        const Index probe = std::min(n, ok + step);
+        if (cost(i, probe) > bound) {
+          Index bad = probe;
+          while (bad - ok > 1) {
+            const Index mid = ok + (bad - ok) / 2;
+            (cost(i, mid) <= bound ? ok : bad) = mid;
+          }
+          break;
+        }
+        ok = probe;
+        step *= 2;
       }
-      if (j == i) return limit + 1;
       if (out)
-        for (Index k = i; k < j; ++k) (*out)[order[k]] = g;
-      i = j;
+        for (Index k = i; k < ok; ++k) (*out)[order[k]] = g;
+      i = ok;
       ++g;
     }
     return g;
   };
-  double total = 0.0;
-  for (Index i = 0; i < n; ++i) total += static_cast<double>(lengths[i]);
-  const double m0 = static_cast<double>(lengths[order[0]]);
-  const double lo = run_cost(cm, m0, 1.0, m0);
-  const double hi = run_cost(cm, total, static_cast<double>(n), m0);
-  const double best = least_feasible(lo, std::max(lo, hi), [&](double b) { return groups(b, d, nullptr) <= d; });
+  // every batch costs at least alpha * sum l + beta * sum l^2 (b * max^2 >= sum of squares)
+  const double area = (cm.alpha * pre[n] + cm.beta * squares) / static_cast<double>(d);
+  const double lo = std::max(cost(0, 1), area);
+  const double hi = std::max(lo, cost(0, n));
+  const double best = least_feasible(lo, hi, [&](double b) { return groups(b, d, nullptr) <= d; });
   groups(best, d, &dst);
   return dst;
 }
