@@ -29,11 +29,17 @@ from torch import Tensor
 from .adapter import EncoderAdapter, Items, flops_linear, packed_rows
 from .balance import register_adapter
 
+_TOWERS = ("visual", "vision_tower", "audio_tower")
+
 
 def _core(model):
-    """The inner ``...Model`` holding the towers (``model.model``), or the model itself."""
+    """The module holding the towers and ``get_*_features``: the inner ``...Model``
+    (``model.model``) where it has them, else the model itself (the Qwen2.5-Omni thinker before
+    transformers 5.21 keeps its towers on itself; its ``model`` is the text model)."""
     inner = getattr(model, "model", None)
-    return inner if isinstance(inner, torch.nn.Module) else model
+    if isinstance(inner, torch.nn.Module) and any(t in inner._modules for t in _TOWERS):
+        return inner
+    return model
 
 
 def _mm(kwargs: dict) -> dict:
