@@ -61,36 +61,24 @@ std::vector<Index> slots_of(const std::vector<Index>& dst, Index d) {
 }
 
 // Slots in (source rank, index) order: what an all-to-all receive buffer holds, so no reordering
-// is needed after the exchange. With `src_slot`, also each example's slot among its source rank's
-// (index order). Sources in rank-major order (what gather_lengths gives) need no sort at all.
-std::vector<Index> slots_by_source(const std::vector<Index>& dst, const Index* src, Index d,
-                                   std::vector<Index>* src_slot = nullptr) {
-  const size_t n = dst.size();
+// is needed after the exchange; and each example's slot among its source rank's (index order).
+// Sources in rank-major order (what gather_lengths gives) need no sort at all.
+void slots_by_source(const Index* dst, size_t n, const Index* src, Index d, Index* slot, Index* src_slot) {
   bool sorted = true;
   for (size_t i = 1; i < n && sorted; ++i) sorted = src[i - 1] <= src[i];
-  std::vector<Index> next(d, 0), slot(n);
+  std::vector<Index> next(d, 0);
   if (sorted) {
     for (size_t i = 0; i < n; ++i) slot[i] = next[dst[i]]++;
-    if (src_slot) {
-      src_slot->resize(n);
-      for (size_t i = 0; i < n; ++i) (*src_slot)[i] = (i > 0 && src[i] == src[i - 1]) ? (*src_slot)[i - 1] + 1 : 0;
-    }
-    return slot;
+    for (size_t i = 0; i < n; ++i) src_slot[i] = (i > 0 && src[i] == src[i - 1]) ? src_slot[i - 1] + 1 : 0;
+    return;
   }
   std::vector<Index> start(d + 1, 0), order(n);
   for (size_t i = 0; i < n; ++i) ++start[src[i] + 1];
   for (Index r = 0; r < d; ++r) start[r + 1] += start[r];
-  if (src_slot) src_slot->resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    const Index pos = start[src[i]]++;
-    order[pos] = static_cast<Index>(i);
-  }
+  for (size_t i = 0; i < n; ++i) order[start[src[i]]++] = static_cast<Index>(i);
   for (Index i : order) slot[i] = next[dst[i]]++;
-  if (src_slot) {
-    std::fill(next.begin(), next.end(), 0);
-    for (size_t i = 0; i < n; ++i) (*src_slot)[i] = next[src[i]]++;
-  }
-  return slot;
+  std::fill(next.begin(), next.end(), 0);
+  for (size_t i = 0; i < n; ++i) src_slot[i] = next[src[i]]++;
 }
 
 }  // namespace
@@ -107,28 +95,39 @@ PYBIND11_MODULE(_core, m) {
         if (!checked) check_common(lengths, d);
         const auto cm = model(policy, alpha, beta);
         const Index n = lengths.shape(0);
-        std::vector<Index> dst, slot, src_slot;
+        std::vector<Index> dst;
         std::vector<double> costs;
         if (src.is_none()) {
-          py::gil_scoped_release nogil;
-          dst = mmb::balance(lengths.data(), n, d, cm);
-          slot = slots_of(dst, d);
-          costs = mmb::batch_costs(lengths.data(), n, dst.data(), d, cm);
-          py::gil_scoped_acquire gil;
-          return py::make_tuple(to_array(std::move(dst)), to_array(std::move(slot)), to_array(std::move(costs)),
-                                py::none());
+          py::array_t<Index> dst_a(n), slot_a(n);  // numpy-allocated, as below
+          Index* dp = dst_a.mutable_data();
+          Index* sp = slot_a.mutable_data();
+          {
+            py::gil_scoped_release nogil;
+            dst = mmb::balance(lengths.data(), n, d, cm);
+            std::copy(dst.begin(), dst.end(), dp);
+            std::vector<Index> next(d, 0);
+            for (Index i = 0; i < n; ++i) sp[i] = next[dp[i]]++;
+            costs = mmb::batch_costs(lengths.data(), n, dp, d, cm);
+          }
+          return py::make_tuple(dst_a, slot_a, to_array(std::move(costs)), py::none());
         }
         I64 s = src.cast<I64>();
         if (!checked) check_ranks(s, n, d, "src_ranks");
         if (rpn < 0 || (rpn > 0 && d % rpn != 0)) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+        // outputs allocated by numpy (huge pages where the system offers them: a fresh multi-megabyte
+        // buffer otherwise costs thousands of page faults per call) and written in place
+        py::array_t<Index> dst_a(n), slot_a(n), src_slot_a(n);
+        Index* dp = dst_a.mutable_data();
+        Index* sp = slot_a.mutable_data();
+        Index* ssp = src_slot_a.mutable_data();
         {
           py::gil_scoped_release nogil;
           dst = mmb::balance_local(lengths.data(), n, d, cm, s.data(), rpn, tolerance);
-          slot = slots_by_source(dst, s.data(), d, &src_slot);
-          costs = mmb::batch_costs(lengths.data(), n, dst.data(), d, cm);
+          std::copy(dst.begin(), dst.end(), dp);
+          slots_by_source(dp, static_cast<size_t>(n), s.data(), d, sp, ssp);
+          costs = mmb::batch_costs(lengths.data(), n, dp, d, cm);
         }
-        return py::make_tuple(to_array(std::move(dst)), to_array(std::move(slot)), to_array(std::move(costs)),
-                              to_array(std::move(src_slot)));
+        return py::make_tuple(dst_a, slot_a, to_array(std::move(costs)), src_slot_a);
       },
       py::arg("lengths"), py::arg("num_ranks"), py::arg("policy"), py::arg("alpha"), py::arg("beta"),
       py::arg("src_ranks"), py::arg("ranks_per_node"), py::arg("tolerance"), py::arg("checked") = false,
@@ -152,7 +151,9 @@ PYBIND11_MODULE(_core, m) {
         if (src.is_none()) return to_array(slots_of(v, d));
         I64 s = src.cast<I64>();
         check_ranks(s, dst.shape(0), d, "src_ranks");
-        return to_array(slots_by_source(v, s.data(), d));
+        std::vector<Index> slot(v.size()), src_slot(v.size());
+        slots_by_source(v.data(), v.size(), s.data(), d, slot.data(), src_slot.data());
+        return to_array(std::move(slot));
       },
       py::arg("dst_rank"), py::arg("num_ranks"), py::arg("src_ranks") = py::none(),
       "Slot of each example among its rank's examples: index order, or (source rank, index) order.");
