@@ -489,7 +489,7 @@ std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index d) {
 namespace {
 constexpr Index kSearchMaxItems = 64, kSearchMaxRanks = 16;
 constexpr int64_t kSearchBudget = 200000;
-constexpr Index kDifferencingMaxItems = 4096, kDifferencingMaxWork = 1 << 18;
+constexpr Index kDifferencingMaxItems = 4096, kDifferencingMaxWork = 1 << 15;
 
 // Within 1e-4 of the additive lower bound: nothing left worth a costlier candidate.
 bool near_bound(const double* w, Index n, Index d, double makespan) {
