@@ -7,6 +7,8 @@
 
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "balance.hpp"
 
@@ -122,10 +124,16 @@ PYBIND11_MODULE(_core, m) {
         Index* ssp = src_slot_a.mutable_data();
         {
           py::gil_scoped_release nogil;
-          dst = mmb::balance_local(lengths.data(), n, d, cm, s.data(), rpn, tolerance);
-          std::copy(dst.begin(), dst.end(), dp);
-          slots_by_source(dp, static_cast<size_t>(n), s.data(), d, sp, ssp);
-          costs = mmb::batch_costs(lengths.data(), n, dp, d, cm);
+          const auto& local = mmb::balance_local(lengths.data(), n, d, cm, s.data(), rpn, tolerance);
+          std::copy(local.begin(), local.end(), dp);
+          if (n >= 100000) {  // two independent passes over the plan: one each on two threads
+            std::thread other([&] { costs = mmb::batch_costs(lengths.data(), n, dp, d, cm); });
+            slots_by_source(dp, static_cast<size_t>(n), s.data(), d, sp, ssp);
+            other.join();
+          } else {
+            slots_by_source(dp, static_cast<size_t>(n), s.data(), d, sp, ssp);
+            costs = mmb::batch_costs(lengths.data(), n, dp, d, cm);
+          }
         }
         return py::make_tuple(dst_a, slot_a, to_array(std::move(costs)), src_slot_a);
       },

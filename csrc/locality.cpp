@@ -522,9 +522,14 @@ void level_off_node(const double* w, Index d, Index per, const Index* src, Place
 
 }  // namespace
 
-std::vector<Index> balance_local(const int64_t* lengths, Index n, Index d, const CostModel& cm, const Index* src,
-                                 Index rpn, double tolerance) {
-  if (n == 0 || d == 1) return std::vector<Index>(src, src + n);
+const std::vector<Index>& balance_local(const int64_t* lengths, Index n, Index d, const CostModel& cm,
+                                        const Index* src, Index rpn, double tolerance) {
+  // the plan lives in a per-thread buffer reused from call to call (see Placer)
+  thread_local std::vector<Index> dst;
+  if (n == 0 || d == 1) {
+    dst.assign(src, src + n);
+    return dst;
+  }
   const bool additive = cm.policy == Policy::Sum || cm.policy == Policy::Quadratic;
   auto regroup = [&](const std::vector<Index>& groups) {
     const auto rank_of = assign_groups(lengths, n, groups.data(), src, d, rpn);
@@ -532,32 +537,40 @@ std::vector<Index> balance_local(const int64_t* lengths, Index n, Index d, const
     for (Index i = 0; i < n; ++i) dst[i] = rank_of[groups[i]];
     return dst;
   };
-  if (!additive) return regroup(balance(lengths, n, d, cm));
+  if (!additive) {
+    dst = regroup(balance(lengths, n, d, cm));
+    return dst;
+  }
 
   thread_local std::vector<double> w;
   w.resize(n);
   double total = 0.0, wmax = 0.0;
   bool integral = true;  // "sum" weights are the (integer) lengths
   if (cm.policy == Policy::Sum) {
-    for (Index i = 0; i < n; ++i) w[i] = static_cast<double>(lengths[i]);
+    for (Index i = 0; i < n; ++i) {
+      w[i] = static_cast<double>(lengths[i]);
+      total += w[i], wmax = std::max(wmax, w[i]);
+    }
   } else {
     for (Index i = 0; i < n; ++i) {
       w[i] = item_weight(lengths[i], cm);
       integral = integral && w[i] == std::floor(w[i]);
+      total += w[i], wmax = std::max(wmax, w[i]);
     }
   }
-  for (Index i = 0; i < n; ++i) total += w[i], wmax = std::max(wmax, w[i]);
   const double avg = total / static_cast<double>(d);
   const double lower = std::max(wmax, integral ? std::ceil(avg) : avg);
   const Index per = rpn > 0 ? rpn : d;
   thread_local Placer placer;
   placer.reset(w.data(), lengths, n, d, per, src);
   const auto& load0 = placer.source_loads();
-  std::vector<Index> dst;
   // The target: the lower bound plus the tolerance; only if that fails, the plain plan's makespan
   // (so the makespan is at most max(lower bound x (1 + tolerance), plain plan)).
   double target = lower * (1.0 + tolerance);
-  if (*std::max_element(load0.begin(), load0.end()) <= target) return std::vector<Index>(src, src + n);
+  if (*std::max_element(load0.begin(), load0.end()) <= target) {
+    dst.assign(src, src + n);
+    return dst;
+  }
   auto attempt = [&](double T) {
     // shed down to T; if the gaps are too fragmented, shed a little more and retry
     if (placer.place(T, T, dst)) return true;
