@@ -98,7 +98,6 @@ void radix_sort(std::vector<uint64_t>& keys, int bits) {
   }
 }
 
-// Examples grouped by a key (counting sort, stable): key k owns order[start[k] .. start[k+1]).
 class Placer {
  public:
   // One per thread, reused from call to call (no fresh multi-megabyte buffers, whose page faults
@@ -526,10 +525,7 @@ const std::vector<Index>& balance_local(const int64_t* lengths, Index n, Index d
                                         const Index* src, Index rpn, double tolerance) {
   // the plan lives in a per-thread buffer reused from call to call (see Placer)
   thread_local std::vector<Index> dst;
-  if (n == 0 || d == 1) {
-    dst.assign(src, src + n);
-    return dst;
-  }
+  if (n == 0 || d == 1) return dst.assign(src, src + n), dst;
   const bool additive = cm.policy == Policy::Sum || cm.policy == Policy::Quadratic;
   auto regroup = [&](const std::vector<Index>& groups) {
     const auto rank_of = assign_groups(lengths, n, groups.data(), src, d, rpn);
@@ -567,10 +563,7 @@ const std::vector<Index>& balance_local(const int64_t* lengths, Index n, Index d
   // The target: the lower bound plus the tolerance; only if that fails, the plain plan's makespan
   // (so the makespan is at most max(lower bound x (1 + tolerance), plain plan)).
   double target = lower * (1.0 + tolerance);
-  if (*std::max_element(load0.begin(), load0.end()) <= target) {
-    dst.assign(src, src + n);
-    return dst;
-  }
+  if (*std::max_element(load0.begin(), load0.end()) <= target) return dst.assign(src, src + n), dst;
   auto attempt = [&](double T) {
     // shed down to T; if the gaps are too fragmented, shed a little more and retry
     if (placer.place(T, T, dst)) return true;
