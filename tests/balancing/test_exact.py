@@ -17,7 +17,8 @@ import pytest
 
 from mmbalance.balancing import post_balance
 
-from .exact import brute_force_makespan, exact_makespan, makespan_of, milp_makespan, solve
+from .exact import brute_force_makespan, exact_makespan, makespan_of, solve
+from .exact_milp import milp_makespan
 from .instances import generate
 
 POLICIES = ["sum", "padded", "quadratic", "conv", "padded_quadratic"]
