@@ -67,19 +67,10 @@ def check_valid(sched, lengths, num_ranks, mem, cost):
 
 def static_makespan(lengths, num_ranks, mem, cost, c):
     """A static uniform degree c: N // c groups, longest first to the group that stays fastest."""
-    groups = [[] for _ in range(num_ranks // c)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        best, best_t = None, None
-        for k, g in enumerate(groups):
-            if sum(lengths[j] for j in g) + lengths[i] > c * mem:
-                continue
-            t = cost.time([lengths[j] for j in g] + [lengths[i]], c)
-            if best is None or t < best_t:
-                best, best_t = k, t
-        if best is None:
-            return None
-        groups[best].append(i)
-    return max((cost.time([lengths[j] for j in g], c) for g in groups if g), default=0.0)
+    groups = static_groups(lengths, num_ranks, mem, cost, c)
+    if groups is None:
+        return None
+    return max((cost.time([lengths[j] for j in g], c) for g in groups), default=0.0)
 
 
 def paper_makespan(lengths, num_ranks, mem, cost):
@@ -351,7 +342,7 @@ def test_vectorized_never_worse_than_static_or_paper(batch, fn):
 
 
 def static_groups(lengths, num_ranks, mem, cost, c):
-    """The groups of static_makespan (indices), or None."""
+    """The non-empty groups (indices) of the static degree c, or None if a sequence fits nowhere."""
     groups = [[] for _ in range(num_ranks // c)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         best, best_t = None, None
