@@ -202,13 +202,7 @@ std::vector<double> batch_costs(const int64_t* lengths, Index n, const Index* ds
   for (Index r = 0; r < d; ++r) {
     const double m = static_cast<double>(mx[r]);
     const double b = static_cast<double>(count[r]);
-    switch (cm.policy) {
-      case Policy::Sum: cost[r] = sum[r]; break;
-      case Policy::Padded: cost[r] = b * m; break;
-      case Policy::Quadratic: cost[r] = cm.alpha * sum[r] + cm.beta * sq[r]; break;
-      case Policy::Conv: cost[r] = cm.alpha * sum[r] + cm.beta * b * m * m; break;
-      case Policy::PaddedQuadratic: cost[r] = cm.alpha * b * m + cm.beta * b * m * m; break;
-    }
+    cost[r] = batch_cost(cm, sum[r], sq[r], b, m);
   }
   return cost;
 }
@@ -356,11 +350,8 @@ struct RankState {
   double sum = 0.0;
 };
 
-double conv_cost(const CostModel& cm, double sum, double count, double mx) {
-  if (cm.policy == Policy::Padded) return count * mx;
-  if (cm.policy == Policy::PaddedQuadratic) return cm.alpha * count * mx + cm.beta * count * mx * mx;
-  return cm.alpha * sum + cm.beta * count * mx * mx;
-}
+// Cost of a batch under a policy that ignores squared lengths ("conv" and the padded ones).
+double conv_cost(const CostModel& cm, double sum, double count, double mx) { return batch_cost(cm, sum, 0.0, count, mx); }
 
 }  // namespace
 
