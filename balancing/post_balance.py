@@ -186,7 +186,7 @@ def lower_bound(
        ``k = 1`` is the largest single example; for "sum" ``k = d+1`` gives ``s_d + s_{d+1}``.
     2. **Total bound** ``sum_i (a(l_i) + h(l_i)) / d``: a batch costs at least the sum of its
        examples' costs alone (``h(m) >= h(l_i)``), and the largest of ``d`` batches is at least
-       their mean.
+       their mean. For "sum" every batch cost is a whole number, so 1. and 2. round up.
     3. **Fluid bound** (policies with padding, ``h != 0``), the one that sees the padding across
        ranks. Relax the problem: examples may be split into fractions placed on different ranks; a
        rank with designated leader value ``m`` may hold fractions of examples with ``l <= m`` at
@@ -270,6 +270,8 @@ def lower_bound(
     # 2. total bound
     total_a = float(np.dot(counts, a))
     bound = max(bound, (total_a + float(np.dot(counts, h))) / d)
+    if policy == "sum":  # batch costs are whole numbers (exact below 2^53), so is the optimum
+        bound = float(math.ceil(bound))
     if not h.any():
         return bound
 
