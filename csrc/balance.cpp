@@ -110,13 +110,6 @@ Index argmax(const std::vector<double>& v) {
   return best;
 }
 
-Index argmin(const std::vector<double>& v) {
-  Index best = 0;
-  for (Index i = 1; i < static_cast<Index>(v.size()); ++i)
-    if (v[i] < v[best]) best = i;
-  return best;
-}
-
 }  // namespace
 
 std::vector<Index> order_by_length_desc(const int64_t* lengths, Index n) {

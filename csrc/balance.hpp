@@ -86,9 +86,9 @@ bool improve_small(const int64_t* lengths, Index n, Index num_ranks, const CostM
 
 // Balancing that keeps examples on their source rank unless moving them is needed to reach the
 // makespan of `balance`, and prefers destinations on the source's node.
-// The result lives in a per-thread buffer, valid until the thread's next call.
-const std::vector<Index>& balance_local(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm,
-                                 const Index* src, Index ranks_per_node, double tolerance);
+// Writes the destination of each example to `dst` (n entries).
+void balance_local(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm, const Index* src,
+                   Index ranks_per_node, double tolerance, Index* dst);
 
 // Assign whole groups (dst of a plain plan) to ranks maximizing the tokens that stay on their
 // source rank, then on their source node. Returns group -> rank.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "balance.hpp"
+#include "placer.hpp"
 
 namespace py = pybind11;
 using mmb::Index;
@@ -124,8 +125,7 @@ PYBIND11_MODULE(_core, m) {
         Index* ssp = src_slot_a.mutable_data();
         {
           py::gil_scoped_release nogil;
-          const auto& local = mmb::balance_local(lengths.data(), n, d, cm, s.data(), rpn, tolerance);
-          std::copy(local.begin(), local.end(), dp);
+          mmb::balance_local(lengths.data(), n, d, cm, s.data(), rpn, tolerance, dp);
           if (n >= 100000) {  // two independent passes over the plan: one each on two threads
             std::thread other([&] { costs = mmb::batch_costs(lengths.data(), n, dp, d, cm); });
             slots_by_source(dp, static_cast<size_t>(n), s.data(), d, sp, ssp);
@@ -198,6 +198,39 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("lengths"), py::arg("batch"), py::arg("src_ranks"), py::arg("num_ranks"), py::arg("ranks_per_node"),
       py::arg("node_of_batch"));
+
+  // The best-fit index of the locality planner, exposed for tests: ``ops`` rows (rank, weight);
+  // rank -1 places the weight on the best-fitting rank (returned, -1 if none fits), rank r >= 0
+  // adds the weight (negative: removes) to r's load.
+  m.def(
+      "_best_fit_sequence",
+      [](const py::array_t<double, py::array::c_style | py::array::forcecast>& loads, double T, const I64& ranks,
+         const py::array_t<double, py::array::c_style | py::array::forcecast>& weights) {
+        if (loads.ndim() != 1 || ranks.ndim() != 1 || weights.ndim() != 1 || ranks.shape(0) != weights.shape(0))
+          throw std::invalid_argument("loads, ranks and weights must be 1-D; ranks and weights of one length");
+        std::vector<double> load(loads.data(), loads.data() + loads.shape(0));
+        const Index d = static_cast<Index>(load.size());
+        mmb::BestFit index;
+        index.build(T, load);
+        std::vector<Index> out;
+        for (py::ssize_t k = 0; k < ranks.shape(0); ++k) {
+          const Index r = ranks.data()[k];
+          const double wk = weights.data()[k];
+          if (r >= d || r < -1) throw std::invalid_argument("ranks out of range");
+          if (r >= 0) {
+            const double before = load[r];
+            load[r] += wk;
+            index.update(r, before, load[r]);
+            continue;
+          }
+          mmb::BestFit::Pos pos;
+          const Index to = index.find(wk, pos);
+          out.push_back(to);
+          if (to >= 0) load[to] += wk, index.lower(pos, T - load[to]);
+        }
+        return to_array(std::move(out));
+      },
+      py::arg("loads"), py::arg("target"), py::arg("ranks"), py::arg("weights"));
 
   // Reference algorithms of the paper, exposed for tests and benchmarks.
   m.def(
