@@ -232,6 +232,19 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("loads"), py::arg("target"), py::arg("ranks"), py::arg("weights"));
 
+  // Whole groups onto ranks (the located plan of the non-additive policies), exposed for tests.
+  m.def(
+      "_assign_groups",
+      [](const I64& lengths, const I64& group, const I64& src, Index d, Index rpn) {
+        check_common(lengths, d);
+        const Index n = lengths.shape(0);
+        check_ranks(group, n, d, "group");
+        check_ranks(src, n, d, "src_ranks");
+        if (rpn < 1 || d % rpn != 0) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+        return to_array(mmb::assign_groups(lengths.data(), n, group.data(), src.data(), d, rpn));
+      },
+      py::arg("lengths"), py::arg("group"), py::arg("src_ranks"), py::arg("num_ranks"), py::arg("ranks_per_node"));
+
   // Reference algorithms of the paper, exposed for tests and benchmarks.
   m.def(
       "paper_algorithm",

@@ -168,39 +168,66 @@ std::vector<Index> node_permutation(const int64_t* lengths, Index n, const Index
 
 std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* group, const Index* src, Index d,
                                  Index rpn) {
-  // Overlap of every group with every source rank (tokens of group g sampled on rank r), from one
-  // counting sort by group and a scratch accumulator: O(n + d).
-  Csr by_group;
-  by_group.build(group, n, d);
+  // Overlap of every source rank with every group (tokens of group g sampled on rank r), one
+  // entry per touching pair: the examples by source rank (rank-major input: already in order, so
+  // memory is read in order), the groups of a rank summed in a scratch accumulator. O(n + d).
+  const bool rank_major = std::is_sorted(src, src + n);
+  Csr by_src;
+  if (!rank_major) by_src.build(src, n, d);
   std::vector<int64_t> acc(d, 0);
   std::vector<Index> touched;
-  std::vector<int64_t> tok;  // entry k: tokens of (grp[k], rnk[k])
-  std::vector<Index> grp, rnk, first_of_group(d + 1, 0);
-  for (Index g = 0; g < d; ++g) {
+  struct Entry {
+    int64_t tok;
+    Index grp, rnk;
+  };
+  std::vector<Entry> entries;
+  entries.reserve(static_cast<size_t>(n));
+  int64_t max_tok = 0;
+  for (Index k = 0; k < n;) {
+    const Index r = src[rank_major ? k : by_src.order[k]];
     touched.clear();
-    for (Index k = by_group.start[g]; k < by_group.start[g + 1]; ++k) {
-      const Index i = by_group.order[k];
-      if (acc[src[i]] == 0 && lengths[i] > 0) touched.push_back(src[i]);
-      acc[src[i]] += lengths[i];
+    for (; k < n; ++k) {
+      const Index i = rank_major ? k : by_src.order[k];
+      if (src[i] != r) break;
+      if (acc[group[i]] == 0 && lengths[i] > 0) touched.push_back(group[i]);
+      acc[group[i]] += lengths[i];
     }
-    std::sort(touched.begin(), touched.end());
-    for (Index r : touched) {
-      tok.push_back(acc[r]);
-      grp.push_back(g);
-      rnk.push_back(r);
-      acc[r] = 0;
+    for (Index g : touched) {
+      entries.push_back({acc[g], g, r});
+      max_tok = std::max(max_tok, acc[g]);
+      acc[g] = 0;
     }
-    first_of_group[g + 1] = static_cast<Index>(tok.size());
   }
-  // Entries by tokens descending, ties in (group, rank) order: a stable sort of an index array.
-  const Index m = static_cast<Index>(tok.size());
-  std::vector<Index> idx(m);
-  for (Index k = 0; k < m; ++k) idx[k] = k;
-  std::stable_sort(idx.begin(), idx.end(), [&](Index a, Index b) { return tok[a] > tok[b]; });
+  // Entries by tokens descending, ties by (group, rank): a stable LSD radix sort on the tokens of
+  // entries put in (group, rank) order first (a counting pass over the groups, ranks ascending).
+  const Index m = static_cast<Index>(entries.size());
+  std::vector<Entry> tmp(m);
+  {
+    std::vector<Index> start(d + 1, 0);
+    for (const Entry& e : entries) ++start[e.grp + 1];
+    for (Index g = 0; g < d; ++g) start[g + 1] += start[g];
+    for (const Entry& e : entries) tmp[start[e.grp]++] = e;  // ranks ascend within a group
+    entries.swap(tmp);
+  }
+  constexpr int kDigit = 11;
+  constexpr uint64_t kMask = (uint64_t{1} << kDigit) - 1;
+  std::vector<Index> count(size_t{1} << kDigit);
+  for (int shift = 0; shift < 64 && (static_cast<uint64_t>(max_tok) >> shift) != 0; shift += kDigit) {
+    std::fill(count.begin(), count.end(), 0);
+    auto digit = [&](const Entry& e) { return (static_cast<uint64_t>(max_tok - e.tok) >> shift) & kMask; };
+    for (const Entry& e : entries) ++count[digit(e)];
+    Index sum = 0;
+    for (auto& c : count) {
+      const Index t = c;
+      c = sum;
+      sum += t;
+    }
+    for (const Entry& e : entries) tmp[count[digit(e)]++] = e;
+    entries.swap(tmp);
+  }
   std::vector<Index> rank_of(d, -1), group_on(d, -1);
-  for (Index k : idx) {
-    const Index g = grp[k], r = rnk[k];
-    if (rank_of[g] < 0 && group_on[r] < 0) rank_of[g] = r, group_on[r] = g;
+  for (const Entry& e : entries) {
+    if (rank_of[e.grp] < 0 && group_on[e.rnk] < 0) rank_of[e.grp] = e.rnk, group_on[e.rnk] = e.grp;
   }
   // Groups left over go to a free rank of the node that contributed most of their tokens (among
   // the nodes they touch), else to the first node with a free rank.
@@ -214,23 +241,36 @@ std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* g
     while (group_on[r] >= 0) ++r;
     rank_of[g] = r, group_on[r] = g, --free_in_node[node];
   };
+  // the entries of the groups left over, by group
+  std::vector<Index> slot(d, -1), left_start(1, 0);
+  std::vector<Entry> left;
+  for (Index g = 0; g < d; ++g)
+    if (rank_of[g] < 0) slot[g] = static_cast<Index>(left_start.size()) - 1, left_start.push_back(0);
+  for (const Entry& e : entries)
+    if (slot[e.grp] >= 0) ++left_start[slot[e.grp] + 1];
+  for (size_t j = 1; j < left_start.size(); ++j) left_start[j] += left_start[j - 1];
+  left.resize(static_cast<size_t>(left_start.back()));
+  {
+    std::vector<Index> fill(left_start.begin(), left_start.end() - 1);
+    for (const Entry& e : entries)
+      if (slot[e.grp] >= 0) left[fill[slot[e.grp]]++] = e;
+  }
   std::vector<int64_t> node_tok(nodes, 0);
   std::vector<Index> seen;
   Index scan = 0;
   for (Index g = 0; g < d; ++g) {
     if (rank_of[g] >= 0) continue;
     seen.clear();
-    for (Index k = first_of_group[g]; k < first_of_group[g + 1]; ++k) {
-      const Index q = rnk[k] / per;
+    for (Index k = left_start[slot[g]]; k < left_start[slot[g] + 1]; ++k) {
+      const Index q = left[k].rnk / per;
       if (node_tok[q] == 0) seen.push_back(q);
-      node_tok[q] += tok[k];
+      node_tok[q] += left[k].tok;
     }
     Index best = -1;
-    for (Index q : seen) {
+    for (Index q : seen)
       if (free_in_node[q] > 0 && (best < 0 || node_tok[q] > node_tok[best] || (node_tok[q] == node_tok[best] && q < best)))
         best = q;
-      node_tok[q] = 0;
-    }
+    for (Index q : seen) node_tok[q] = 0;
     if (best < 0) {
       while (free_in_node[scan] == 0) ++scan;
       best = scan;

@@ -152,3 +152,51 @@ def test_large_located_plans_identical_across_processes(kind):
         [sys.executable, "-c", _DIGEST, kind], capture_output=True, text=True, check=True, timeout=300
     )
     assert out.stdout.strip() == mine
+
+
+def assign_groups_reference(lengths, group, src, d, rpn):
+    """Groups onto ranks: overlaps (tokens of group g sampled on rank r) taken greedily, largest
+    first (ties by group, then rank); a group left over goes to a free rank of the node holding
+    most of its tokens among those with a free rank (ties: lowest node), else of the first node
+    with a free rank; within a node, its lowest free rank."""
+    tok = {}
+    for length, g, r in zip(lengths, group, src):
+        if length > 0:
+            tok[(g, r)] = tok.get((g, r), 0) + int(length)
+    rank_of, group_on = [-1] * d, [-1] * d
+    for (g, r), _ in sorted(tok.items(), key=lambda kv: (-kv[1], kv[0])):
+        if rank_of[g] < 0 and group_on[r] < 0:
+            rank_of[g], group_on[r] = r, g
+    for g in range(d):
+        if rank_of[g] >= 0:
+            continue
+        node_tok = {}
+        for (h, r), t in tok.items():
+            if h == g:
+                node_tok[r // rpn] = node_tok.get(r // rpn, 0) + t
+        free = [q for q in range(d // rpn) if any(group_on[r] < 0 for r in range(q * rpn, (q + 1) * rpn))]
+        touched = [q for q in free if q in node_tok]
+        q = min(touched, key=lambda q: (-node_tok[q], q)) if touched else free[0]
+        r = next(r for r in range(q * rpn, (q + 1) * rpn) if group_on[r] < 0)
+        rank_of[g], group_on[r] = r, g
+    return rank_of
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), nodes=st.integers(1, 5), rpn=st.sampled_from([1, 2, 3]), sort_src=st.booleans())
+def test_assign_groups_matches_reference(data, nodes, rpn, sort_src):
+    d = nodes * rpn
+    n = data.draw(st.integers(0, 50))
+    lengths = data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
+    group = data.draw(st.lists(st.integers(0, d - 1), min_size=n, max_size=n))
+    src = data.draw(st.lists(st.integers(0, d - 1), min_size=n, max_size=n))
+    if sort_src:
+        src = sorted(src)
+    got = _core._assign_groups(
+        np.asarray(lengths, dtype=np.int64),
+        np.asarray(group, dtype=np.int64),
+        np.asarray(src, dtype=np.int64),
+        d,
+        rpn,
+    )
+    assert got.tolist() == assign_groups_reference(lengths, group, src, d, rpn)
