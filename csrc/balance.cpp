@@ -1,6 +1,7 @@
 // Plain post-balancing: LPT (OrchMLLM alg. 1) with local search, the exact padded partition
 // (better than alg. 2), quadratic (better than alg. 4) and conv (better than alg. 5).
 #include "balance.hpp"
+#include "scratch.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -12,17 +13,6 @@
 namespace mmb {
 
 namespace {
-
-// Per-thread scratch buffers that only grow. Planning runs every step on the same sizes; reusing
-// the memory avoids the page faults of fresh multi-megabyte allocations, which cost as much as
-// the planning itself once an allocator returns large blocks to the OS (as it does in a process
-// that has imported torch).
-template <class T, int Tag>
-T* scratch(size_t n) {
-  thread_local std::vector<T> buf;
-  if (buf.size() < n) buf.resize(n);
-  return buf.data();
-}
 
 // Tournament (winner) tree over the ranks, keyed by (load, rank): the root holds the least loaded
 // rank, and adding load to it replays one leaf-to-root path with one comparison per level. Loads
@@ -441,14 +431,17 @@ void refine_general(const int64_t* lengths, Index n, Index d, const CostModel& c
   }
 }
 
-std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index d) {
+std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index d, const std::vector<Index>* sorted,
+                              const std::vector<Index>* lpt_sums) {
   std::vector<Index> dst(n, 0);
   if (n == 0) return dst;
-  const auto order = order_by_length_desc(lengths, n);
+  std::vector<Index> own_order, own_base;
+  if (!sorted) sorted = &(own_order = order_by_length_desc(lengths, n));
+  const auto& order = *sorted;
   std::vector<double> w(n);
   for (Index i = 0; i < n; ++i) w[i] = static_cast<double>(lengths[i]);
-  const auto base = lpt(w.data(), order, d);
-  const double bound = max_cost(lengths, n, base, d, CostModel{Policy::Sum, 1.0, 0.0});
+  if (!lpt_sums) lpt_sums = &(own_base = lpt(w.data(), order, d));
+  const double bound = max_cost(lengths, n, *lpt_sums, d, CostModel{Policy::Sum, 1.0, 0.0});
   std::vector<double> load(d, 0.0);
   Index g = 0, size = 0, pos = 0;
   for (; pos < n; ++pos) {
@@ -474,6 +467,7 @@ namespace {
 constexpr Index kSearchMaxItems = 64, kSearchMaxRanks = 16;
 constexpr int64_t kSearchBudget = 200000;
 constexpr Index kDifferencingMaxItems = 4096, kDifferencingMaxWork = 1 << 15;
+constexpr Index kConvLargeItems = 100000;
 
 // Within 1e-4 of the additive lower bound: nothing left worth a costlier candidate.
 bool near_bound(const double* w, Index n, Index d, double makespan) {
@@ -527,21 +521,30 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
     case Policy::Conv: {
       // Candidates: the paper's algorithm 5, LPT, the padded optimum and the best partition into
       // runs of the sorted order; each refined by local search on the true cost.
+      // At scale (hundreds of thousands of examples) the padded optimum, itself a partition into
+      // runs, is never better than the best runs, and a few local-search steps on thousands of
+      // ranks do not reorder the candidates: only the best of the others is refined.
+      const bool large = n >= kConvLargeItems;
       const auto order = order_by_length_desc(lengths, n);
-      std::vector<std::vector<Index>> cands;
-      cands.push_back(paper_conv(lengths, n, d));
-      cands.push_back(conv_runs(lengths, n, d, cm));
       std::vector<double> s(n);
       for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
+      std::vector<std::vector<Index>> cands;
       cands.push_back(lpt(s.data(), order, d));
-      cands.push_back(padded_optimal(lengths, n, d));
-      std::vector<Index> best;
-      double best_cost = std::numeric_limits<double>::infinity();
-      for (auto& c : cands) {
-        refine_general(lengths, n, d, cm, c, std::min<Index>(iters, 1024), &order);
-        const double mc = max_cost(lengths, n, c, d, cm);
-        if (mc < best_cost) best_cost = mc, best = c;
+      cands.push_back(paper_conv(lengths, n, d, &order, &cands[0]));
+      cands.push_back(conv_runs(lengths, n, d, cm, &order));
+      if (!large) cands.push_back(padded_optimal(lengths, n, d));
+      std::vector<double> cost(cands.size());
+      for (size_t k = 0; k < cands.size(); ++k) {
+        if (!large) refine_general(lengths, n, d, cm, cands[k], std::min<Index>(iters, 1024), &order);
+        cost[k] = max_cost(lengths, n, cands[k], d, cm);
       }
+      // the first of the least costly (candidates in the order paper, runs, LPT, padded)
+      const size_t order_of_pick[] = {1, 2, 0, 3};
+      size_t pick = order_of_pick[0];
+      for (size_t k : order_of_pick)
+        if (k < cands.size() && cost[k] < cost[pick]) pick = k;
+      std::vector<Index> best = std::move(cands[pick]);
+      if (large) refine_general(lengths, n, d, cm, best, std::min<Index>(iters, 1024), &order);
       if (small) improve_small(lengths, n, d, cm, best, kSearchBudget);
       return best;
     }

@@ -58,7 +58,10 @@ std::vector<Index> padded_optimal(const int64_t* lengths, Index n, Index num_ran
 std::vector<Index> paper_padded(const int64_t* lengths, Index n, Index num_ranks);
 
 // OrchMLLM algorithm 5 (long sequences grouped under the sum bound, the rest by LPT).
-std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index num_ranks);
+// `order` (lengths descending, ties by index) and `lpt_sums` (LPT on the lengths in that order),
+// if the caller has them.
+std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index num_ranks,
+                              const std::vector<Index>* order = nullptr, const std::vector<Index>* lpt_sums = nullptr);
 
 double max_cost(const int64_t* lengths, Index n, const std::vector<Index>& dst, Index num_ranks,
                 const CostModel& cm);
@@ -72,7 +75,9 @@ double batch_cost(const CostModel& cm, double sum, double sq, double count, doub
 std::vector<Index> padded_general_optimal(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm);
 
 // Optimal partition of the length-sorted order into at most num_ranks runs (a "conv" candidate).
-std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm);
+// Within 2^-30 of the optimum over such partitions. `order`: as for paper_conv.
+std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm,
+                             const std::vector<Index>* order = nullptr);
 
 // Largest differencing (Karmarkar-Karp) on additive weights: destination of each example.
 std::vector<Index> largest_differencing(const double* weights, Index n, Index num_ranks);

@@ -12,6 +12,7 @@
 
 #include "balance.hpp"
 #include "csr.hpp"
+#include "scratch.hpp"
 
 namespace mmb {
 
@@ -180,8 +181,9 @@ std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* g
     int64_t tok;
     Index grp, rnk;
   };
-  std::vector<Entry> entries;
-  entries.reserve(static_cast<size_t>(n));
+  Entry* entries = scratch<Entry, 0>(static_cast<size_t>(n));  // at most one per example
+  Entry* tmp = scratch<Entry, 1>(static_cast<size_t>(n));
+  Index m = 0;
   int64_t max_tok = 0;
   for (Index k = 0; k < n;) {
     const Index r = src[rank_major ? k : by_src.order[k]];
@@ -193,21 +195,19 @@ std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* g
       acc[group[i]] += lengths[i];
     }
     for (Index g : touched) {
-      entries.push_back({acc[g], g, r});
+      entries[m++] = {acc[g], g, r};
       max_tok = std::max(max_tok, acc[g]);
       acc[g] = 0;
     }
   }
   // Entries by tokens descending, ties by (group, rank): a stable LSD radix sort on the tokens of
   // entries put in (group, rank) order first (a counting pass over the groups, ranks ascending).
-  const Index m = static_cast<Index>(entries.size());
-  std::vector<Entry> tmp(m);
   {
     std::vector<Index> start(d + 1, 0);
-    for (const Entry& e : entries) ++start[e.grp + 1];
+    for (Index k = 0; k < m; ++k) ++start[entries[k].grp + 1];
     for (Index g = 0; g < d; ++g) start[g + 1] += start[g];
-    for (const Entry& e : entries) tmp[start[e.grp]++] = e;  // ranks ascend within a group
-    entries.swap(tmp);
+    for (Index k = 0; k < m; ++k) tmp[start[entries[k].grp]++] = entries[k];  // ranks ascend within a group
+    std::swap(entries, tmp);
   }
   constexpr int kDigit = 11;
   constexpr uint64_t kMask = (uint64_t{1} << kDigit) - 1;
@@ -215,20 +215,24 @@ std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* g
   for (int shift = 0; shift < 64 && (static_cast<uint64_t>(max_tok) >> shift) != 0; shift += kDigit) {
     std::fill(count.begin(), count.end(), 0);
     auto digit = [&](const Entry& e) { return (static_cast<uint64_t>(max_tok - e.tok) >> shift) & kMask; };
-    for (const Entry& e : entries) ++count[digit(e)];
+    for (Index k = 0; k < m; ++k) ++count[digit(entries[k])];
     Index sum = 0;
     for (auto& c : count) {
       const Index t = c;
       c = sum;
       sum += t;
     }
-    for (const Entry& e : entries) tmp[count[digit(e)]++] = e;
-    entries.swap(tmp);
+    for (Index k = 0; k < m; ++k) tmp[count[digit(entries[k])]++] = entries[k];
+    std::swap(entries, tmp);
   }
+  const Entry* const sorted = entries;
+  auto all = [&](auto f) {
+    for (Index k = 0; k < m; ++k) f(sorted[k]);
+  };
   std::vector<Index> rank_of(d, -1), group_on(d, -1);
-  for (const Entry& e : entries) {
+  all([&](const Entry& e) {
     if (rank_of[e.grp] < 0 && group_on[e.rnk] < 0) rank_of[e.grp] = e.rnk, group_on[e.rnk] = e.grp;
-  }
+  });
   // Groups left over go to a free rank of the node that contributed most of their tokens (among
   // the nodes they touch), else to the first node with a free rank.
   const Index per = rpn > 0 ? rpn : d;
@@ -246,14 +250,16 @@ std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* g
   std::vector<Entry> left;
   for (Index g = 0; g < d; ++g)
     if (rank_of[g] < 0) slot[g] = static_cast<Index>(left_start.size()) - 1, left_start.push_back(0);
-  for (const Entry& e : entries)
+  all([&](const Entry& e) {
     if (slot[e.grp] >= 0) ++left_start[slot[e.grp] + 1];
+  });
   for (size_t j = 1; j < left_start.size(); ++j) left_start[j] += left_start[j - 1];
   left.resize(static_cast<size_t>(left_start.back()));
   {
     std::vector<Index> fill(left_start.begin(), left_start.end() - 1);
-    for (const Entry& e : entries)
+    all([&](const Entry& e) {
       if (slot[e.grp] >= 0) left[fill[slot[e.grp]]++] = e;
+    });
   }
   std::vector<int64_t> node_tok(nodes, 0);
   std::vector<Index> seen;
