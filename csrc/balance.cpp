@@ -344,11 +344,31 @@ void refine_general(const int64_t* lengths, Index n, Index d, const CostModel& c
   auto before = [&](Index p, Index q) { return lengths[p] > lengths[q] || (lengths[p] == lengths[q] && p < q); };
   std::vector<Index> own;
   if (!order) order = &(own = order_by_length_desc(lengths, n));
-  // every rank's items in descending order, from one pass over the global order
-  std::vector<Index> count(d, 0);
-  for (Index i = 0; i < n; ++i) ++count[dst[i]];
+  // Every rank's count, sum and largest length from one pass, its items (by length descending)
+  // from a counting sort of the global order by rank; a rank's own list only when the search
+  // first touches it: a few dozen steps touch a few hundred of thousands of ranks.
+  Index* start = scratch<Index, 5>(static_cast<size_t>(d) + 1);
+  Index* by_rank = scratch<Index, 6>(static_cast<size_t>(n));
+  std::fill(start, start + d + 1, 0);
   std::vector<RankState> st(d);
-  for (Index r = 0; r < d; ++r) st[r].items.reserve(count[r] + 1);
+  std::vector<int64_t> mx(d, 0);
+  for (Index i = 0; i < n; ++i) {
+    const Index r = dst[i];
+    ++start[r + 1];
+    st[r].sum += static_cast<double>(lengths[i]);
+    mx[r] = std::max(mx[r], lengths[i]);
+  }
+  for (Index r = 0; r < d; ++r) start[r + 1] += start[r];
+  {
+    Index* fill = scratch<Index, 7>(static_cast<size_t>(d));
+    std::copy(start, start + d, fill);
+    for (Index i : *order) by_rank[fill[dst[i]]++] = i;
+  }
+  std::vector<char> built(d, 0);
+  auto touch = [&](Index r) -> RankState& {
+    if (!built[r]) st[r].items.assign(by_rank + start[r], by_rank + start[r + 1]), built[r] = 1;
+    return st[r];
+  };
   // first position after `pos` with a shorter item (items sorted by length descending)
   auto next_length = [&](const std::vector<Index>& items, size_t pos) {
     const int64_t l = lengths[items[pos]];
@@ -357,21 +377,20 @@ void refine_general(const int64_t* lengths, Index n, Index d, const CostModel& c
                                                     [&](Index i) { return lengths[i] == l; }) -
                                items.begin());
   };
-  for (Index i : *order) {
-    st[dst[i]].items.push_back(i);
-    st[dst[i]].sum += static_cast<double>(lengths[i]);
-  }
   auto cost_of = [&](const RankState& s) {
     if (s.items.empty()) return 0.0;
     return conv_cost(cm, s.sum, static_cast<double>(s.items.size()), static_cast<double>(lengths[s.items[0]]));
   };
   std::vector<double> cost(d);
-  for (Index r = 0; r < d; ++r) cost[r] = cost_of(st[r]);
+  for (Index r = 0; r < d; ++r) {
+    const Index c = start[r + 1] - start[r];
+    cost[r] = c == 0 ? 0.0 : conv_cost(cm, st[r].sum, static_cast<double>(c), static_cast<double>(mx[r]));
+  }
   constexpr Index kReceivers = 8;
   std::vector<Index> ranks(d);
   for (Index it = 0; it < max_iters; ++it) {
     const Index a = argmax(cost);
-    const RankState& A = st[a];
+    const RankState& A = touch(a);
     if (A.items.empty()) break;
     for (Index r = 0; r < d; ++r) ranks[r] = r;
     const Index k = std::min<Index>(kReceivers, d - 1);
@@ -386,7 +405,7 @@ void refine_general(const int64_t* lengths, Index n, Index d, const CostModel& c
     for (Index j = 0; j <= k; ++j) {
       const Index b = ranks[j];
       if (b == a) continue;
-      const RankState& B = st[b];
+      const RankState& B = touch(b);
       const double cb = static_cast<double>(B.items.size());
       const double mb = B.items.empty() ? 0.0 : static_cast<double>(lengths[B.items[0]]);
       // one item per distinct length: an item as long as the one before it gives the same moves
@@ -522,8 +541,7 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
       // Candidates: the paper's algorithm 5, LPT, the padded optimum and the best partition into
       // runs of the sorted order; each refined by local search on the true cost.
       // At scale (hundreds of thousands of examples) the padded optimum, itself a partition into
-      // runs, is never better than the best runs, and a few local-search steps on thousands of
-      // ranks do not reorder the candidates: only the best of the others is refined.
+      // runs, is never better than the best runs before the local search, nor seen better after.
       const bool large = n >= kConvLargeItems;
       const auto order = order_by_length_desc(lengths, n);
       std::vector<double> s(n);
@@ -535,7 +553,7 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
       if (!large) cands.push_back(padded_optimal(lengths, n, d));
       std::vector<double> cost(cands.size());
       for (size_t k = 0; k < cands.size(); ++k) {
-        if (!large) refine_general(lengths, n, d, cm, cands[k], std::min<Index>(iters, 1024), &order);
+        refine_general(lengths, n, d, cm, cands[k], std::min<Index>(iters, 1024), &order);
         cost[k] = max_cost(lengths, n, cands[k], d, cm);
       }
       // the first of the least costly (candidates in the order paper, runs, LPT, padded)
@@ -544,7 +562,6 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
       for (size_t k : order_of_pick)
         if (k < cands.size() && cost[k] < cost[pick]) pick = k;
       std::vector<Index> best = std::move(cands[pick]);
-      if (large) refine_general(lengths, n, d, cm, best, std::min<Index>(iters, 1024), &order);
       if (small) improve_small(lengths, n, d, cm, best, kSearchBudget);
       return best;
     }
