@@ -356,10 +356,6 @@ def real_path_ranks(args) -> list[int]:
     return SERIES_RANKS if (args.full or args.plot) else [2560, 16384]
 
 
-def real_path_policies(full: bool) -> list[str]:
-    return ["sum", "quadratic", "padded", "conv", "padded_quadratic"]
-
-
 def bench_real_path(ranks: list[int], policies: list[str], reps: int = 5) -> list[Row]:
     """Table 5: the call ``rebalance`` makes beside the plain one, median of ``reps`` calls each.
 
@@ -371,7 +367,7 @@ def bench_real_path(ranks: list[int], policies: list[str], reps: int = 5) -> lis
     rows = []
     dev = device_name()
     for d in ranks:
-        print(f"(table 5: {d} ranks ...)", flush=True)  # seconds per plan at the top sizes
+        print(f"(table 5: {d} ranks ...)", flush=True)  # a few seconds in all at the top sizes
         sizes = mixture(PER_RANK * d, d)
         src = np.repeat(np.arange(d), PER_RANK)
         shape = f"{d}x{PER_RANK}"
@@ -490,7 +486,7 @@ def main(argv=None) -> int:
         "3. locality: ours vs plain + node-wise permutation (alg. 3), 8 ranks/node",
     )
     report(bench_phases(args.full), args.json, "4. per-phase balance before/after (max/mean of batch cost)")
-    real = bench_real_path(real_path_ranks(args), real_path_policies(args.full))
+    real = bench_real_path(real_path_ranks(args), list(REAL_PATH_CASES))
     report(
         real,
         args.json,
