@@ -14,6 +14,7 @@
 #include <queue>
 
 #include "balance.hpp"
+#include "scratch.hpp"
 
 namespace mmb {
 
@@ -208,7 +209,9 @@ std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index d, const Cos
   if (!sorted) sorted = &(own = order_by_length_desc(lengths, n));
   const auto& order = *sorted;
   // sorted lengths and their prefix sums (whole numbers below 2^53: exact)
-  std::vector<double> len(n), pre(n + 1, 0.0);
+  double* len = scratch<double, 8>(static_cast<size_t>(n));  // per-thread, reused
+  double* pre = scratch<double, 9>(static_cast<size_t>(n) + 1);
+  pre[0] = 0.0;
   double squares = 0.0;
   for (Index k = 0; k < n; ++k) {
     len[k] = static_cast<double>(lengths[order[k]]);
