@@ -9,7 +9,6 @@
 #include <memory>
 #include <set>
 #include <stdexcept>
-#include <thread>
 
 namespace mmb {
 
@@ -487,7 +486,6 @@ namespace {
 constexpr Index kSearchMaxItems = 64, kSearchMaxRanks = 16;
 constexpr int64_t kSearchBudget = 200000;
 constexpr Index kDifferencingMaxItems = 4096, kDifferencingMaxWork = 1 << 15;
-constexpr Index kConvLargeItems = 100000, kConvThreadItems = 20000;
 
 // Within 1e-4 of the additive lower bound: nothing left worth a costlier candidate.
 bool near_bound(const double* w, Index n, Index d, double makespan) {
@@ -539,47 +537,7 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
     case Policy::PaddedQuadratic:
       return padded_general_optimal(lengths, n, d, cm);
     case Policy::Conv: {
-      // Candidates: the paper's algorithm 5, LPT, the padded optimum and the best partition into
-      // runs of the sorted order; each refined by local search on the true cost.
-      // At scale (hundreds of thousands of examples) the padded optimum, itself a partition into
-      // runs, is never better than the best runs before the local search, nor seen better after.
-      // The candidates are independent: large problems build and refine them on two threads
-      // (LPT and the paper's, which starts from it, on one; the runs and the padded optimum on
-      // the other); the choice below does not depend on which finishes first.
-      const bool large = n >= kConvLargeItems;
-      const auto order = order_by_length_desc(lengths, n);
-      std::vector<std::vector<Index>> cands(large ? 3 : 4);
-      std::vector<double> cost(cands.size());
-      auto finish = [&](size_t k) {
-        refine_general(lengths, n, d, cm, cands[k], std::min<Index>(iters, 1024), &order);
-        cost[k] = max_cost(lengths, n, cands[k], d, cm);
-      };
-      auto lpt_and_paper = [&] {
-        double* s = scratch<double, 11>(static_cast<size_t>(n));
-        for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
-        cands[0] = lpt(s, order, d);
-        cands[1] = paper_conv(lengths, n, d, &order, &cands[0]);
-        finish(1), finish(0);
-      };
-      auto runs_and_padded = [&] {
-        cands[2] = conv_runs(lengths, n, d, cm, &order);
-        finish(2);
-        if (!large) cands[3] = padded_optimal(lengths, n, d), finish(3);
-      };
-      if (n >= kConvThreadItems) {
-        std::thread other(runs_and_padded);
-        lpt_and_paper();
-        other.join();
-      } else {
-        lpt_and_paper();
-        runs_and_padded();
-      }
-      // the first of the least costly (candidates in the order paper, runs, LPT, padded)
-      const size_t order_of_pick[] = {1, 2, 0, 3};
-      size_t pick = order_of_pick[0];
-      for (size_t k : order_of_pick)
-        if (k < cands.size() && cost[k] < cost[pick]) pick = k;
-      std::vector<Index> best = std::move(cands[pick]);
+      auto best = balance_conv(lengths, n, d, cm, std::min<Index>(iters, 1024));
       if (small) improve_small(lengths, n, d, cm, best, kSearchBudget);
       return best;
     }

@@ -74,6 +74,10 @@ double batch_cost(const CostModel& cm, double sum, double sq, double count, doub
 // Exact min-max partition for a batch cost count * h(max length) ("padded", "padded_quadratic").
 std::vector<Index> padded_general_optimal(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm);
 
+// "conv" from its candidates (the paper's algorithm 5, LPT, the best runs, the padded optimum),
+// each refined by `iters` local-search steps: destination of each example.
+std::vector<Index> balance_conv(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm, Index iters);
+
 // Optimal partition of the length-sorted order into at most num_ranks runs (a "conv" candidate).
 // Within 2^-30 of the optimum over such partitions. `order`: as for paper_conv.
 std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm,

@@ -10,8 +10,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <future>
 #include <limits>
 #include <queue>
+#include <thread>
 
 #include "balance.hpp"
 #include "scratch.hpp"
@@ -30,6 +33,8 @@ double batch_cost(const CostModel& cm, double sum, double sq, double count, doub
 }
 
 namespace {
+
+constexpr Index kConvLargeItems = 100000, kConvThreadItems = 20000;
 
 int64_t bits_of(double x) {
   int64_t b;
@@ -199,6 +204,75 @@ std::vector<Index> padded_general_optimal(const int64_t* lengths, Index n, Index
   const double best = least_feasible(lo, std::max(lo, hi), [&](double b) { return groups(b, d, nullptr) <= d; });
   groups(best, d, &dst);
   return dst;
+}
+
+std::vector<Index> balance_conv(const int64_t* lengths, Index n, Index d, const CostModel& cm, Index iters) {
+  // Candidates: the paper's algorithm 5, LPT, the padded optimum and the best partition into
+  // runs of the sorted order; each refined by local search on the true cost.
+  // At scale (hundreds of thousands of examples) the padded optimum, itself a partition into
+  // runs, is never better than the best runs before the local search, nor seen better after.
+  // The candidates are independent: large problems build and refine them on two threads
+  // (one builds LPT and the paper's from it and refines the paper's; the other builds the runs
+  // and the padded optimum and refines them and LPT); the choice below does not depend on
+  // which finishes first.
+  const bool large = n >= kConvLargeItems;
+  const auto order = order_by_length_desc(lengths, n);
+  std::vector<std::vector<Index>> cands(large ? 3 : 4);
+  std::vector<double> cost(cands.size());
+  auto finish = [&](size_t k) {
+    refine_general(lengths, n, d, cm, cands[k], iters, &order);
+    cost[k] = max_cost(lengths, n, cands[k], d, cm);
+  };
+  std::promise<void> lpt_built;
+  auto lpt_and_paper = [&] {
+    double* s = scratch<double, 11>(static_cast<size_t>(n));
+    for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
+    cands[0] = lpt(s, order, d);
+    cands[1] = paper_conv(lengths, n, d, &order, &cands[0]);  // before LPT is refined
+    lpt_built.set_value();
+    finish(1);
+  };
+  auto lpt_ready = lpt_built.get_future();
+  auto runs_padded_and_lpt = [&] {
+    cands[2] = conv_runs(lengths, n, d, cm, &order);
+    finish(2);
+    if (!large) cands[3] = padded_optimal(lengths, n, d), finish(3);
+    lpt_ready.get();  // rethrows what stopped the other side (then nothing more is done here)
+    finish(0);
+  };
+  if (n >= kConvThreadItems) {
+    // an exception on either side (out of memory) stops both and reaches the caller
+    std::exception_ptr mine, theirs;
+    std::thread other([&] {
+      try {
+        runs_padded_and_lpt();
+      } catch (...) {
+        theirs = std::current_exception();
+      }
+    });
+    try {
+      lpt_and_paper();
+    } catch (...) {
+      mine = std::current_exception();
+      try {
+        lpt_built.set_exception(mine);
+      } catch (...) {  // already set: LPT was built
+      }
+    }
+    other.join();
+    if (mine) std::rethrow_exception(mine);
+    if (theirs) std::rethrow_exception(theirs);
+  } else {
+    lpt_and_paper();
+    runs_padded_and_lpt();
+  }
+  // the first of the least costly (candidates in the order paper, runs, LPT, padded)
+  const size_t order_of_pick[] = {1, 2, 0, 3};
+  size_t pick = order_of_pick[0];
+  for (size_t k : order_of_pick)
+    if (k < cands.size() && cost[k] < cost[pick]) pick = k;
+  std::vector<Index> best = std::move(cands[pick]);
+  return best;
 }
 
 std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index d, const CostModel& cm,
