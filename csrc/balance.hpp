@@ -79,7 +79,7 @@ std::vector<Index> padded_general_optimal(const int64_t* lengths, Index n, Index
 std::vector<Index> balance_conv(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm, Index iters);
 
 // Optimal partition of the length-sorted order into at most num_ranks runs (a "conv" candidate).
-// Within 2^-30 of the optimum over such partitions. `order`: as for paper_conv.
+// Within 2^-20 of the optimum over such partitions. `order`: as for paper_conv.
 std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm,
                              const std::vector<Index>* order = nullptr);
 

@@ -327,10 +327,10 @@ std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index d, const Cos
   const double area = (cm.alpha * pre[n] + cm.beta * squares) / static_cast<double>(d);
   const double lo = std::max(cost(0, 1), area);
   const double hi = std::max(lo, cost(0, n));
-  // within 2^-30 (relative) of the least feasible bound: a candidate, not an exact answer, and
-  // 20 fewer feasibility passes than the exact search
+  // within 2^-20 (relative) of the least feasible bound: a candidate, not an exact answer, and
+  // 30 fewer feasibility passes than the exact search
   const double best =
-      least_feasible(lo, hi, [&](double b) { return groups(b, d, nullptr) <= d; }, int64_t{1} << 22);
+      least_feasible(lo, hi, [&](double b) { return groups(b, d, nullptr) <= d; }, int64_t{1} << 32);
   groups(best, d, &dst);
   return dst;
 }
