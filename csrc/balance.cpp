@@ -209,20 +209,26 @@ std::vector<Index> lpt(const double* w, const std::vector<Index>& order, Index d
     total += ws[k];
   }
   int32_t* rs = scratch<int32_t, 3>(m);
+  // Examples that weigh nothing (visited last, lengths descending) change no load: they all go
+  // to the rank on top then, with no tree walk (a quarter of all examples and more in audio).
+  size_t weighed = m;
+  while (weighed > 0 && ws[weighed - 1] == 0.0) --weighed;
   if (integral && total < 1e13) {
     // Integral loads: (load << 16 | rank) orders exactly like (load, rank), so each tree level
     // is one integer compare and one conditional move.
     PackedLoadHeap heap(d);
-    for (size_t k = 0; k < m; ++k) {
+    for (size_t k = 0; k < weighed; ++k) {
       rs[k] = static_cast<int32_t>(heap.top());
       heap.add_to_top(static_cast<uint64_t>(ws[k]));
     }
+    std::fill(rs + weighed, rs + m, static_cast<int32_t>(heap.top()));
   } else {
     LoadHeap heap(d, std::vector<double>(d, 0.0));
-    for (size_t k = 0; k < m; ++k) {
+    for (size_t k = 0; k < weighed; ++k) {
       rs[k] = static_cast<int32_t>(heap.top());
       heap.add_to_top(ws[k]);
     }
+    std::fill(rs + weighed, rs + m, static_cast<int32_t>(heap.top()));
   }
   std::vector<Index> dst(m);
   for (size_t k = 0; k < m; ++k) dst[order[k]] = rs[k];
@@ -474,11 +480,12 @@ std::vector<Index> paper_conv(const int64_t* lengths, Index n, Index d, const st
     ++size;
   }
   LoadHeap heap(d, load);
-  for (; pos < n; ++pos) {
+  for (; pos < n && w[order[pos]] > 0.0; ++pos) {
     const Index i = order[pos];
     dst[i] = heap.top();
     heap.add_to_top(w[i]);
   }
+  for (; pos < n; ++pos) dst[order[pos]] = heap.top();  // weigh nothing: the loads stay (see lpt)
   return dst;
 }
 
