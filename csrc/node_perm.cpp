@@ -12,6 +12,7 @@
 
 #include "balance.hpp"
 #include "csr.hpp"
+#include "radix.hpp"
 #include "scratch.hpp"
 
 namespace mmb {
@@ -209,22 +210,8 @@ std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* g
     for (Index k = 0; k < m; ++k) tmp[start[entries[k].grp]++] = entries[k];  // ranks ascend within a group
     std::swap(entries, tmp);
   }
-  constexpr int kDigit = 11;
-  constexpr uint64_t kMask = (uint64_t{1} << kDigit) - 1;
-  std::vector<Index> count(size_t{1} << kDigit);
-  for (int shift = 0; shift < 64 && (static_cast<uint64_t>(max_tok) >> shift) != 0; shift += kDigit) {
-    std::fill(count.begin(), count.end(), 0);
-    auto digit = [&](const Entry& e) { return (static_cast<uint64_t>(max_tok - e.tok) >> shift) & kMask; };
-    for (Index k = 0; k < m; ++k) ++count[digit(entries[k])];
-    Index sum = 0;
-    for (auto& c : count) {
-      const Index t = c;
-      c = sum;
-      sum += t;
-    }
-    for (Index k = 0; k < m; ++k) tmp[count[digit(entries[k])]++] = entries[k];
-    std::swap(entries, tmp);
-  }
+  entries = radix_sort(entries, tmp, static_cast<size_t>(m), bit_width(static_cast<uint64_t>(max_tok)),
+                       [&](const Entry& e) { return static_cast<uint64_t>(max_tok - e.tok); });
   const Entry* const sorted = entries;
   auto all = [&](auto f) {
     for (Index k = 0; k < m; ++k) f(sorted[k]);

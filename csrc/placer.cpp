@@ -6,6 +6,8 @@
 #include <limits>
 #include <thread>
 
+#include "radix.hpp"
+
 namespace mmb {
 
 namespace {
@@ -62,34 +64,6 @@ void shed_set(const Index* desc, Index k, const double* w, double excess, std::v
   }
 }
 
-int bit_width(uint64_t x) {
-  int b = 0;
-  while (x) ++b, x >>= 1;
-  return b;
-}
-
-// LSD radix sort of `v` by key(v[k]), whose significant bits are the low `bits`, 11 bits per pass;
-// stable.
-template <class T, class Key>
-void radix_sort(std::vector<T>& v, std::vector<T>& other, int bits, Key key) {
-  constexpr int kDigit = 11;
-  constexpr uint64_t kMask = (1u << kDigit) - 1;
-  other.resize(v.size());
-  std::vector<size_t> count(size_t{1} << kDigit);
-  for (int shift = 0; shift < bits; shift += kDigit) {
-    std::fill(count.begin(), count.end(), 0);
-    for (const T& x : v) ++count[(key(x) >> shift) & kMask];
-    size_t acc = 0;
-    for (auto& c : count) {
-      const size_t t = c;
-      c = acc;
-      acc += t;
-    }
-    for (const T& x : v) other[count[(key(x) >> shift) & kMask]++] = x;
-    v.swap(other);
-  }
-}
-
 // Heaviest first, ties by index (weights grow with lengths: lengths descending).
 bool heavier(const ShedItem& a, const ShedItem& b) { return a.len > b.len || (a.len == b.len && a.idx < b.idx); }
 
@@ -102,9 +76,11 @@ void sort_heavier_first(std::vector<ShedItem>& v, std::vector<ShedItem>& tmp, in
     std::sort(v.begin(), v.end(), heavier);
     return;
   }
-  radix_sort(v, tmp, idx_bits + len_bits, [&](const ShedItem& x) {
+  tmp.resize(v.size());
+  const ShedItem* sorted = radix_sort(v.data(), tmp.data(), v.size(), idx_bits + len_bits, [&](const ShedItem& x) {
     return (static_cast<uint64_t>(max_len - x.len) << idx_bits) | static_cast<uint64_t>(x.idx);
   });
+  if (sorted != v.data()) v.swap(tmp);
 }
 
 }  // namespace
@@ -483,10 +459,8 @@ void Placer::repair(double T, Index* dst) {
   std::vector<ShedItem> again;
   for (size_t k = 0; k < over.size(); ++k) {
     const Index r = over[k];
-    auto& desc = on[k];
-    std::sort(desc.begin(), desc.end(), [&](Index p, Index q) {
-      return len_[p] > len_[q] || (len_[p] == len_[q] && p < q);
-    });
+    auto& desc = on[k];  // in index order
+    heaviest_first(desc, [&](Index i) { return len_[i]; }, main_);
     shed_set(desc.data(), static_cast<Index>(desc.size()), w_, load_[r] - T, main_.chosen, main_.tmp);
     for (Index j : main_.chosen) {
       const Index i = desc[j];
