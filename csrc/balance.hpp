@@ -51,6 +51,12 @@ void refine_additive(const double* weights, Index n, Index num_ranks, std::vecto
 void refine_general(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm,
                     std::vector<Index>& dst, Index max_iters, const std::vector<Index>* order = nullptr);
 
+// A lower bound on the makespan refine_general reaches from `dst` in `max_iters` steps: a step
+// changes two ranks, so one of the 2 max_iters + 1 costliest keeps its cost. -inf when every rank
+// may change.
+double refine_floor(const int64_t* lengths, Index n, Index num_ranks, const CostModel& cm,
+                    const std::vector<Index>& dst, Index max_iters);
+
 // Exact min-max "padded" partition (count * max length) into at most num_ranks groups.
 std::vector<Index> padded_optimal(const int64_t* lengths, Index n, Index num_ranks);
 

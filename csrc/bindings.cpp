@@ -7,10 +7,10 @@
 
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "balance.hpp"
+#include "beside.hpp"
 #include "placer.hpp"
 
 namespace py = pybind11;
@@ -127,9 +127,8 @@ PYBIND11_MODULE(_core, m) {
           py::gil_scoped_release nogil;
           mmb::balance_local(lengths.data(), n, d, cm, s.data(), rpn, tolerance, dp);
           if (n >= 100000) {  // two independent passes over the plan: one each on two threads
-            std::thread other([&] { costs = mmb::batch_costs(lengths.data(), n, dp, d, cm); });
-            slots_by_source(dp, static_cast<size_t>(n), s.data(), d, sp, ssp);
-            other.join();
+            mmb::run_beside([&] { costs = mmb::batch_costs(lengths.data(), n, dp, d, cm); },
+                            [&] { slots_by_source(dp, static_cast<size_t>(n), s.data(), d, sp, ssp); });
           } else {
             slots_by_source(dp, static_cast<size_t>(n), s.data(), d, sp, ssp);
             costs = mmb::batch_costs(lengths.data(), n, dp, d, cm);
@@ -244,6 +243,24 @@ PYBIND11_MODULE(_core, m) {
         return to_array(mmb::assign_groups(lengths.data(), n, group.data(), src.data(), d, rpn));
       },
       py::arg("lengths"), py::arg("group"), py::arg("src_ranks"), py::arg("num_ranks"), py::arg("ranks_per_node"));
+
+  // The "conv" local search and the bound on what it can reach, exposed for tests: returns
+  // (the refined plan, refine_floor of the given one).
+  m.def(
+      "_refine_conv",
+      [](const I64& lengths, const I64& dst, Index d, double alpha, double beta, Index iters) {
+        check_common(lengths, d);
+        const Index n = lengths.shape(0);
+        check_ranks(dst, n, d, "dst_rank");
+        if (iters < 0) throw std::invalid_argument("iters must be >= 0");
+        const mmb::CostModel cm = model(3, alpha, beta);
+        std::vector<Index> plan(dst.data(), dst.data() + n);
+        const double floor = mmb::refine_floor(lengths.data(), n, d, cm, plan, iters);
+        mmb::refine_general(lengths.data(), n, d, cm, plan, iters);
+        return py::make_tuple(to_array(std::move(plan)), floor);
+      },
+      py::arg("lengths"), py::arg("dst_rank"), py::arg("num_ranks"), py::arg("alpha"), py::arg("beta"),
+      py::arg("iters"));
 
   // Reference algorithms of the paper, exposed for tests and benchmarks.
   m.def(

@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <iterator>
 #include <limits>
-#include <thread>
 
+#include "beside.hpp"
 #include "radix.hpp"
 
 namespace mmb {
@@ -319,9 +319,7 @@ void Placer::shed_all(double cut) {
     return;
   }
   const Index mid = d_ / 2;
-  std::thread other([&] { shed_range(mid, d_, cut, second_); });
-  shed_range(0, mid, cut, main_);
-  other.join();
+  run_beside([&] { shed_range(mid, d_, cut, second_); }, [&] { shed_range(0, mid, cut, main_); });
   pool_.swap(main_.pool);
   pool_.insert(pool_.end(), second_.pool.begin(), second_.pool.end());
 }
@@ -339,9 +337,7 @@ void Placer::place_on_nodes(double T, Index* dst) {
   }
   Index mid = P / 2;
   while (mid < P && node_of_[pool_[mid].src] == node_of_[pool_[mid - 1].src]) ++mid;
-  std::thread other([&] { place_nodes_range(mid, P, T, dst, second_); });
-  place_nodes_range(0, mid, T, dst, main_);
-  other.join();
+  run_beside([&] { place_nodes_range(mid, P, T, dst, second_); }, [&] { place_nodes_range(0, mid, T, dst, main_); });
   remote_.swap(main_.remote);
   remote_.insert(remote_.end(), second_.remote.begin(), second_.remote.end());
 }

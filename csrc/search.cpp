@@ -11,12 +11,13 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <future>
 #include <limits>
 #include <queue>
-#include <thread>
 
 #include "balance.hpp"
+#include "beside.hpp"
 #include "scratch.hpp"
 
 namespace mmb {
@@ -206,11 +207,24 @@ std::vector<Index> padded_general_optimal(const int64_t* lengths, Index n, Index
   return dst;
 }
 
+double refine_floor(const int64_t* lengths, Index n, Index d, const CostModel& cm, const std::vector<Index>& dst,
+                    Index iters) {
+  // batch_costs gives the cost refine_general's result is judged by (max_cost); an unchanged rank
+  // gets the same number from it: its sums run over the same examples in the same order
+  const Index keep = 2 * iters + 1;
+  if (keep > d) return -std::numeric_limits<double>::infinity();
+  auto c = batch_costs(lengths, n, dst.data(), d, cm);
+  std::nth_element(c.begin(), c.begin() + (keep - 1), c.end(), std::greater<double>());
+  return c[keep - 1];
+}
+
 std::vector<Index> balance_conv(const int64_t* lengths, Index n, Index d, const CostModel& cm, Index iters) {
   // Candidates: the paper's algorithm 5, LPT, the padded optimum and the best partition into
   // runs of the sorted order; each refined by local search on the true cost.
   // At scale (hundreds of thousands of examples) the padded optimum, itself a partition into
   // runs, is never better than the best runs before the local search, nor seen better after.
+  // The refined runs are the reference: another candidate is refined only when the search could
+  // reach a cost that wins against them (see refine_floor); the others cannot be picked.
   // The candidates are independent: large problems build and refine them on two threads
   // (one builds LPT and the paper's from it and refines the paper's; the other builds the runs
   // and the padded optimum and refines them and LPT); the choice below does not depend on
@@ -218,53 +232,66 @@ std::vector<Index> balance_conv(const int64_t* lengths, Index n, Index d, const 
   const bool large = n >= kConvLargeItems;
   const auto order = order_by_length_desc(lengths, n);
   std::vector<std::vector<Index>> cands(large ? 3 : 4);
-  std::vector<double> cost(cands.size());
+  std::vector<double> cost(cands.size(), std::numeric_limits<double>::infinity());
   auto finish = [&](size_t k) {
     refine_general(lengths, n, d, cm, cands[k], iters, &order);
     cost[k] = max_cost(lengths, n, cands[k], d, cm);
   };
+  // refines candidate k unless it cannot beat the refined runs (`first`: k is picked before the
+  // runs on a tie)
+  auto finish_unless_beaten = [&](size_t k, double runs, bool first) {
+    const double floor = refine_floor(lengths, n, d, cm, cands[k], iters);
+    if (first ? floor > runs : floor >= runs) return;
+    finish(k);
+  };
   std::promise<void> lpt_built;
+  std::promise<double> runs_refined;
+  auto lpt_ready = lpt_built.get_future();
+  auto runs_ready = runs_refined.get_future();
   auto lpt_and_paper = [&] {
     double* s = scratch<double, 11>(static_cast<size_t>(n));
     for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
     cands[0] = lpt(s, order, d);
     cands[1] = paper_conv(lengths, n, d, &order, &cands[0]);  // before LPT is refined
     lpt_built.set_value();
-    finish(1);
   };
-  auto lpt_ready = lpt_built.get_future();
+  auto refine_paper = [&] { finish_unless_beaten(1, runs_ready.get(), true); };  // get: rethrows
   auto runs_padded_and_lpt = [&] {
     cands[2] = conv_runs(lengths, n, d, cm, &order);
     finish(2);
-    if (!large) cands[3] = padded_optimal(lengths, n, d), finish(3);
+    runs_refined.set_value(cost[2]);
+    if (!large) cands[3] = padded_optimal(lengths, n, d), finish_unless_beaten(3, cost[2], false);
     lpt_ready.get();  // rethrows what stopped the other side (then nothing more is done here)
-    finish(0);
+    finish_unless_beaten(0, cost[2], false);
   };
   if (n >= kConvThreadItems) {
-    // an exception on either side (out of memory) stops both and reaches the caller
-    std::exception_ptr mine, theirs;
-    std::thread other([&] {
-      try {
-        runs_padded_and_lpt();
-      } catch (...) {
-        theirs = std::current_exception();
-      }
-    });
-    try {
-      lpt_and_paper();
-    } catch (...) {
-      mine = std::current_exception();
-      try {
-        lpt_built.set_exception(mine);
-      } catch (...) {  // already set: LPT was built
-      }
-    }
-    other.join();
-    if (mine) std::rethrow_exception(mine);
-    if (theirs) std::rethrow_exception(theirs);
+    // a side that stops on an exception (out of memory) passes it on to what the other side
+    // waits for; run_beside rethrows it
+    run_beside(
+        [&] {
+          try {
+            runs_padded_and_lpt();
+          } catch (...) {
+            try {
+              runs_refined.set_exception(std::current_exception());
+            } catch (...) {  // already set: the runs were refined
+            }
+            throw;
+          }
+        },
+        [&] {
+          try {
+            lpt_and_paper();
+          } catch (...) {
+            lpt_built.set_exception(std::current_exception());
+            throw;
+          }
+          refine_paper();
+        });
   } else {
     lpt_and_paper();
     runs_padded_and_lpt();
+    refine_paper();
   }
   // the first of the least costly (candidates in the order paper, runs, LPT, padded)
   const size_t order_of_pick[] = {1, 2, 0, 3};
@@ -298,26 +325,42 @@ std::vector<Index> conv_runs(const int64_t* lengths, Index n, Index d, const Cos
   // Greedy longest run from the largest is optimal among partitions into runs of the sorted
   // order: a run's cost only falls when its first (largest) example is dropped. A run's cost grows
   // with its end, so each run's end is found by galloping and bisection: O(d log n) per bound.
+  // Neighbouring runs in the sorted order are about as long, so the search starts from the last
+  // run's length: usually two costs decide the end.
   auto groups = [&](double bound, Index limit, std::vector<Index>* out) {
-    Index g = 0, i = 0;
+    Index g = 0, i = 0, guess = 1;
     while (i < n) {
       if (g == limit || cost(i, i + 1) > bound) return limit + 1;
-      Index ok = i + 1, step = 1;
-      while (ok < n) {  // gallop: ok stays feasible, bad (if any) infeasible
-        const Index probe = std::min(n, ok + step);
-        if (cost(i, probe) > bound) {
-          Index bad = probe;
-          while (bad - ok > 1) {
-            const Index mid = ok + (bad - ok) / 2;
-            (cost(i, mid) <= bound ? ok : bad) = mid;
+      // cost(i, ok) <= bound < cost(i, bad); bad = n + 1 while no infeasible end is known
+      Index ok = i + 1, bad = n + 1;
+      const Index first = std::min(n, i + guess);
+      if (first > ok) (cost(i, first) <= bound ? ok : bad) = first;
+      if (bad > n) {
+        for (Index step = 1; ok < n; step *= 2) {  // gallop up
+          const Index probe = std::min(n, ok + step);
+          if (cost(i, probe) > bound) {
+            bad = probe;
+            break;
           }
-          break;
+          ok = probe;
         }
-        ok = probe;
-        step *= 2;
+      } else {
+        for (Index step = 1; bad - ok > 1; step *= 2) {  // gallop down
+          const Index probe = std::max(ok + 1, bad - step);
+          if (cost(i, probe) <= bound) {
+            ok = probe;
+            break;
+          }
+          bad = probe;
+        }
+      }
+      while (bad - ok > 1) {  // bisection of the gap left (bad <= n here)
+        const Index mid = ok + (bad - ok) / 2;
+        (cost(i, mid) <= bound ? ok : bad) = mid;
       }
       if (out)
         for (Index k = i; k < ok; ++k) (*out)[order[k]] = g;
+      guess = ok - i;
       i = ok;
       ++g;
     }
