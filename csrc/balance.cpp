@@ -113,9 +113,19 @@ void order_by_length_desc(const int64_t* lengths, Index n, std::vector<Index>& o
   if (n == 0) return;
   int64_t mx = 0;
   for (Index i = 0; i < n; ++i) mx = std::max(mx, lengths[i]);
+  const uint64_t range = static_cast<uint64_t>(mx);
+  if (range < (uint64_t{1} << 16) && range <= 4 * static_cast<uint64_t>(n)) {
+    // few distinct values (token counts of one modality): one counting pass, stable (ties stay in
+    // index order), on the key mx - l
+    Index* start = scratch<Index, 3>(static_cast<size_t>(range) + 2);
+    std::fill(start, start + range + 2, 0);
+    for (Index i = 0; i < n; ++i) ++start[mx - lengths[i] + 1];
+    for (uint64_t k = 1; k <= range; ++k) start[k] += start[k - 1];
+    for (Index i = 0; i < n; ++i) order[start[mx - lengths[i]]++] = i;
+    return;
+  }
   constexpr int kBits = 11;
   constexpr uint64_t kMask = (1u << kBits) - 1;
-  const uint64_t range = static_cast<uint64_t>(mx);
   std::vector<Index> count(1u << kBits);
   // LSD radix sort on the key mx - l (ascending == lengths descending); stable, so ties stay in
   // index order. When key and index fit in 32 bits each they travel packed in one word, halving
