@@ -168,24 +168,24 @@ std::vector<Index> node_permutation(const int64_t* lengths, Index n, const Index
   return place_within_nodes(lengths, n, batch, src, d, rpn, node_of);
 }
 
-std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* group, const Index* src, Index d,
-                                 Index rpn) {
-  // Overlap of every source rank with every group (tokens of group g sampled on rank r), one
-  // entry per touching pair: the examples by source rank (rank-major input: already in order, so
-  // memory is read in order), the groups of a rank summed in a scratch accumulator. O(n + d).
+namespace {
+
+struct Overlap {
+  int64_t tok;
+  Index grp, rnk;
+};
+
+// Overlap of every source rank with every group (tokens of group g sampled on rank r), one call
+// emit(tok, g, r) per touching pair, ranks ascending: the examples by source rank (rank-major
+// input: already in order, so memory is read in order), the groups of a rank summed in a scratch
+// accumulator. O(n + d).
+template <class Emit>
+void overlaps(const int64_t* lengths, Index n, const Index* group, const Index* src, Index d, Emit emit) {
   const bool rank_major = std::is_sorted(src, src + n);
   Csr by_src;
   if (!rank_major) by_src.build(src, n, d);
   std::vector<int64_t> acc(d, 0);
   std::vector<Index> touched;
-  struct Entry {
-    int64_t tok;
-    Index grp, rnk;
-  };
-  Entry* entries = scratch<Entry, 0>(static_cast<size_t>(n));  // at most one per example
-  Entry* tmp = scratch<Entry, 1>(static_cast<size_t>(n));
-  Index m = 0;
-  int64_t max_tok = 0;
   for (Index k = 0; k < n;) {
     const Index r = src[rank_major ? k : by_src.order[k]];
     touched.clear();
@@ -196,28 +196,30 @@ std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* g
       acc[group[i]] += lengths[i];
     }
     for (Index g : touched) {
-      entries[m++] = {acc[g], g, r};
-      max_tok = std::max(max_tok, acc[g]);
+      emit(acc[g], g, r);
       acc[g] = 0;
     }
   }
-  // Entries by tokens descending, ties by (group, rank): a stable LSD radix sort on the tokens of
-  // entries put in (group, rank) order first (a counting pass over the groups, ranks ascending).
-  {
-    std::vector<Index> start(d + 1, 0);
-    for (Index k = 0; k < m; ++k) ++start[entries[k].grp + 1];
-    for (Index g = 0; g < d; ++g) start[g + 1] += start[g];
-    for (Index k = 0; k < m; ++k) tmp[start[entries[k].grp]++] = entries[k];  // ranks ascend within a group
-    std::swap(entries, tmp);
-  }
-  entries = radix_sort(entries, tmp, static_cast<size_t>(m), bit_width(static_cast<uint64_t>(max_tok)),
-                       [&](const Entry& e) { return static_cast<uint64_t>(max_tok - e.tok); });
-  const Entry* const sorted = entries;
-  auto all = [&](auto f) {
-    for (Index k = 0; k < m; ++k) f(sorted[k]);
-  };
+}
+
+// The overlaps by tokens descending, ties by (group, rank), as `m` records: a counting pass over
+// the groups (ranks ascend within a group) and a stable LSD radix sort on the tokens. `grp` and
+// `tok` read a record. Returns the buffer holding the result (a or b).
+template <class T, class Grp, class Tok>
+T* sort_overlaps(T* a, T* b, Index m, Index d, int64_t max_tok, Grp grp, Tok tok) {
+  std::vector<Index> start(d + 1, 0);
+  for (Index k = 0; k < m; ++k) ++start[grp(a[k]) + 1];
+  for (Index g = 0; g < d; ++g) start[g + 1] += start[g];
+  for (Index k = 0; k < m; ++k) b[start[grp(a[k])]++] = a[k];
+  return radix_sort(b, a, static_cast<size_t>(m), bit_width(static_cast<uint64_t>(max_tok)),
+                    [&](const T& e) { return static_cast<uint64_t>(max_tok - tok(e)); });
+}
+
+// Groups onto ranks from the overlaps in sorted order (all(f) calls f(Overlap) on each).
+template <class All>
+std::vector<Index> match_groups(Index d, Index rpn, All all) {
   std::vector<Index> rank_of(d, -1), group_on(d, -1);
-  all([&](const Entry& e) {
+  all([&](const Overlap& e) {
     if (rank_of[e.grp] < 0 && group_on[e.rnk] < 0) rank_of[e.grp] = e.rnk, group_on[e.rnk] = e.grp;
   });
   // Groups left over go to a free rank of the node that contributed most of their tokens (among
@@ -234,17 +236,17 @@ std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* g
   };
   // the entries of the groups left over, by group
   std::vector<Index> slot(d, -1), left_start(1, 0);
-  std::vector<Entry> left;
+  std::vector<Overlap> left;
   for (Index g = 0; g < d; ++g)
     if (rank_of[g] < 0) slot[g] = static_cast<Index>(left_start.size()) - 1, left_start.push_back(0);
-  all([&](const Entry& e) {
+  all([&](const Overlap& e) {
     if (slot[e.grp] >= 0) ++left_start[slot[e.grp] + 1];
   });
   for (size_t j = 1; j < left_start.size(); ++j) left_start[j] += left_start[j - 1];
   left.resize(static_cast<size_t>(left_start.back()));
   {
     std::vector<Index> fill(left_start.begin(), left_start.end() - 1);
-    all([&](const Entry& e) {
+    all([&](const Overlap& e) {
       if (slot[e.grp] >= 0) left[fill[slot[e.grp]]++] = e;
     });
   }
@@ -271,6 +273,49 @@ std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* g
     take(best, g);
   }
   return rank_of;
+}
+
+
+}  // namespace
+
+std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* group, const Index* src, Index d,
+                                 Index rpn) {
+  // Three words per overlap in general; one when tokens, group and rank fit in 64 bits together
+  // (always at real sizes): a third of the memory traffic in the sort and the passes over it.
+  uint64_t total = 0;  // an upper bound on any overlap, saturated at 2^62
+  for (Index i = 0; i < n; ++i) total = std::min<uint64_t>(total + static_cast<uint64_t>(lengths[i]), uint64_t{1} << 62);
+  const int id_bits = bit_width(static_cast<uint64_t>(std::max<Index>(d - 1, 1)));
+  if (bit_width(total) + 2 * id_bits <= 64) {
+    const uint64_t id_mask = (uint64_t{1} << id_bits) - 1;
+    uint64_t* a = scratch<uint64_t, 2>(static_cast<size_t>(n));  // at most one per example
+    uint64_t* b = scratch<uint64_t, 3>(static_cast<size_t>(n));
+    Index m = 0;
+    int64_t max_tok = 0;
+    overlaps(lengths, n, group, src, d, [&](int64_t tok, Index g, Index r) {
+      a[m++] = (static_cast<uint64_t>(tok) << (2 * id_bits)) | (static_cast<uint64_t>(g) << id_bits) |
+               static_cast<uint64_t>(r);
+      max_tok = std::max(max_tok, tok);
+    });
+    auto tok = [&](uint64_t e) { return static_cast<int64_t>(e >> (2 * id_bits)); };
+    auto grp = [&](uint64_t e) { return static_cast<Index>((e >> id_bits) & id_mask); };
+    const uint64_t* sorted = sort_overlaps(a, b, m, d, max_tok, grp, tok);
+    return match_groups(d, rpn, [&](auto f) {
+      for (Index k = 0; k < m; ++k) f(Overlap{tok(sorted[k]), grp(sorted[k]), static_cast<Index>(sorted[k] & id_mask)});
+    });
+  }
+  Overlap* a = scratch<Overlap, 0>(static_cast<size_t>(n));
+  Overlap* b = scratch<Overlap, 1>(static_cast<size_t>(n));
+  Index m = 0;
+  int64_t max_tok = 0;
+  overlaps(lengths, n, group, src, d, [&](int64_t tok, Index g, Index r) {
+    a[m++] = {tok, g, r};
+    max_tok = std::max(max_tok, tok);
+  });
+  const Overlap* sorted = sort_overlaps(
+      a, b, m, d, max_tok, [](const Overlap& e) { return e.grp; }, [](const Overlap& e) { return e.tok; });
+  return match_groups(d, rpn, [&](auto f) {
+    for (Index k = 0; k < m; ++k) f(sorted[k]);
+  });
 }
 
 }  // namespace mmb
