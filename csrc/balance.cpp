@@ -1,6 +1,7 @@
 // Plain post-balancing: LPT (OrchMLLM alg. 1) with local search, the exact padded partition
 // (better than alg. 2), quadratic (better than alg. 4) and conv (better than alg. 5).
 #include "balance.hpp"
+#include "beside.hpp"
 #include "scratch.hpp"
 
 #include <algorithm>
@@ -503,6 +504,7 @@ namespace {
 constexpr Index kSearchMaxItems = 64, kSearchMaxRanks = 16;
 constexpr int64_t kSearchBudget = 200000;
 constexpr Index kDifferencingMaxItems = 4096, kDifferencingMaxWork = 1 << 15;
+constexpr Index kBesideItems = 100000;  // from here two candidates are built on two threads
 
 // Within 1e-4 of the additive lower bound: nothing left worth a costlier candidate.
 bool near_bound(const double* w, Index n, Index d, double makespan) {
@@ -529,15 +531,30 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
       const auto order = order_by_length_desc(lengths, n);
       double* w = scratch<double, 4>(n);
       for (Index i = 0; i < n; ++i) w[i] = item_weight(lengths[i], cm);
-      auto best = lpt(w, order, d);
-      refine_additive(w, n, d, best, iters);
+      std::vector<Index> best;
+      auto first = [&] {
+        best = lpt(w, order, d);
+        refine_additive(w, n, d, best, iters);
+      };
       if (cm.policy == Policy::Quadratic && cm.beta != 0.0) {
-        // Algorithm 4 with a zero tolerance interval is LPT on plain sums: keep it as a candidate.
-        std::vector<double> s(n);
-        for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
-        auto alt = lpt(s.data(), order, d);
-        refine_additive(w, n, d, alt, iters);
-        if (max_cost(lengths, n, alt, d, cm) < max_cost(lengths, n, best, d, cm)) best.swap(alt);
+        // Algorithm 4 with a zero tolerance interval is LPT on plain sums: keep it as a candidate
+        // (built beside the first on large problems: they are independent).
+        std::vector<Index> alt;
+        double alt_cost = 0.0;
+        auto second = [&] {
+          std::vector<double> s(n);
+          for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
+          alt = lpt(s.data(), order, d);
+          refine_additive(w, n, d, alt, iters);
+          alt_cost = max_cost(lengths, n, alt, d, cm);
+        };
+        if (n >= kBesideItems)
+          run_beside(second, first);
+        else
+          first(), second();
+        if (alt_cost < max_cost(lengths, n, best, d, cm)) best.swap(alt);
+      } else {
+        first();
       }
       if (small || (n <= kDifferencingMaxItems && n * d <= kDifferencingMaxWork &&
                     !near_bound(w, n, d, max_cost(lengths, n, best, d, cm)))) {
