@@ -244,6 +244,21 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("lengths"), py::arg("group"), py::arg("src_ranks"), py::arg("num_ranks"), py::arg("ranks_per_node"));
 
+  // The exchange of equal-length examples toward home, exposed for tests: returns the new dst.
+  m.def(
+      "_keep_equal_lengths_home",
+      [](const I64& lengths, const I64& src, const I64& dst, Index d, Index rpn) {
+        check_common(lengths, d);
+        const Index n = lengths.shape(0);
+        check_ranks(src, n, d, "src_ranks");
+        check_ranks(dst, n, d, "dst_rank");
+        if (rpn < 1 || d % rpn != 0) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+        std::vector<Index> out(dst.data(), dst.data() + n);
+        mmb::keep_equal_lengths_home(lengths.data(), n, d, src.data(), rpn, out.data());
+        return to_array(std::move(out));
+      },
+      py::arg("lengths"), py::arg("src_ranks"), py::arg("dst_rank"), py::arg("num_ranks"), py::arg("ranks_per_node"));
+
   // The "conv" local search and the bound on what it can reach, exposed for tests: returns
   // (the refined plan, refine_floor of the given one).
   m.def(

@@ -106,6 +106,58 @@ def located_case(kind: str, d: int, seed: int = 0):
     return lengths.astype(np.int64), src
 
 
+def assert_equal_lengths_home(plan, lengths, src):
+    """Plans built from batches (the fallback of "quadratic") exchange examples of equal length so
+    that the most go home: per length, as many stay as the places their source ranks hold (sum
+    over ranks of the smaller of places and examples there)."""
+    dst = plan.dst_rank
+    for value in np.unique(lengths):
+        of = lengths == value
+        places = np.bincount(dst[of], minlength=plan.num_ranks)
+        mine = np.bincount(src[of], minlength=plan.num_ranks)
+        assert int((dst[of] == src[of]).sum()) >= int(np.minimum(places, mine).sum()), value
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), nodes=st.integers(1, 4), rpn=st.sampled_from([1, 2, 4]))
+def test_keep_equal_lengths_home(data, nodes, rpn):
+    """The exchange of equal-length examples: every rank keeps the same lengths (so the same cost
+    under any policy), the most examples of each length go home, then the most of the others
+    stay on their node; on few distinct lengths, zeros included."""
+    d = nodes * rpn
+    n = data.draw(st.integers(0, 16 * d))
+    draw = lambda elements: np.asarray(data.draw(st.lists(elements, min_size=n, max_size=n)), dtype=np.int64)
+    lengths = draw(st.sampled_from([0, 3, 5, 8]))
+    src, dst = draw(st.integers(0, d - 1)), draw(st.integers(0, d - 1))
+    got = _core._keep_equal_lengths_home(lengths, src, dst, d, rpn)
+    node = lambda r: r // rpn
+    for value in np.unique(lengths):
+        of = lengths == value
+        places = np.bincount(dst[of], minlength=d)
+        assert (np.bincount(got[of], minlength=d) == places).all()  # the same batches
+        mine = np.bincount(src[of], minlength=d)
+        home = got[of] == src[of]
+        assert home.sum() == np.minimum(places, mine).sum()
+        # of those not home: as many on their node as the places left there allow
+        left = places - np.bincount(got[of][home], minlength=d)
+        away = src[of][~home]
+        on_node = (node(got[of][~home]) == node(away)).sum()
+        want = np.minimum(
+            np.bincount(node(np.repeat(np.arange(d), left)), minlength=nodes),
+            np.bincount(node(away), minlength=nodes),
+        ).sum()
+        assert on_node == want
+
+
+def test_keep_equal_lengths_home_rejects_bad_input():
+    lengths = np.array([3, 3], dtype=np.int64)
+    ok = np.array([0, 1], dtype=np.int64)
+    with pytest.raises(ValueError, match="dst_rank"):
+        _core._keep_equal_lengths_home(lengths, ok, np.array([0, 2], dtype=np.int64), 2, 1)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        _core._keep_equal_lengths_home(lengths, ok, ok, 2, 3)
+
+
 @pytest.mark.parametrize("kind", ["mixture", "quantized", "spiky"])
 @pytest.mark.parametrize("order", ["rank-major", "shuffled"])
 def test_large_located_plans(kind, order):
@@ -120,18 +172,20 @@ def test_large_located_plans(kind, order):
         plain = post_balance(lengths, d, policy, **kw)
         bound = lower_bound(lengths, d, policy, **kw)
         assert plan.makespan <= max(plain.makespan, bound * (1 + 5e-4)) * (1 + 1e-12)
-        if policy == "quadratic" and kind == "quantized":
-            # Whole-image weights leave free room in pieces below the smallest example: no
-            # shed-and-fill placement reaches the plain plan's makespan, so the plan is the plain
-            # one's batches on the ranks that keep the most (by contract, never a worse makespan).
-            continue
         # little movement: the excess over the makespan must move, about that much does
         w = lengths.astype(np.float64)
         if policy == "quadratic":
             w = w + kw["beta"] * w * w
         load = np.bincount(src, weights=w, minlength=d)
         need = np.maximum(0, load - plan.makespan).sum()
-        assert w[plan.moved()].sum() <= 1.25 * need + w.max()
+        # Whole-image weights under "quadratic" leave free room in pieces below the smallest
+        # example: no shed-and-fill placement reaches the plain plan's makespan, so the plan is
+        # the plain one's batches on the ranks that keep the most, equal lengths exchanged to
+        # go home (measured: 3.98 x the need; 17 x without the exchange)
+        slack = 4.2 if (policy == "quadratic" and kind == "quantized") else 1.25
+        assert w[plan.moved()].sum() <= slack * need + w.max()
+        if slack > 1.25:
+            assert_equal_lengths_home(plan, lengths, src)
 
 
 _DIGEST = """
