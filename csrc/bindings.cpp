@@ -52,6 +52,17 @@ void check_ranks(const I64& a, py::ssize_t n, Index d, const char* name) {
     if (a.data()[i] < 0 || a.data()[i] >= d) throw std::invalid_argument(std::string(name) + " out of range");
 }
 
+// Lengths, one rank array named `name` and the source ranks of the same examples, and nodes of
+// `rpn` ranks (>= 1, dividing d): returns the number of examples.
+Index check_per_example(const I64& lengths, const I64& a, const char* name, const I64& src, Index d, Index rpn) {
+  check_common(lengths, d);
+  const Index n = lengths.shape(0);
+  check_ranks(a, n, d, name);
+  check_ranks(src, n, d, "src_ranks");
+  if (rpn < 1 || d % rpn != 0) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+  return n;
+}
+
 mmb::CostModel model(int policy, double alpha, double beta) {
   if (policy < 0 || policy > 4) throw std::invalid_argument("unknown policy");
   return mmb::CostModel{static_cast<mmb::Policy>(policy), alpha, beta};
@@ -235,11 +246,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "_assign_groups",
       [](const I64& lengths, const I64& group, const I64& src, Index d, Index rpn) {
-        check_common(lengths, d);
-        const Index n = lengths.shape(0);
-        check_ranks(group, n, d, "group");
-        check_ranks(src, n, d, "src_ranks");
-        if (rpn < 1 || d % rpn != 0) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+        const Index n = check_per_example(lengths, group, "group", src, d, rpn);
         return to_array(mmb::assign_groups(lengths.data(), n, group.data(), src.data(), d, rpn));
       },
       py::arg("lengths"), py::arg("group"), py::arg("src_ranks"), py::arg("num_ranks"), py::arg("ranks_per_node"));
@@ -248,11 +255,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "_keep_equal_lengths_home",
       [](const I64& lengths, const I64& src, const I64& dst, Index d, Index rpn) {
-        check_common(lengths, d);
-        const Index n = lengths.shape(0);
-        check_ranks(src, n, d, "src_ranks");
-        check_ranks(dst, n, d, "dst_rank");
-        if (rpn < 1 || d % rpn != 0) throw std::invalid_argument("ranks_per_node must divide num_ranks");
+        const Index n = check_per_example(lengths, dst, "dst_rank", src, d, rpn);
         std::vector<Index> out(dst.data(), dst.data() + n);
         mmb::keep_equal_lengths_home(lengths.data(), n, d, src.data(), rpn, out.data());
         return to_array(std::move(out));

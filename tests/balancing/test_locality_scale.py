@@ -236,43 +236,27 @@ def assign_groups_reference(lengths, group, src, d, rpn):
     return rank_of
 
 
-@settings(max_examples=300, deadline=None)
-@given(data=st.data(), nodes=st.integers(1, 5), rpn=st.sampled_from([1, 2, 3]), sort_src=st.booleans())
-def test_assign_groups_matches_reference(data, nodes, rpn, sort_src):
-    d = nodes * rpn
-    n = data.draw(st.integers(0, 50))
-    lengths = data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
-    group = data.draw(st.lists(st.integers(0, d - 1), min_size=n, max_size=n))
-    src = data.draw(st.lists(st.integers(0, d - 1), min_size=n, max_size=n))
-    if sort_src:
-        src = sorted(src)
-    got = _core._assign_groups(
-        np.asarray(lengths, dtype=np.int64),
-        np.asarray(group, dtype=np.int64),
-        np.asarray(src, dtype=np.int64),
-        d,
-        rpn,
-    )
-    assert got.tolist() == assign_groups_reference(lengths, group, src, d, rpn)
-
-
-@settings(max_examples=100, deadline=None)
-@given(data=st.data(), scale=st.sampled_from([1, 2**46]), sort_src=st.booleans())
-def test_assign_groups_matches_reference_on_many_ranks(data, scale, sort_src):
-    """64 ranks: overlaps travel packed in one word while tokens, group and rank fit in 64 bits
-    (scale 1) and as three words beyond (scale 2**46); both give the reference's assignment."""
-    d, rpn = 64, 8
-    n = data.draw(st.integers(0, 120))
+def check_assign_groups(data, d, rpn, n_max, scale=1):
+    n = data.draw(st.integers(0, n_max))
     lengths = [scale * x for x in data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))]
     group = data.draw(st.lists(st.integers(0, d - 1), min_size=n, max_size=n))
     src = data.draw(st.lists(st.integers(0, d - 1), min_size=n, max_size=n))
-    if sort_src:
+    if data.draw(st.booleans()):
         src = sorted(src)
-    got = _core._assign_groups(
-        np.asarray(lengths, dtype=np.int64),
-        np.asarray(group, dtype=np.int64),
-        np.asarray(src, dtype=np.int64),
-        d,
-        rpn,
-    )
+    as_array = lambda x: np.asarray(x, dtype=np.int64)
+    got = _core._assign_groups(as_array(lengths), as_array(group), as_array(src), d, rpn)
     assert got.tolist() == assign_groups_reference(lengths, group, src, d, rpn)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), nodes=st.integers(1, 5), rpn=st.sampled_from([1, 2, 3]))
+def test_assign_groups_matches_reference(data, nodes, rpn):
+    check_assign_groups(data, nodes * rpn, rpn, 50)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), scale=st.sampled_from([1, 2**46]))
+def test_assign_groups_matches_reference_on_many_ranks(data, scale):
+    """64 ranks: overlaps travel packed in one word while tokens, group and rank fit in 64 bits
+    (scale 1) and as three words beyond (scale 2**46); both give the reference's assignment."""
+    check_assign_groups(data, 64, 8, 120, scale)
