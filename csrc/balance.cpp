@@ -2,6 +2,7 @@
 // (better than alg. 2), quadratic (better than alg. 4) and conv (better than alg. 5).
 #include "balance.hpp"
 #include "beside.hpp"
+#include "radix.hpp"
 #include "scratch.hpp"
 
 #include <algorithm>
@@ -125,54 +126,26 @@ void order_by_length_desc(const int64_t* lengths, Index n, std::vector<Index>& o
     for (Index i = 0; i < n; ++i) order[start[mx - lengths[i]]++] = i;
     return;
   }
-  constexpr int kBits = 11;
-  constexpr uint64_t kMask = (1u << kBits) - 1;
-  std::vector<Index> count(1u << kBits);
   // LSD radix sort on the key mx - l (ascending == lengths descending); stable, so ties stay in
   // index order. When key and index fit in 32 bits each they travel packed in one word, halving
   // the memory traffic of every pass.
+  const int bits = bit_width(range);
   if (range < (1ull << 32) && static_cast<uint64_t>(n) < (1ull << 32)) {
     uint64_t* a = scratch<uint64_t, 0>(n);
     uint64_t* b = scratch<uint64_t, 1>(n);
     for (Index i = 0; i < n; ++i) a[i] = (static_cast<uint64_t>(mx - lengths[i]) << 32) | static_cast<uint64_t>(i);
-    for (int shift = 32; shift < 64 && (range >> (shift - 32)) != 0; shift += kBits) {
-      std::fill(count.begin(), count.end(), 0);
-      for (Index i = 0; i < n; ++i) ++count[(a[i] >> shift) & kMask];
-      Index acc = 0;
-      for (auto& c : count) {
-        const Index t = c;
-        c = acc;
-        acc += t;
-      }
-      for (Index i = 0; i < n; ++i) b[count[(a[i] >> shift) & kMask]++] = a[i];
-      std::swap(a, b);
-    }
-    for (Index i = 0; i < n; ++i) order[i] = static_cast<Index>(a[i] & 0xffffffffu);
+    const uint64_t* sorted = radix_sort(a, b, static_cast<size_t>(n), bits, [](uint64_t e) { return e >> 32; });
+    for (Index i = 0; i < n; ++i) order[i] = static_cast<Index>(sorted[i] & 0xffffffffu);
     return;
   }
-  std::vector<uint64_t> key(n), key_tmp(n);
-  std::vector<Index> tmp(n);
-  for (Index i = 0; i < n; ++i) {
-    order[i] = i;
-    key[i] = static_cast<uint64_t>(mx - lengths[i]);
-  }
-  for (int shift = 0; shift < 64 && (range >> shift) != 0; shift += kBits) {
-    std::fill(count.begin(), count.end(), 0);
-    for (Index i = 0; i < n; ++i) ++count[(key[i] >> shift) & kMask];
-    Index acc = 0;
-    for (auto& c : count) {
-      const Index t = c;
-      c = acc;
-      acc += t;
-    }
-    for (Index i = 0; i < n; ++i) {
-      const Index slot = count[(key[i] >> shift) & kMask]++;
-      tmp[slot] = order[i];
-      key_tmp[slot] = key[i];
-    }
-    order.swap(tmp);
-    key.swap(key_tmp);
-  }
+  struct Keyed {
+    uint64_t key;
+    Index idx;
+  };
+  std::vector<Keyed> a(n), b(n);
+  for (Index i = 0; i < n; ++i) a[i] = {static_cast<uint64_t>(mx - lengths[i]), i};
+  const Keyed* sorted = radix_sort(a.data(), b.data(), static_cast<size_t>(n), bits, [](const Keyed& e) { return e.key; });
+  for (Index i = 0; i < n; ++i) order[i] = sorted[i].idx;
 }
 
 double item_weight(int64_t length, const CostModel& cm) {
@@ -542,9 +515,9 @@ std::vector<Index> balance(const int64_t* lengths, Index n, Index d, const CostM
         std::vector<Index> alt;
         double alt_cost = 0.0;
         auto second = [&] {
-          std::vector<double> s(n);
+          double* s = scratch<double, 11>(static_cast<size_t>(n));  // per thread, reused
           for (Index i = 0; i < n; ++i) s[i] = static_cast<double>(lengths[i]);
-          alt = lpt(s.data(), order, d);
+          alt = lpt(s, order, d);
           refine_additive(w, n, d, alt, iters);
           alt_cost = max_cost(lengths, n, alt, d, cm);
         };

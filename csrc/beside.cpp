@@ -21,7 +21,7 @@ class Helper {
 
   std::mutex busy;  // held by the caller using the helper
 
-  // Runs `task` on the helper thread; returns its exception, if any, once it has finished.
+  // Hands `task` to the helper thread; wait() returns once it has run, with its exception if any.
   void start(const std::function<void()>* task) {
     std::lock_guard<std::mutex> lock(m_);
     task_ = task;

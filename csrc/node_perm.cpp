@@ -275,7 +275,6 @@ std::vector<Index> match_groups(Index d, Index rpn, All all) {
   return rank_of;
 }
 
-
 }  // namespace
 
 std::vector<Index> assign_groups(const int64_t* lengths, Index n, const Index* group, const Index* src, Index d,

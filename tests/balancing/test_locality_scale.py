@@ -106,16 +106,15 @@ def located_case(kind: str, d: int, seed: int = 0):
     return lengths.astype(np.int64), src
 
 
-def assert_equal_lengths_home(plan, lengths, src):
-    """Plans built from batches (the fallback of "quadratic") exchange examples of equal length so
-    that the most go home: per length, as many stay as the places their source ranks hold (sum
-    over ranks of the smaller of places and examples there)."""
-    dst = plan.dst_rank
+def assert_equal_lengths_home(dst, src, lengths, d):
+    """Examples of equal length exchanged so that the most go home: per length, as many stay as
+    the places their source ranks hold (sum over ranks of the smaller of places and examples
+    there; no plan keeps more)."""
     for value in np.unique(lengths):
         of = lengths == value
-        places = np.bincount(dst[of], minlength=plan.num_ranks)
-        mine = np.bincount(src[of], minlength=plan.num_ranks)
-        assert int((dst[of] == src[of]).sum()) >= int(np.minimum(places, mine).sum()), value
+        places = np.bincount(dst[of], minlength=d)
+        mine = np.bincount(src[of], minlength=d)
+        assert int((dst[of] == src[of]).sum()) == int(np.minimum(places, mine).sum()), value
 
 
 @settings(max_examples=300, deadline=None)
@@ -131,13 +130,12 @@ def test_keep_equal_lengths_home(data, nodes, rpn):
     src, dst = draw(st.integers(0, d - 1)), draw(st.integers(0, d - 1))
     got = _core._keep_equal_lengths_home(lengths, src, dst, d, rpn)
     node = lambda r: r // rpn
+    assert_equal_lengths_home(got, src, lengths, d)
     for value in np.unique(lengths):
         of = lengths == value
         places = np.bincount(dst[of], minlength=d)
         assert (np.bincount(got[of], minlength=d) == places).all()  # the same batches
-        mine = np.bincount(src[of], minlength=d)
         home = got[of] == src[of]
-        assert home.sum() == np.minimum(places, mine).sum()
         # of those not home: as many on their node as the places left there allow
         left = places - np.bincount(got[of][home], minlength=d)
         away = src[of][~home]
@@ -185,7 +183,7 @@ def test_large_located_plans(kind, order):
         slack = 4.2 if (policy == "quadratic" and kind == "quantized") else 1.25
         assert w[plan.moved()].sum() <= slack * need + w.max()
         if slack > 1.25:
-            assert_equal_lengths_home(plan, lengths, src)
+            assert_equal_lengths_home(plan.dst_rank, src, lengths, d)
 
 
 _DIGEST = """
