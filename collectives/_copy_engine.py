@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .inflight import gather_objects
 from .overlap_plan import Chunk, ShardLayout
 
 try:  # pragma: no cover - depends on the machine
@@ -104,8 +105,7 @@ def group_supported(group: dist.ProcessGroup | None, device: torch.device) -> li
             local.append(f"cannot read the PCI bus id: {exc}")
     info = {"host": socket.gethostname(), "bus": bus_id, "reasons": local}
     world = dist.get_world_size(group)
-    infos: list[Any] = [None] * world
-    dist.all_gather_object(infos, info, group=group)
+    infos: list[Any] = gather_objects(info, group)
     mine: list[str] = []
     for r, other in enumerate(infos):
         mine += [f"rank {r}: {why}" for why in other["reasons"]]
@@ -126,8 +126,7 @@ def group_supported(group: dist.ProcessGroup | None, device: torch.device) -> li
                 continue
             if not _cp.cuda.runtime.deviceCanAccessPeer(me, ordinal):
                 mine.append(f"GPU {me} has no peer access to GPU {ordinal} (rank {r})")
-    verdicts: list[Any] = [None] * world
-    dist.all_gather_object(verdicts, sorted(set(mine)), group=group)
+    verdicts: list[Any] = gather_objects(sorted(set(mine)), group)
     reasons = sorted({why for v in verdicts for why in v})
     _SUPPORT[key] = reasons
     return reasons
@@ -146,8 +145,7 @@ class _SymmetricHeap:  # pragma: no cover - GPU only
         with cp.cuda.Device(device.index):
             self.base = cp.cuda.runtime.malloc(2 * region_bytes)
             handle = cp.cuda.runtime.ipcGetMemHandle(self.base)
-        handles: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(handles, handle, group=group)
+        handles: list[Any] = gather_objects(handle, group)
         self.ptrs: list[int] = []
         self._opened: list[int] = []
         with cp.cuda.Device(device.index):

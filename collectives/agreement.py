@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from .inflight import run
+
 __all__ = ["RankMismatchError", "Agreement", "agree", "comm_device", "global_grad_bits"]
 
 WORDS = 8
@@ -117,7 +119,7 @@ def _gather(vec: Sequence[int], group, device: torch.device) -> list[list[int]]:
     world = dist.get_world_size(group)
     local = torch.tensor(list(vec), dtype=torch.int64, device=device)
     out = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_single(out, local, group=group)
+    run(dist.all_gather_single, out, local, group=group)
     flat = out.tolist()
     n = local.numel()
     return [flat[r * n : (r + 1) * n] for r in range(world)]
@@ -130,7 +132,7 @@ def _gather_text(text: str, group, device: torch.device) -> list[str]:
         buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
     out = torch.empty(world * MESSAGE_BYTES, dtype=torch.uint8, device=device)
-    dist.all_gather_single(out, buf, group=group)
+    run(dist.all_gather_single, out, buf, group=group)
     data = out.cpu().numpy().tobytes()
     return [
         data[r * MESSAGE_BYTES : (r + 1) * MESSAGE_BYTES].rstrip(b"\0").decode("utf-8", "replace")

@@ -33,6 +33,7 @@ from mmbalance.balancing._validate import as_lengths
 from mmbalance.pyops import segment_gather
 
 from .agreement import agree, comm_device, global_grad_bits
+from .inflight import run
 
 __all__ = ["gather_lengths", "rebalance", "Route", "route_of", "verify_plan"]
 
@@ -95,7 +96,7 @@ def gather_table(
     if count and k:
         buf[:count, :k] = torch.from_numpy(mat).to(dev)
     bufs = torch.empty(world * buf.numel(), dtype=torch.int64, device=dev)
-    dist.all_gather_single(bufs, buf.reshape(-1), group=group)
+    run(dist.all_gather_single, bufs, buf.reshape(-1), group=group)
     gathered = bufs.cpu().numpy().reshape(world, *buf.shape)
     parts = [gathered[r, : int(c), :k] for r, c in enumerate(counts)]
     table = np.concatenate(parts, axis=0) if parts else np.zeros((0, k), dtype=np.int64)
@@ -287,8 +288,13 @@ def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, gr
     order = torch.from_numpy(route.send_order).to(device)
     send = segment_gather(buf, cu_seqlens, order, route.in_tokens).contiguous()
     recv = torch.empty((route.out_tokens, send.shape[1]), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(
-        recv, send, output_split_sizes=route.recv_tokens, input_split_sizes=route.send_tokens, group=group
+    run(
+        dist.all_to_all_single,
+        recv,
+        send,
+        output_split_sizes=route.recv_tokens,
+        input_split_sizes=route.send_tokens,
+        group=group,
     )
     if route.recv_perm is not None:
         seq_lengths = np.empty_like(route.out_lengths)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .agreement import Agreement, agree, comm_device, global_grad_bits
+from .inflight import Inflight
 from .overlap_comm import BACKENDS, Transport, gather_matmul, make_transport, matmul_reduce, resolve_backend
 from .overlap_plan import ShardLayout, choose_chunks, chunk_plan
 
@@ -255,7 +256,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
         if need_b and ctx.has_bias:
             # The bias is replicated: its gradient is the sum over every rank's rows.
             grad_b = grad_z.sum(0, dtype=grad_z.dtype)
-            bias_work = dist.all_reduce(grad_b, group=setup.group, async_op=True)
+            bias_work = Inflight()
+            bias_work.add(dist.all_reduce(bias_work.alias(grad_b), group=setup.group, async_op=True))
         if need_x or need_w:
             per_chunk = need_w and _accumulates_per_chunk(grad_z.dtype)
             acc = torch.zeros_like(weight) if per_chunk else None

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .inflight import Inflight
 from .overlap_plan import Chunk, ShardLayout
 
 __all__ = [
@@ -81,15 +82,19 @@ def _wait(works: Sequence[dist.Work | None]) -> None:
 
 
 class _TorchGather:
-    def __init__(self, remote: list[list[dist.Work | None]], every: list[dist.Work | None]):
+    def __init__(self, remote: list[list[dist.Work | None]], every: list[dist.Work | None], flight: Inflight):
         self._remote = remote
         self._every = every
+        self._flight = flight
 
     def wait(self, index: int) -> None:
         _wait(self._remote[index])
 
     def wait_all(self) -> None:
         _wait(self._every)
+        self._remote.clear()
+        self._every.clear()
+        self._flight.wait()  # the backend has let go of every piece when this returns
 
 
 class _TorchReduce:
@@ -97,6 +102,7 @@ class _TorchReduce:
         self._tr = tr
         self._partial = torch.empty(tr.layout.total, n_cols, dtype=dtype, device=device)
         self._works: list[dist.Work | None] = []
+        self._flight = Inflight()
         self._out: torch.Tensor | None = None
         m_r = tr.layout.sizes[tr.rank]
         # A single chunk over an even layout is exactly reduce_scatter_single: the plain path.
@@ -110,18 +116,27 @@ class _TorchReduce:
     def submit(self, index: int) -> None:
         tr = self._tr
         if self._out is not None:
+            alias = self._flight.alias
             self._works.append(
-                dist.reduce_scatter_single(self._out, self._partial, group=tr.group, async_op=True)
+                dist.reduce_scatter_single(
+                    alias(self._out), alias(self._partial), group=tr.group, async_op=True
+                )
             )
             return
         for p in tr.plan[index].pieces:
             w = dist.reduce(
-                self._partial[p.rows], group_dst=p.rank, op=dist.ReduceOp.SUM, group=tr.group, async_op=True
+                self._flight.alias(self._partial[p.rows]),
+                group_dst=p.rank,
+                op=dist.ReduceOp.SUM,
+                group=tr.group,
+                async_op=True,
             )
             self._works.append(w)
 
     def finish(self) -> torch.Tensor:
         _wait(self._works)
+        self._works.clear()
+        self._flight.wait()
         if self._out is not None:
             return self._out
         # Copy this rank's rows out so the [M, n] scratch is freed (it would otherwise stay alive
@@ -146,21 +161,26 @@ class TorchTransport:
         self.rank = dist.get_rank(group)
 
     def start_gather(self, x_shard: torch.Tensor, buf: torch.Tensor) -> GatherHandle:
+        flight = Inflight()
         if len(self.plan) == 1 and self.layout.is_even:
-            w = dist.all_gather_single(buf, x_shard.contiguous(), group=self.group, async_op=True)
-            return _TorchGather([[w]], [w])
+            w = dist.all_gather_single(
+                flight.alias(buf), flight.alias(x_shard.contiguous()), group=self.group, async_op=True
+            )
+            return _TorchGather([[w]], [w], flight)
         buf[self.layout.rows(self.rank)].copy_(x_shard)
         remote: list[list[dist.Work | None]] = []
         every: list[dist.Work | None] = []
         for c in self.plan:
             mine = []
             for p in c.pieces:
-                w = dist.broadcast(buf[p.rows], group_src=p.rank, group=self.group, async_op=True)
+                w = dist.broadcast(
+                    flight.alias(buf[p.rows]), group_src=p.rank, group=self.group, async_op=True
+                )
                 every.append(w)
                 if p.rank != self.rank:
                     mine.append(w)
             remote.append(mine)
-        return _TorchGather(remote, every)
+        return _TorchGather(remote, every, flight)
 
     def start_reduce(self, n_cols: int, dtype: torch.dtype, device: torch.device) -> ReduceHandle:
         return _TorchReduce(self, n_cols, dtype, device)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from mmbalance.pyops.attention import attention_block, attention_block_backward, merge_attention_states
 
 from .agreement import agree, comm_device, global_grad_bits
+from .inflight import Inflight, run
 from .ring_plan import LAYOUTS, RingPlan, ring_plan
 
 __all__ = ["cp_shard", "cp_unshard", "ring_attention", "ring_plan", "RingPlan"]
@@ -86,7 +87,7 @@ class _Unshard(torch.autograd.Function):
         buf = x_local.new_zeros((max_tokens, *x_local.shape[1:]))
         buf[: x_local.shape[0]] = x_local
         gathered = [torch.empty_like(buf) for _ in range(plan.degree)]
-        dist.all_gather(gathered, buf, group=group)
+        run(dist.all_gather, gathered, buf, group=group)
         cat = torch.cat([g[:n] for g, n in zip(gathered, plan.tokens)])
         return cat.index_select(0, torch.from_numpy(plan.unshard_index).to(x_local.device))
 
@@ -168,21 +169,33 @@ class _Ring:
     def exchange(
         self, send: list[torch.Tensor], recv: list[torch.Tensor], tags: tuple[int, ...], size_send, size_recv
     ):
-        """Post sends to the next rank and receives from the previous one; returns the requests.
+        """Post sends to the next rank and receives from the previous one; returns the requests
+        (an :class:`~mmbalance.collectives.inflight.Inflight`, or ``[]`` when nothing moves).
 
         Empty shards are neither sent nor received (both sides know the sizes from the plan).
         """
+        if not (size_send or size_recv):
+            return []
+        flight = Inflight()
         ops = []
         if size_send:
-            ops += [dist.P2POp(dist.isend, t, self.next_peer, self.group, tag) for t, tag in zip(send, tags)]
+            ops += [
+                dist.P2POp(dist.isend, flight.alias(t), self.next_peer, self.group, tag)
+                for t, tag in zip(send, tags)
+            ]
         if size_recv:
-            ops += [dist.P2POp(dist.irecv, t, self.prev_peer, self.group, tag) for t, tag in zip(recv, tags)]
-        return dist.batch_isend_irecv(ops) if ops else []
+            ops += [
+                dist.P2POp(dist.irecv, flight.alias(t), self.prev_peer, self.group, tag)
+                for t, tag in zip(recv, tags)
+            ]
+        flight.add(dist.batch_isend_irecv(ops))
+        del ops  # the P2POps hold the aliases too
+        return flight
 
 
 def _wait(reqs) -> None:
-    for req in reqs:
-        req.wait()
+    if reqs:
+        reqs.wait()
 
 
 def ring_forward(ring: _Ring, q, k, v, *, compute: bool = True, communicate: bool = True, kv_blocks=None,

@@ -4,14 +4,17 @@
 fresh processes joined by a file rendezvous into a gloo process group, and returns the list of the
 values ``fn`` returned, by rank. An exception in any rank is re-raised here with that rank's
 traceback; a rank that does not finish within ``timeout`` seconds makes the whole call fail (no
-hangs).
+hangs); and so does a process that reported success but then did not exit with code 0 within
+``exit_grace`` seconds (an abort or a hang while the interpreter shuts down is a failure too).
 """
 
 from __future__ import annotations
 
 import os
 import queue as queue_mod
+import signal
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -42,7 +45,21 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0):
+def describe_exit(code: int | None) -> str:
+    """A process exit code in words (negative codes are signals)."""
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def run_distributed(
+    fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, exit_grace: float = 30.0
+):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -75,11 +92,23 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, pg_timeo
                 if errors:
                     break
         finally:
-            for p in procs:
-                p.join(timeout=5)
+            grace = time.monotonic() + (exit_grace if len(results) == world_size else 5.0)
+            hung = set()
+            for r, p in enumerate(procs):
+                p.join(timeout=max(0.1, grace - time.monotonic()))
                 if p.is_alive():
+                    hung.add(r)
                     p.kill()
+                    p.join(timeout=5)
         if errors:
             rank = min(errors)
             raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            what = "; ".join(
+                f"rank {r}'s process "
+                + (f"did not exit within {exit_grace:.0f}s" if r in hung else describe_exit(code))
+                for r, code in bad
+            )
+            raise RuntimeError(f"every rank returned its result, but then {what} (a failure at exit)")
         return [results[r] for r in range(world_size)]

@@ -5,7 +5,9 @@ group with the given (short) timeout and runs ``fn(rank, world, *args)`` in each
 ``tests.dist_utils.run_distributed`` it never stops at the first error: it waits for every rank and
 returns one :class:`Outcome` per rank, with whatever the rank returned, or the exception it raised
 and how long after the start, or the exit code of a process that died without reporting (a signal
-such as SIGABRT shows as a negative code).
+such as SIGABRT shows as a negative code). Every outcome also carries ``exit_status``: how the
+process ended after it reported (0, a failure code, a negative signal number, or ``KILLED`` when it
+had to be killed because it would not exit), so a rank that passed and then aborted at exit is seen.
 
 Scenarios call :func:`attempt` for each injected fault: it runs the call, records whether it raised
 (type, message, seconds), and then re-synchronises the healthy group with a barrier, so many faults
@@ -32,10 +34,18 @@ class Outcome:
     value: object = None  # what fn returned
     error: str | None = None  # a traceback if fn itself raised
     exitcode: int | None = None  # the process's exit code if it never reported
+    exit_status: int | None = None  # how the process ended, reported or not (KILLED: would not exit)
 
     @property
     def reported(self) -> bool:
         return self.exitcode is None
+
+    @property
+    def exited_cleanly(self) -> bool:
+        return self.exit_status == 0
+
+
+KILLED = -999  # exit_status of a process that had to be killed after the run
 
 
 def attempt(call, *, barrier: bool = True) -> dict:
@@ -96,8 +106,12 @@ def _worker(rank, world, init_file, fn, args, queue, pg_timeout):
     # block on peers that are gone; the process exits and the OS closes its sockets
 
 
-def run_ranks(fn, world: int, *args, pg_timeout: float = 20.0, timeout: float = 120.0) -> list[Outcome]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; every rank's :class:`Outcome`."""
+def run_ranks(
+    fn, world: int, *args, pg_timeout: float = 20.0, timeout: float = 120.0, exit_grace: float = 30.0
+) -> list[Outcome]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; every rank's :class:`Outcome`.
+
+    After every rank reported, each process gets ``exit_grace`` seconds to exit on its own."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,12 +146,18 @@ def run_ranks(fn, world: int, *args, pg_timeout: float = 20.0, timeout: float = 
                         if r not in outcomes:
                             outcomes[r] = Outcome(r, exitcode=p.exitcode)
         finally:
+            statuses = []
+            grace = time.monotonic() + (exit_grace if len(outcomes) == world else 2.0)
             for p in procs:
-                p.join(timeout=2)
+                p.join(timeout=max(0.1, grace - time.monotonic()))
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
+                    statuses.append(KILLED)
+                else:
+                    statuses.append(p.exitcode)
         for r in range(world):
             if r not in outcomes:
                 raise TimeoutError(f"rank {r} neither reported nor exited within {timeout:.0f}s: a hang")
+            outcomes[r].exit_status = statuses[r]
         return [outcomes[r] for r in range(world)]

@@ -35,6 +35,7 @@ def outcomes(scenario: str) -> list[Outcome]:
     for o in results:
         assert o.reported, f"rank {o.rank} died with exit code {o.exitcode} (an abort is never acceptable)"
         assert o.error is None, f"rank {o.rank} failed outside the injected faults:\n{o.error}"
+        assert o.exited_cleanly, f"rank {o.rank} passed, then its process ended with {o.exit_status}"
     return results
 
 
@@ -315,8 +316,12 @@ def test_a_lost_rank_makes_every_other_rank_raise(entry, how):
                 assert o.exitcode == 17, f"the dying rank ended with {o.exitcode}"
             else:
                 assert o.error is None and o.value == {"left": True}, o.error
+                assert o.exited_cleanly, f"the departed rank's process ended with {o.exit_status}"
             continue
         assert o.reported, f"rank {o.rank} died with exit code {o.exitcode} (an abort) instead of raising"
         assert o.error is None, o.error
         assert o.value["raised"], f"rank {o.rank} returned normally although rank {S.FAULTY} never called"
         assert o.value["seconds"] < LOST_TIMEOUT + 15, o.value["seconds"]
+        assert o.exited_cleanly, (
+            f"rank {o.rank} raised as it should, then its process ended with {o.exit_status}"
+        )
