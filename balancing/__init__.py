@@ -7,10 +7,18 @@
 """
 
 from .node_perm import node_wise_permutation
-from .plan import POLICIES, Plan
+from .plan import DEFAULT_BETA, POLICIES, Plan
 from .post_balance import lower_bound, paper_algorithm, post_balance
 
-__all__ = ["POLICIES", "Plan", "lower_bound", "node_wise_permutation", "paper_algorithm", "post_balance"]
+__all__ = [
+    "DEFAULT_BETA",
+    "POLICIES",
+    "Plan",
+    "lower_bound",
+    "node_wise_permutation",
+    "paper_algorithm",
+    "post_balance",
+]
 
 # Cost models, dynamic CP groups, microbatch reordering, ISF batching, pipeline partition and
 # resource allocation.

@@ -17,6 +17,22 @@ import numpy as np
 
 POLICIES = ("sum", "padded", "quadratic", "conv", "padded_quadratic")
 
+# The policies with an attention term (``beta * l^2`` or ``beta * b * m^2``) and its coefficient
+# when none is given: attention FLOPs per token pair over linear-layer FLOPs per token of a
+# 4096-wide transformer layer (``4 h`` over ``24 h^2``), so the quadratic term matters from about
+# 25k tokens on. Every entry point (``post_balance``, ``lower_bound``, ``PhaseSpec``, the batch
+# sampler, the command line) uses this same default.
+QUADRATIC_POLICIES = ("quadratic", "conv", "padded_quadratic")
+DEFAULT_BETA = 1.0 / (6 * 4096)
+
+
+def default_beta(policy: str, beta: float | None) -> float:
+    """``beta`` if given, else :data:`DEFAULT_BETA` for the policies with an attention term (0 for
+    "sum" and "padded", which have none). Validation of the value is the caller's."""
+    if beta is not None:
+        return beta
+    return DEFAULT_BETA if policy in QUADRATIC_POLICIES else 0.0
+
 
 def _slots(ranks: np.ndarray, num_ranks: int) -> np.ndarray:
     """Position of each example among the examples of its rank, in index order."""
@@ -155,7 +171,7 @@ class Plan:
         *,
         policy: str = "sum",
         alpha: float = 1.0,
-        beta: float = 0.0,
+        beta: float | None = None,
         costs: np.ndarray | None = None,
     ) -> Plan:
         """The plan that sends example ``i`` from ``src_rank[i]`` to ``dst_rank[i]``.
@@ -167,6 +183,7 @@ class Plan:
 
         dst = np.ascontiguousarray(dst_rank, dtype=np.int64)
         src = np.ascontiguousarray(src_rank, dtype=np.int64)
+        beta = default_beta(policy, beta)
         if costs is None:
             costs = _costs_of(lengths, dst, num_ranks, policy, alpha, beta)
         core = _core_api.core()

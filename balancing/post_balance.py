@@ -43,7 +43,7 @@ import numpy as np
 
 from ._core_api import POLICY_IDS, core
 from ._validate import as_coefficient, as_count, as_lengths, as_num_ranks, as_ranks
-from .plan import Plan
+from .plan import Plan, default_beta
 
 
 def post_balance(
@@ -54,7 +54,7 @@ def post_balance(
     src_ranks=None,
     ranks_per_node: int | None = None,
     alpha: float = 1.0,
-    beta: float = 0.0,
+    beta: float | None = None,
     tolerance: float = 5e-4,
 ) -> Plan:
     """Rearrange examples over ``num_ranks`` ranks so the largest batch cost is minimal.
@@ -71,7 +71,11 @@ def post_balance(
             examples prefer a destination on their source's node. Without ``src_ranks`` there is no
             source to be near and it has no effect.
         alpha, beta: cost coefficients of the "quadratic", "conv" and "padded_quadratic" policies
-            (``>= 0``).
+            (``>= 0``). ``beta=None`` (the default) means
+            :data:`~mmbalance.balancing.DEFAULT_BETA` (``1 / (6 * 4096)``: the attention-to-linear
+            FLOP ratio of a 4096-wide transformer layer) for those three, so ``"quadratic"`` is never
+            silently ``"sum"``; pass ``beta=0`` for no attention term. "sum" and "padded" have no
+            coefficients.
         tolerance: with ``src_ranks`` and an additive policy, accept a makespan up to
             ``(1 + tolerance)`` times the lower bound (or the plain plan's, where that is higher) in
             exchange for less movement. Default ``5e-4``.
@@ -94,7 +98,7 @@ def post_balance(
     lengths = as_lengths(lengths)
     num_ranks = as_num_ranks(num_ranks)
     alpha = as_coefficient(alpha, "alpha")
-    beta = as_coefficient(beta, "beta")
+    beta = as_coefficient(default_beta(policy, beta), "beta")
     tolerance = as_coefficient(tolerance, "tolerance")
     n = lengths.shape[0]
     rpn = 0
@@ -157,7 +161,7 @@ def check_cost_range(lengths: np.ndarray, policy: str, alpha: float, beta: float
 
 
 def lower_bound(
-    lengths, num_ranks: int, policy: str = "sum", *, alpha: float = 1.0, beta: float = 0.0
+    lengths, num_ranks: int, policy: str = "sum", *, alpha: float = 1.0, beta: float | None = None
 ) -> float:
     """A proven lower bound on the optimal makespan (no plan of any planner has a smaller one).
 
@@ -243,7 +247,7 @@ def lower_bound(
     if policy not in POLICY_IDS:
         raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
     alpha = as_coefficient(alpha, "alpha")
-    beta = as_coefficient(beta, "beta")
+    beta = as_coefficient(default_beta(policy, beta), "beta")
     check_cost_range(lengths, policy, alpha, beta)
     if lengths.size == 0:
         return 0.0

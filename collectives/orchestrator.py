@@ -33,6 +33,7 @@ from torch import Tensor
 from mmbalance.balancing import POLICIES, Plan, post_balance
 from mmbalance.balancing._core_api import batch_costs
 from mmbalance.balancing._validate import as_coefficient, as_lengths
+from mmbalance.balancing.plan import default_beta
 
 from .agreement import agree, comm_device, global_grad_bits
 from .alltoall import _plan_key, _world, gather_table, rebalance
@@ -46,19 +47,21 @@ TEXT = "text"
 class PhaseSpec:
     """How one phase is balanced.
 
-    ``policy``/``alpha``/``beta``: the cost model of :func:`~mmbalance.balancing.post_balance`.
-    ``downsample``: encoder tokens per LLM token after the connector (e.g. 4 for a 2x2 pixel
+    ``policy``/``alpha``/``beta``: the cost model of :func:`~mmbalance.balancing.post_balance`
+    (``beta=None``: :data:`~mmbalance.balancing.DEFAULT_BETA` for the policies with an attention
+    term, as there; the resolved value is what ``spec.beta`` holds). ``downsample``: encoder tokens per LLM token after the connector (e.g. 4 for a 2x2 pixel
     shuffle, 2 for an audio adapter); ignored for the LLM phase.
     """
 
     policy: str = "sum"
     alpha: float = 1.0
-    beta: float = 0.0
+    beta: float | None = None
     downsample: int = 1
 
     def __post_init__(self):
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        object.__setattr__(self, "beta", default_beta(self.policy, self.beta))
         for name in ("alpha", "beta"):
             as_coefficient(getattr(self, name), name)
         if isinstance(self.downsample, bool) or not isinstance(self.downsample, int) or self.downsample < 1:

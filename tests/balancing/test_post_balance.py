@@ -315,3 +315,20 @@ def test_lower_bound_against_the_exact_optimum(policy):
         f"{policy}: lower_bound / optimum mean {ratios.mean():.4f} min {ratios.min():.4f} over {ratios.size}"
     )
     assert ratios.mean() >= mean_floor and ratios.min() >= min_floor, got
+
+
+@pytest.mark.parametrize("policy", ["quadratic", "conv", "padded_quadratic"])
+def test_policies_with_an_attention_term_default_to_the_documented_beta(policy):
+    from mmbalance.balancing import DEFAULT_BETA
+
+    # long sequences, where the attention term weighs as much as the linear one
+    rng = np.random.default_rng(7)
+    lengths = np.concatenate([rng.integers(30_000, 60_000, 3), rng.integers(100, 2_000, 40)])
+    plan = post_balance(lengths, 4, policy)
+    explicit = post_balance(lengths, 4, policy, beta=DEFAULT_BETA)
+    assert plan.beta == DEFAULT_BETA == 1.0 / (6 * 4096)
+    assert plan.digest() == explicit.digest()
+    assert plan.makespan > 1.5 * post_balance(lengths, 4, policy, beta=0.0).makespan  # the term counts
+    np.testing.assert_allclose(plan.costs, ref.costs_of(lengths, plan.dst_rank, 4, policy, 1.0, DEFAULT_BETA))
+    assert lower_bound(lengths, 4, policy) == lower_bound(lengths, 4, policy, beta=DEFAULT_BETA)
+    assert post_balance(lengths, 4, "sum").beta == 0.0

@@ -203,3 +203,11 @@ def test_bad_configuration_is_refused_at_construction(make, word):
     """Not at ``future.result()`` in the planning thread: where the user wrote it."""
     with pytest.raises((ValueError, TypeError), match=word):
         make()
+
+
+def test_phase_spec_uses_the_same_default_beta():
+    from mmbalance.balancing import DEFAULT_BETA
+    from mmbalance.collectives import PhaseSpec
+
+    assert PhaseSpec("quadratic").beta == PhaseSpec("conv").beta == DEFAULT_BETA
+    assert PhaseSpec("sum").beta == 0.0 and PhaseSpec("quadratic", beta=0.0).beta == 0.0
