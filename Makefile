@@ -23,13 +23,20 @@ PEERS := $(PEERS_VENV)/.installed
 # of its own: its pins (transformers<5.11) conflict with ours, so the benchmark runs it in a
 # subprocess of $(PEERS_VENV)/bin/python. Only what its balancer module imports is installed. A
 # .venv that got verl from an older version of this target gets our own pins back.
+# verl is installed with --no-deps on purpose, so pip's resolver reports verl's unmet pins as
+# "ERROR: pip's dependency resolver ..." lines: expected, and kept in $(PEERS_LOG), not on screen.
+PEERS_LOG := $(PEERS_VENV)/install.log
 $(PEERS):
-	$(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install -q torch==2.13.0
-	$(PEERS_VENV)/bin/pip install -q --no-deps verl==0.9.1
-	$(PEERS_VENV)/bin/pip install -q numpy packaging omegaconf 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11' ray
+	@echo "setting up $(PEERS_VENV): verl 0.9.1, the planner benchmark's peer, in an environment of its own (its pins conflict with ours; pip's expected resolver messages go to $(PEERS_LOG))"
+	@$(PYTHON) -m venv $(PEERS_VENV)
+	@( set -e; \
+	  $(PEERS_VENV)/bin/pip install -q torch==2.13.0; \
+	  $(PEERS_VENV)/bin/pip install -q --no-deps verl==0.9.1; \
+	  $(PEERS_VENV)/bin/pip install -q numpy packaging omegaconf 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11' ray; \
+	) > $(PEERS_LOG) 2>&1 || { tail -n 20 $(PEERS_LOG); echo "setting up $(PEERS_VENV) failed: see $(PEERS_LOG)"; exit 1; }
+	@$(PEERS_VENV)/bin/python -c "import verl.utils.seqlen_balancing" >> $(PEERS_LOG) 2>&1 || { tail -n 20 $(PEERS_LOG); echo "verl does not import in $(PEERS_VENV): see $(PEERS_LOG)"; exit 1; }
 	if [ -f $(VENV)/.peers ]; then $(PIP) uninstall -q -y verl && $(PIP) install -q -e ".[dev]" && rm -f $(VENV)/.peers; fi
-	touch $(PEERS)
+	@touch $(PEERS)
 
 peers: $(PEERS)
 

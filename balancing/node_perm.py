@@ -86,6 +86,11 @@ def _worst_off(lengths, src, dst, rpn) -> int:
     return int(np.bincount(src[off], weights=lengths[off]).max())
 
 
+def have_exact_solver() -> bool:
+    """Whether ``method="exact"`` can run here (scipy installed: ``pip install "mmbalance[exact]"``)."""
+    return _have_scipy()
+
+
 def _have_scipy() -> bool:
     try:
         import scipy.optimize  # noqa: F401
@@ -100,7 +105,10 @@ def _exact_nodes(lengths, batch, src, d, rpn, time_limit) -> np.ndarray | None:
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
     except ImportError as exc:
-        raise ImportError("node_wise_permutation(method='exact') needs scipy") from exc
+        raise ImportError(
+            "node_wise_permutation(method='exact') needs scipy (its HiGHS solver): "
+            'pip install "mmbalance[exact]", or use method="fast" or "auto"'
+        ) from exc
     nodes = d // rpn
     nv = nodes * d + 1  # x[m, b] at m * d + b, then t
     vol = np.zeros((d, d))

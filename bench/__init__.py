@@ -1,1 +1,1 @@
-"""Benchmarks: ``python -m bench.<module>`` from the repository root."""
+"""Benchmarks: ``python -m mmbalance.bench.<module>`` (or ``mmbalance bench <module>``)."""

@@ -22,17 +22,15 @@ import json
 import math
 import os
 import sys
-import tempfile
+import textwrap
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mmbalance.cli import check_output, require_matplotlib, usage_error
+from mmbalance.cli import HelpFormatter, check_output, require_matplotlib, usage_error
 
 ORDERS = [("vision", "audio", "text"), ("text", "vision", "audio")]
 HIDDEN, HEADS, ENC_HIDDEN = 64, 4, 32
@@ -204,102 +202,89 @@ def _progress(done: int, total: int, label: str, loss: float, ms: float) -> None
     )
 
 
-def _worker(rank, world, init, args, queue):
-    try:
-        torch.set_num_threads(1)
-        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world and not args.cpu
-        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl" if cuda else "gloo",
-            init_method=f"file://{init}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=args.timeout),
+def _worker(rank, world, args):
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    pair, shard_dp = _groups(world)
+    result = {}
+    modes = [False] if args.no_balance else [True, False]
+    for balance in modes:
+        result["balanced" if balance else "unbalanced"] = _train(
+            rank, world, args, balance, pair, shard_dp, device, dtype
         )
-        dtype = torch.float64 if args.dtype == "float64" else torch.float32
-        pair, shard_dp = _groups(world)
-        result = {}
-        modes = [False] if args.no_balance else [True, False]
-        for balance in modes:
-            result["balanced" if balance else "unbalanced"] = _train(
-                rank, world, args, balance, pair, shard_dp, device, dtype
-            )
-        dist.barrier()
-        dist.destroy_process_group()
-        queue.put((rank, result if rank == 0 else None, None))
-    except Exception:  # noqa: BLE001 - reported to the parent
-        import traceback
+    dist.barrier()
+    return result if rank == 0 else None
 
-        queue.put((rank, None, traceback.format_exc()))
+
+def _on_gpus(args) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks and not args.cpu
 
 
 def run(args) -> dict:
     """Run the demo on ``args.ranks`` spawned processes; return the report (also as JSON)."""
+    from .harness import spawn
+
     msg = check_args(args)
     if msg:
         raise ValueError(msg)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "rdzv")
-        procs = [
-            ctx.Process(target=_worker, args=(r, args.ranks, init, args, queue), daemon=True)
-            for r in range(args.ranks)
-        ]
-        for p in procs:
-            p.start()
-        result, errors = None, []
-        try:
-            for _ in range(args.ranks):
-                rank, res, err = queue.get(timeout=args.timeout * 4)
-                if err:
-                    errors.append((rank, err))
-                    break
-                if res is not None:
-                    result = res
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-        if errors:
-            raise RuntimeError(f"rank {errors[0][0]} failed:\n{errors[0][1]}")
+    backend = "nccl" if _on_gpus(args) else "gloo"
+    result = spawn(
+        _worker, args.ranks, args, backend=backend, pg_timeout=args.timeout, timeout=args.timeout * 4
+    )[0]
     return _report(result, args)
 
 
 def _report(result: dict, args) -> dict:
+    from .harness import cpu_cores
+
+    balanced = "balanced" in result
     main = result.get("balanced") or result["unbalanced"]
     phases = {}
     for name in main["summary"][0]:
         steps = [s[name] for s in main["summary"]]
+        before = float(np.mean([s["before"] for s in steps]))
+        if not balanced:  # nothing was planned or moved: only the imbalance as sampled
+            phases[name] = {"before": before, "after": before}
+            continue
         phases[name] = {
-            "before": float(np.mean([s["before"] for s in steps])),
+            "before": before,
             "after": float(np.mean([s["after"] for s in steps])),
             "moved_tokens": int(sum(s["moved_tokens"] for s in steps)),
         }
         if main.get("offnode"):
             phases[name]["offnode_tokens_last_step"] = main["offnode"][name]
+    on_gpus = _on_gpus(args)
+    cores = cpu_cores()
     report = {
         "ranks": args.ranks,
         "steps": args.steps,
+        "balanced": balanced,
+        "device": "cuda" if on_gpus else "cpu",
+        "cpu_cores": cores,
+        "ranks_share_cores": (not on_gpus) and args.ranks > cores,
         "losses": main["losses"],
         "phases": phases,
         "step_ms": float(np.median(main["step_ms"][1:] or main["step_ms"])),
-        "plan_ms": float(np.median(main["plan_ms"])),
-        "plan_wait_ms": float(np.median(main["wait_ms"][1:] or main["wait_ms"])),
     }
-    if "balanced" in result and "unbalanced" in result:
+    if balanced:
+        report["plan_ms"] = float(np.median(main["plan_ms"]))
+        report["plan_wait_ms"] = float(np.median(main["wait_ms"][1:] or main["wait_ms"]))
+    if balanced and "unbalanced" in result:
         b, u = np.array(result["balanced"]["losses"]), np.array(result["unbalanced"]["losses"])
         report["losses_unbalanced"] = u.tolist()
         report["max_relative_loss_difference"] = float(np.max(np.abs(b - u) / np.maximum(np.abs(u), 1e-30)))
         report["step_ms_unbalanced"] = float(
             np.median(result["unbalanced"]["step_ms"][1:] or result["unbalanced"]["step_ms"])
         )
-    _print(report, balanced="balanced" in result)
+    _print(report)
+    for path in (args.json, args.plot):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
@@ -307,10 +292,37 @@ def _report(result: dict, args) -> dict:
     return report
 
 
-def _print(rep: dict, balanced: bool) -> None:
-    print(
-        f"\nper phase over {rep['steps']} steps on {rep['ranks']} ranks (LLM: {rep['ranks'] // GROUP} groups of {GROUP}):"
+def timing_note(rep: dict) -> str:
+    """What the step times of this run can and cannot say (printed under them)."""
+    if rep["device"] == "cuda":
+        return "each rank has a GPU of its own: a step lasts as long as its slowest rank"
+    if rep["ranks_share_cores"]:
+        return (
+            f"{rep['ranks']} ranks share {rep['cpu_cores']} CPU cores here: they take turns, so a step costs "
+            "about the sum of all ranks' work, which balancing does not change; it only adds its moves. "
+            "With a device per rank a step lasts as long as the slowest rank: the max/mean columns above "
+            "are what balancing saves there (`mmbalance simulate` predicts it for real models)"
+        )
+    return (
+        "each rank has a CPU core, but the demo's model is tiny, so the all-to-alls and the planning weigh "
+        "as much as the compute: these step times do not show what balancing saves on a real model (the "
+        "max/mean columns do; `mmbalance simulate` predicts the step time)"
     )
+
+
+def _print(rep: dict) -> None:
+    groups = rep["ranks"] // GROUP
+    group = f"(LLM: {groups} group{'s' if groups > 1 else ''} of {GROUP})"
+    if not rep["balanced"]:
+        print(f"\nper phase over {rep['steps']} steps on {rep['ranks']} ranks {group}, not balanced:")
+        print(f"{'phase':<8} {'max/mean':>9}")
+        for name, p in rep["phases"].items():
+            print(f"{name:<8} {p['before']:>9.3f}")
+        print(f"\nstep time: {rep['step_ms']:.1f} ms (median, slowest rank)")
+        print(textwrap.fill(f"note: {timing_note(rep)}", 100, initial_indent="  ", subsequent_indent="  "))
+        print(f"losses: {', '.join(f'{x:.6f}' for x in rep['losses'])}")
+        return
+    print(f"\nper phase over {rep['steps']} steps on {rep['ranks']} ranks {group}:")
     print(
         f"{'phase':<8} {'max/mean before':>16} {'max/mean after':>15} {'tokens moved':>13} {'off-node (last)':>16}"
     )
@@ -324,14 +336,14 @@ def _print(rep: dict, balanced: bool) -> None:
     )
     if "step_ms_unbalanced" in rep:
         print(
-            f"step time: balanced {rep['step_ms']:.1f} ms, unbalanced {rep['step_ms_unbalanced']:.1f} ms (median, slowest rank)"
+            f"step time: balanced {rep['step_ms']:.1f} ms, unbalanced {rep['step_ms_unbalanced']:.1f} ms "
+            "(median, slowest rank)"
         )
+        print(textwrap.fill(f"note: {timing_note(rep)}", 100, initial_indent="  ", subsequent_indent="  "))
         print("losses (balanced / unbalanced):")
         for k, (a, b) in enumerate(zip(rep["losses"], rep["losses_unbalanced"])):
             print(f"  step {k}: {a:.10f}  {b:.10f}")
         print(f"max relative difference: {rep['max_relative_loss_difference']:.2e}")
-    else:
-        print(f"step time: {rep['step_ms']:.1f} ms; losses: {', '.join(f'{x:.6f}' for x in rep['losses'])}")
 
 
 def plot(rep: dict, path: str) -> None:
@@ -339,26 +351,37 @@ def plot(rep: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
+    both = "losses_unbalanced" in rep
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a.plot(rep["losses"], "o-", label="balanced" if "losses_unbalanced" in rep else "loss")
-    if "losses_unbalanced" in rep:
+    a.plot(rep["losses"], "o-", label="balanced" if both else "not balanced")
+    if both:
         a.plot(rep["losses_unbalanced"], "x--", label="unbalanced")
+        a.set_title(
+            f"loss, balanced and not: equal to {rep['max_relative_loss_difference']:.1e} (relative)",
+            fontsize=10,
+        )
+    else:
+        a.set_title("loss (a run without balancing)", fontsize=10)
     a.set_xlabel("step")
+    a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     a.set_ylabel("loss (sum / global text tokens)")
     a.legend()
-    a.set_title("loss: balancing does not change training")
     names = list(rep["phases"])
     x = np.arange(len(names))
-    b.bar(x - 0.2, [rep["phases"][n]["before"] for n in names], 0.4, label="before")
-    b.bar(x + 0.2, [rep["phases"][n]["after"] for n in names], 0.4, label="after")
+    if rep["balanced"]:
+        b.bar(x - 0.2, [rep["phases"][n]["before"] for n in names], 0.4, label="before")
+        b.bar(x + 0.2, [rep["phases"][n]["after"] for n in names], 0.4, label="after")
+        b.legend()
+        b.set_title("per-phase imbalance, before and after balancing", fontsize=10)
+    else:
+        b.bar(x, [rep["phases"][n]["before"] for n in names], 0.5)
+        b.set_title("per-phase imbalance as sampled (not balanced)", fontsize=10)
     b.axhline(1.0, color="k", lw=0.5)
     b.set_xticks(x, names)
     b.set_ylabel("max / mean load across ranks")
-    b.legend()
-    b.set_title("per-phase imbalance")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}")
 
@@ -367,7 +390,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mmbalance demo",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--ranks",
@@ -428,7 +451,12 @@ def main(argv=None) -> int:
     msg = check_args(args)
     if msg:
         return usage_error("mmbalance demo", msg)
-    rep = run(args)
+    try:
+        rep = run(args)
+    except OSError as exc:  # the outputs were checked first; a special file system can still refuse
+        return usage_error(
+            "mmbalance demo", f"cannot write {exc.filename or 'an output'}: {exc.strerror or exc}"
+        )
     if "max_relative_loss_difference" in rep and rep["max_relative_loss_difference"] > (
         1e-6 if args.dtype == "float64" else 1e-3
     ):

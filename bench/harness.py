@@ -129,37 +129,101 @@ def base_parser(description: str):
     return p
 
 
-def spawn(fn: Callable[..., Any], world: int, *args, timeout: float = 600.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes joined in one gloo group (NCCL
-    when every rank has a GPU); return what each rank returned, by rank. ``fn`` must be a
-    module-level function (the processes are spawned)."""
-    import tempfile
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - platforms without affinity
+        return os.cpu_count() or 1
 
+
+def describe_exit(code: int | None) -> str:
+    """A process exit code in words (negative codes are signals)."""
+    import signal
+
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world: int,
+    *args,
+    timeout: float = 600.0,
+    backend: str | None = None,
+    pg_timeout: float = 300.0,
+    exit_grace: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes joined in one process group;
+    return what each rank returned, by rank. ``fn`` must be a module-level function (the
+    processes are spawned) and return picklable values (no tensors).
+
+    ``backend``: ``"gloo"``, ``"nccl"``, or ``None`` for NCCL when every rank can have a GPU of its
+    own and gloo otherwise; with NCCL, rank ``r`` runs on ``cuda:r``. A rank that raises fails the
+    call with its traceback; so does a process that finished its work but then did not exit with
+    code 0 within ``exit_grace`` seconds (an abort at exit is a failure, not a detail), and any rank
+    that has not reported within ``timeout`` seconds."""
+    import queue as queue_mod
+    import tempfile
+    import time
+
+    import torch
     import torch.multiprocessing as mp
 
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_spawned, args=(r, world, init, fn, args, queue)) for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_spawned, args=(r, world, init, backend, pg_timeout, fn, args, queue), daemon=True
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world):
-                rank, value, err = queue.get(timeout=timeout)
+            while len(out) < world:
+                try:
+                    rank, value, err = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue_mod.Empty:
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout:.0f}s"
+                    ) from None
                 if err:
                     raise RuntimeError(f"rank {rank} failed:\n{err}")
                 out[rank] = value
         finally:
-            for p in procs:
-                p.join(timeout=30)
+            grace = time.monotonic() + (exit_grace if len(out) == world else 5.0)
+            hung = set()
+            for r, p in enumerate(procs):
+                p.join(timeout=max(0.1, grace - time.monotonic()))
                 if p.is_alive():
+                    hung.add(r)
                     p.kill()
+                    p.join(timeout=5)
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            what = "; ".join(
+                f"rank {r}'s process "
+                + (f"did not exit within {exit_grace:.0f}s" if r in hung else describe_exit(code))
+                for r, code in bad
+            )
+            raise RuntimeError(f"every rank finished its work, but then {what}")
     return [out[r] for r in range(world)]
 
 
-def _spawned(rank, world, init, fn, args, queue):
+def _spawned(rank, world, init, backend, pg_timeout, fn, args, queue):
     import traceback
     from datetime import timedelta
 
@@ -167,16 +231,18 @@ def _spawned(rank, world, init, fn, args, queue):
     import torch.distributed as dist
 
     try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
-        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-        if cuda:
+        if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=300),
+            backend, init_method=f"file://{init}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=pg_timeout),
         )  # fmt: skip
-        value = fn(rank, world, *args)
-        dist.destroy_process_group()
+        try:
+            value = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
         queue.put((rank, value, None))
     except Exception:  # noqa: BLE001 - reported to the parent
         queue.put((rank, None, traceback.format_exc()))

@@ -1,6 +1,6 @@
 """Compile every Triton kernel in ``kernels/`` for a GPU architecture and audit the machine code.
 
-    python -m bench.kernel_audit --arch sm_90 [--json FILE] [--only SUBSTRING]
+    python -m mmbalance.bench.kernel_audit --arch sm_90 [--json FILE] [--only SUBSTRING]
 
 Needs no GPU: ``triton.compile`` lowers each kernel to PTX and a cubin for the target
 (``GPUTarget("cuda", 90, 32)``), ``cuobjdump --dump-resource-usage`` reads registers and local

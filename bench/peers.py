@@ -41,6 +41,8 @@ print(json.dumps({"times_ms": times, "version": importlib.metadata.version("verl
 
 PEERS_ENV = ".venv-peers"
 PEERS_PYTHON_VAR = "MMBALANCE_PEERS_PYTHON"
+# what verl's balancer module imports (the Makefile's peers target installs the same)
+PEER_DEPS = "numpy packaging omegaconf 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11' ray"
 
 
 def peer_python() -> tuple[str | None, str]:
@@ -60,7 +62,15 @@ def peer_python() -> tuple[str | None, str]:
         cand = os.path.join(base, PEERS_ENV, "bin", "python")
         if os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand, ""
-    return None, f"no {PEERS_ENV} environment (`make peers` creates it) and {PEERS_PYTHON_VAR} is not set"
+    if os.path.isfile(os.path.join(root, "Makefile")) and os.path.isfile(
+        os.path.join(root, "pyproject.toml")
+    ):
+        return None, f"no {PEERS_ENV} environment (`make peers` creates it) and {PEERS_PYTHON_VAR} is not set"
+    return None, (
+        f"verl is not set up: set {PEERS_PYTHON_VAR} to the python of an environment of its own with "
+        f"`pip install torch==2.13.0 && pip install --no-deps verl==0.9.1 && pip install {PEER_DEPS}` "
+        "(its pins conflict with ours)"
+    )
 
 
 def run_verl(python: str, lengths: np.ndarray, k: int, reps: int = 1, timeout: float = 900.0) -> dict:

@@ -1,6 +1,6 @@
 """Planner benchmark on real data: speed, quality and locality of post-balancing.
 
-    python -m bench.planners [--quick | --full] [--json FILE] [--plot FILE.png]
+    python -m mmbalance.bench.planners [--quick | --full] [--json FILE] [--plot FILE.png]
 
 Inputs are per-example sizes sampled from the shipped real-data mixture (images with tiles, videos,
 speech; see ``mmbalance.balancing.datasets``), 60 examples per rank, every rank's examples in a
@@ -37,6 +37,7 @@ import numpy as np
 from mmbalance.balancing import lower_bound, node_wise_permutation, paper_algorithm, post_balance
 from mmbalance.balancing._core_api import batch_costs
 from mmbalance.balancing.datasets import mixture
+from mmbalance.balancing.node_perm import have_exact_solver
 
 from .harness import Row, base_parser, device_name, report, time_cpu
 from .peers import peer_python, peer_status_row, run_verl
@@ -208,6 +209,12 @@ def bench_policies(full: bool) -> list[Row]:
 def bench_locality(ranks: list[int], full: bool, exact: bool = True) -> list[Row]:
     rows = []
     dev = device_name()
+    if exact and not have_exact_solver():
+        print(
+            "(the node-wise permutation uses its fast heuristic here: the exact solver needs scipy, "
+            'pip install "mmbalance[exact]")'
+        )
+        exact = False
     for d in ranks:
         for seed in range(1 if not full else 3):
             lengths = mixture(PER_RANK * d, 100 + seed).llm

@@ -1,6 +1,6 @@
-"""Benchmark of the cost-model, CP-group, reordering, ISF and partition planners on real data: ``python -m bench.planners_extra [--full] [--json FILE]``.
+"""Benchmark of the cost-model, CP-group, reordering, ISF and partition planners on real data: ``python -m mmbalance.bench.planners_extra [--full] [--json FILE]``.
 
-(Also run from ``python -m bench.planners``.) Tables:
+(Also run from ``python -m mmbalance.bench.planners``.) Tables:
 
 1. cost model: a transformer layer profiled on this machine (``mmbalance.balancing.profile``), fitted
    on half of a length sweep; error on the fit and on the held-out half (dhp.txt table 3: < 8%);

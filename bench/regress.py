@@ -1,11 +1,14 @@
 """Regression gate: compare benchmark rows against stored baseline rows.
 
-    python -m bench.regress NEW.jsonl BASELINE.jsonl [--tolerance 0.10]
+    python -m mmbalance.bench.regress NEW.jsonl BASELINE.jsonl [--tolerance 0.10]
 
 Rows are matched on (op, provider, shape, dtype, device). A row regresses when its ``time_ms`` is
 more than ``tolerance`` above the baseline's. Rows without a baseline are listed, not failed (a new
-benchmark or a new machine); a missing baseline file passes with a note, so the gate can be seeded
-by committing the first run's rows. Exit status 1 on any regression.
+benchmark or a new machine). Exit status 1 on any regression, 2 when a file cannot be read (a
+missing baseline is an error here, never a silent pass).
+
+A baseline is simply an earlier run's rows: ``mmbalance bench --json baseline.jsonl`` on the same
+machine. ``.github/workflows/gpu.yml`` uses the rows of the last successful run on main.
 """
 
 from __future__ import annotations
@@ -44,9 +47,14 @@ def main(argv=None) -> int:
     p.add_argument("baseline")
     p.add_argument("--tolerance", type=float, default=0.10)
     args = p.parse_args(argv)
-    if not os.path.exists(args.baseline):
-        print(f"no baseline at {args.baseline}: nothing to compare (commit these rows to seed it)")
-        return 0
+    for name, path in (("new rows", args.new), ("baseline", args.baseline)):
+        if not os.path.isfile(path):
+            print(
+                f"mmbalance.bench.regress: no {name} at {path} (record a baseline with "
+                "`mmbalance bench --json FILE` on the same machine)",
+                file=sys.stderr,
+            )
+            return 2
     regressions, unmatched = compare(_load(args.new), _load(args.baseline), args.tolerance)
     for u in unmatched:
         print(f"no baseline: {u}")

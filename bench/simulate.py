@@ -37,7 +37,7 @@ import numpy as np
 
 from mmbalance.balancing import paper_algorithm, post_balance
 from mmbalance.balancing.datasets import ExampleSizes, mixture
-from mmbalance.cli import check_output, require_matplotlib, usage_error
+from mmbalance.cli import HelpFormatter, check_output, require_matplotlib, usage_error, write_output
 
 PEAK_FLOPS = 989e12 * 0.45  # H100 dense bf16 at a 45% efficiency, the same for every phase
 
@@ -314,11 +314,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mmbalance simulate",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--data",
-        help="CSV/JSONL with exactly the columns vision, audio, text (default: the shipped real-data mixture)",
+        help="CSV/JSONL with exactly the columns vision, audio, text; each step samples its examples "
+        "from the file's rows with replacement (default: the shipped real-data mixture)",
     )
     p.add_argument("--ranks", default="8,64,512,2560", help="comma-separated data-parallel sizes")
     p.add_argument(
@@ -384,14 +385,26 @@ def main(argv=None) -> int:
         )
     except ValueError as exc:
         return usage_error("mmbalance simulate", str(exc))
+    source = f"{args.data}: {len(sizes)} rows" if args.data else f"the shipped mixture: {len(sizes)} examples"
+    print(
+        f"data: {source}; each simulated step samples ranks x {args.per_rank} of them with replacement "
+        f"({args.steps} steps per scale)"
+    )
     rows = simulate(sizes, ranks, MODELS[args.model], args.per_rank, args.steps, args.seed)
     _print(rows, args.model)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "rows": rows}, f, indent=2)
+
+        def write_json(path):
+            with open(path, "w") as f:
+                json.dump({"model": args.model, "rows": rows}, f, indent=2)
+
+        rc = write_output("mmbalance simulate", args.json, write_json)
+        if rc:
+            return rc
     if args.plot:
-        plot(rows, args.plot)
+        rc = write_output("mmbalance simulate", args.plot, lambda path: plot(rows, path))
+        if rc:
+            return rc
     return 0
 
 

@@ -300,7 +300,7 @@ def segment_gather_fwd(src, src_cu_seqlens, dst_cu_seqlens, order, out) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Representative compile settings for ``python -m bench.kernel_audit`` (see its docstring for the
+# Representative compile settings for ``python -m mmbalance.bench.kernel_audit`` (see its docstring for the
 # entry format): rows of 1-8 K elements as in LLM/encoder hidden states, tiles as the launchers
 # pick them, 16-byte-divisible pointers, row lengths and strides as Triton specialises them at a
 # real launch. Bandwidth kernels must compile to 128-bit global loads/stores with no spills.

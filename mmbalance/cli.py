@@ -16,6 +16,30 @@ import sys
 BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default once: appended as ``(default: X)`` unless the help text already
+    says what the default is, and never for flags that are off (``False``) or unset (``None``)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or "(default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        if not action.option_strings and action.nargs in (argparse.ZERO_OR_MORE, argparse.OPTIONAL):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def write_output(prog: str, path: str, write) -> int | None:
+    """Run ``write(path)``; on an ``OSError`` (a read-only or special file system, a full disk) print
+    one line and return the exit status 2 instead of a traceback."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write(path)
+    except OSError as exc:
+        return usage_error(prog, f"cannot write {path}: {exc.strerror or exc}")
+    return None
+
+
 def usage_error(prog: str, message: str) -> int:
     """Print ``prog: message`` on stderr and return the usage-error exit status (2)."""
     print(f"{prog}: {message}", file=sys.stderr)
@@ -171,14 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("simulate", help="what balancing gives at your scale (mmbalance simulate --help)")
     b = sub.add_parser(
         "bench",
-        help="run the benchmark suite (quick by default)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="run the benchmark suite (each benchmark's default sweep; --quick for a smoke run)",
+        description="Run the benchmark suite: each benchmark's default sweep (minutes on a CPU), "
+        "--quick for a smoke run of the smallest sizes, --full for the whole sweep; then, when no NAME "
+        "is given, the kernel audit for sm_90 and sm_80.",
+        formatter_class=HelpFormatter,
     )
     b.add_argument(
         "only", nargs="*", metavar="NAME", help=f"benchmarks to run, of {', '.join(BENCHES)} (default: all)"
     )
     size = b.add_mutually_exclusive_group()
-    size.add_argument("--full", action="store_true", help="the full sweep")
+    size.add_argument("--full", action="store_true", help="the full sweep (longer than the default)")
     size.add_argument("--quick", action="store_true", help="a smoke run: the smallest sizes only")
     b.add_argument(
         "--json",

@@ -22,4 +22,4 @@ def test_regression_gate(tmp_path):
     assert regress.main([str(new), str(base)]) == 0
     _write(new, [{**row, "time_ms": 1.2}])
     assert regress.main([str(new), str(base)]) == 1
-    assert regress.main([str(new), str(tmp_path / "missing.jsonl")]) == 0
+    assert regress.main([str(new), str(tmp_path / "missing.jsonl")]) == 2  # never a silent pass

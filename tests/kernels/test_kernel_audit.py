@@ -1,4 +1,4 @@
-"""``python -m bench.kernel_audit``: the PTX parsing, the registry, and one real sm_90 compile."""
+"""``python -m mmbalance.bench.kernel_audit``: the PTX parsing, the registry, and one real sm_90 compile."""
 
 from __future__ import annotations
 
