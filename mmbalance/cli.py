@@ -136,10 +136,16 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _span(values: list[float]) -> str:
+    """``a`` when every value is the same, else ``lo-hi``: rows of different sizes are not averaged."""
+    lo, hi = min(values), max(values)
+    return f"{lo:.4g}" if f"{lo:.4g}" == f"{hi:.4g}" else f"{lo:.4g}-{hi:.4g}"
+
+
 def _summary(json_path: str) -> None:
-    """One line per (op, provider): rows, median time, and the headline metric where there is one."""
+    """One line per (op, provider): rows, shapes, and the range of the time and of the headline
+    metric over them (a median across different sizes would mean nothing)."""
     import json
-    import statistics
 
     if not os.path.exists(json_path):
         return
@@ -158,17 +164,18 @@ def _summary(json_path: str) -> None:
         "speedup_vs_none",
         "max_offnode_MB",
     )
-    print(f"\n== summary ({json_path}) ==")
-    print(f"{'op':<28} {'provider':<20} {'rows':>4} {'median ms':>10}  headline")
+    print(f"\n== summary ({json_path}): ranges over the rows' shapes ==")
+    print(f"{'op':<28} {'provider':<20} {'rows':>4} {'shapes':>6} {'ms':>17}  headline")
     for (op, prov), rows in sorted(groups.items()):
         times = [r["time_ms"] for r in rows if isinstance(r.get("time_ms"), (int, float))]
         head = []
         for k in keys:
             vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
             if vals:
-                head.append(f"{k} {statistics.median(vals):.4g}")
-        med = f"{statistics.median(times):.4g}" if times else "-"
-        print(f"{op[:28]:<28} {prov[:20]:<20} {len(rows):>4} {med:>10}  {', '.join(head)}")
+                head.append(f"{k} {_span(vals)}")
+        shapes = len({r.get("shape") for r in rows})
+        ms = _span(times) if times else "-"
+        print(f"{op[:28]:<28} {prov[:20]:<20} {len(rows):>4} {shapes:>6} {ms:>17}  {', '.join(head)}")
 
 
 def _delegate(module: str, argv: list[str]) -> int:

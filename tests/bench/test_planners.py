@@ -86,11 +86,24 @@ def test_no_peers_environment_outside_a_source_tree(tmp_path, monkeypatch):
         peers, "__file__", str(tmp_path / "site-packages" / "mmbalance" / "bench" / "peers.py")
     )
     python, why = peers.peer_python()
-    assert python is None and "make peers" in why
+    # a wheel user is told what they can do (the variable and the pip lines), not about make targets
+    assert python is None and peers.PEERS_PYTHON_VAR in why and "verl==0.9.1" in why and "make" not in why
     env = tmp_path / ".venv-peers" / "bin"
     env.mkdir(parents=True)
     (env / "python").symlink_to(sys.executable)
     assert peers.peer_python() == (str(env / "python"), "")
+
+
+def test_no_peers_environment_in_a_source_tree_points_at_make_peers(tmp_path, monkeypatch):
+    monkeypatch.delenv(peers.PEERS_PYTHON_VAR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "checkout"
+    (root / "bench").mkdir(parents=True)
+    (root / "Makefile").write_text("peers:\n")
+    (root / "pyproject.toml").write_text("")
+    monkeypatch.setattr(peers, "__file__", str(root / "bench" / "peers.py"))
+    python, why = peers.peer_python()
+    assert python is None and "make peers" in why
 
 
 def test_quick_run_keeps_the_old_rows_and_adds_the_real_path(tmp_path, monkeypatch):
