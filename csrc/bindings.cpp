@@ -9,15 +9,21 @@
 #include <string>
 #include <vector>
 
+#include "additive.hpp"
 #include "balance.hpp"
-#include "beside.hpp"
+#include "conv.hpp"
+#include "exact_search.hpp"
+#include "helper_thread.hpp"
+#include "locality.hpp"
+#include "node_perm.hpp"
+#include "padded.hpp"
 #include "placer.hpp"
 
 namespace py = pybind11;
 using mmb::Index;
 
 namespace mmb {
-void bind_planners(py::module_& m);  // planners_bind.cpp
+void bind_planners(py::module_& m);  // schedulers_bind.cpp
 }
 
 namespace {

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "planners.hpp"
+#include "schedulers.hpp"
 
 namespace mmb {
 namespace dhp_detail {

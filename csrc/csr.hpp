@@ -3,7 +3,7 @@
 
 #include <vector>
 
-#include "balance.hpp"
+#include "costs.hpp"
 
 namespace mmb {
 

@@ -36,8 +36,8 @@
 #include <tuple>
 #include <utility>
 
-#include "dhp_models.hpp"
-#include "planners.hpp"
+#include "cp_costs.hpp"
+#include "schedulers.hpp"
 
 namespace mmb {
 

@@ -1,5 +1,5 @@
-// A long-lived helper thread for two-sided planning work (see beside.hpp).
-#include "beside.hpp"
+// A long-lived helper thread for two-sided planning work (see helper_thread.hpp).
+#include "helper_thread.hpp"
 
 #include <condition_variable>
 #include <exception>

@@ -10,7 +10,7 @@
 #include <map>
 #include <numeric>
 
-#include "planners.hpp"
+#include "schedulers.hpp"
 
 namespace mmb {
 

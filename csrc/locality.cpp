@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "balance.hpp"
+#include "locality.hpp"
 #include "csr.hpp"
 #include "placer.hpp"
 

@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "balance.hpp"
+#include "node_perm.hpp"
 #include "csr.hpp"
 #include "radix.hpp"
 #include "scratch.hpp"

@@ -14,7 +14,7 @@
 #include <cmath>
 #include <limits>
 
-#include "planners.hpp"
+#include "schedulers.hpp"
 
 namespace mmb {
 

@@ -5,7 +5,7 @@
 #include <iterator>
 #include <limits>
 
-#include "beside.hpp"
+#include "helper_thread.hpp"
 #include "radix.hpp"
 
 namespace mmb {

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "balance.hpp"
+#include "costs.hpp"
 #include "csr.hpp"
 
 namespace mmb {

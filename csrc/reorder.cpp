@@ -16,7 +16,7 @@
 #include <queue>
 #include <utility>
 
-#include "planners.hpp"
+#include "schedulers.hpp"
 
 namespace mmb {
 

@@ -2,7 +2,7 @@
 // (DistTrain / MMScale), ISF mini-batches and balanced pipeline partitions (OmniBal), and adaptive
 // resource allocation (MMScale).
 //
-// Same rules as balance.hpp: plain C++17 on arrays, no Python, no torch; deterministic pure
+// Same rules as costs.hpp: plain C++17 on arrays, no Python, no torch; deterministic pure
 // functions (ties by index, one fixed order of floating-point work), so every process computes
 // byte-identical plans.
 #pragma once
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "balance.hpp"
+#include "costs.hpp"
 
 namespace mmb {
 

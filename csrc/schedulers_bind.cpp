@@ -12,7 +12,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "planners.hpp"
+#include "schedulers.hpp"
 
 namespace py = pybind11;
 
