@@ -4,28 +4,28 @@
 >>> plan = post_balance([7, 1, 3, 5, 2, 2], num_ranks=2)
 >>> plan.costs.tolist()
 [10.0, 10.0]
+
+The papers' own algorithms, the baselines every planner here is held to, are in
+:mod:`mmbalance.balancing.paper`; input validation is :mod:`mmbalance.balancing.validate`. The
+profiler that measures a model for :class:`CostModel` runs torch, so it is
+``mmbalance.collectives.profile``.
 """
 
+from .cost_model import CostModel, FitReport, Measurement
+from .cp_schedule import CPGroup, CPSchedule, cp_schedule
+from .isf import Batches, BatchStats, batch_stats, dist_ratio, isf_batches, isf_limits, pad_ratio
 from .node_perm import node_wise_permutation
-from .plan import DEFAULT_BETA, POLICIES, Plan
-from .post_balance import lower_bound, paper_algorithm, post_balance
 
-__all__ = [
-    "DEFAULT_BETA",
-    "POLICIES",
-    "Plan",
-    "lower_bound",
-    "node_wise_permutation",
-    "paper_algorithm",
-    "post_balance",
-]
-
-# Cost models, dynamic CP groups, microbatch reordering, ISF batching, pipeline partition and
-# resource allocation.
-from .cost_model import CostModel, FitReport, Measurement  # noqa: E402
-from .cp_schedule import CPGroup, CPSchedule, cp_schedule, paper_cp_schedule  # noqa: E402
-from .isf import Batches, BatchStats, batch_stats, dist_ratio, isf_batches, isf_limits, pad_ratio  # noqa: E402
-from .partition import (  # noqa: E402
+# Old import paths of the paper baselines (now in mmbalance.balancing.paper), kept working.
+from .paper import (  # noqa: F401, E402, I001
+    paper_algorithm,
+    paper_cp_schedule,
+    paper_inter_reorder,
+    paper_intra_reorder,
+    paper_partition,
+    paper_reorder,
+)
+from .partition import (
     Allocation,
     ModuleConfig,
     ModuleCost,
@@ -33,20 +33,16 @@ from .partition import (  # noqa: E402
     PartitionPlan,
     allocate_resources,
     balanced_partition,
-    paper_partition,
 )
-from .reorder import (  # noqa: E402
-    ReorderPlan,
-    inter_reorder,
-    intra_reorder,
-    paper_inter_reorder,
-    paper_intra_reorder,
-    paper_reorder,
-    reorder,
-    simulate_1f1b,
-)
+from .phases import TEXT, PhasePlans, PhaseSpec, connector_lengths, plan_step
+from .plan import DEFAULT_BETA, POLICIES, Plan, imbalance
+from .post_balance import lower_bound, post_balance
+from .reorder import ReorderPlan, inter_reorder, intra_reorder, reorder, simulate_1f1b
 
-__all__ += [
+__all__ = [
+    "DEFAULT_BETA",
+    "POLICIES",
+    "TEXT",
     "Allocation",
     "BatchStats",
     "Batches",
@@ -59,32 +55,26 @@ __all__ += [
     "ModuleCost",
     "PartitionCandidate",
     "PartitionPlan",
+    "PhasePlans",
+    "PhaseSpec",
+    "Plan",
     "ReorderPlan",
     "allocate_resources",
     "balanced_partition",
     "batch_stats",
+    "connector_lengths",
     "cp_schedule",
     "dist_ratio",
+    "imbalance",
     "inter_reorder",
     "intra_reorder",
     "isf_batches",
     "isf_limits",
+    "lower_bound",
+    "node_wise_permutation",
     "pad_ratio",
-    "paper_cp_schedule",
-    "paper_inter_reorder",
-    "paper_intra_reorder",
-    "paper_partition",
-    "paper_reorder",
+    "plan_step",
+    "post_balance",
     "reorder",
     "simulate_1f1b",
 ]
-
-
-def __getattr__(name):
-    # The profiler runs torch, so it lives in mmbalance.collectives and loads on first use only:
-    # importing the planners (also with ``import *``: it is not in __all__) stays torch-free.
-    if name == "profile":
-        from mmbalance.collectives.profile import profile
-
-        return profile
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

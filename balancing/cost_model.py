@@ -14,7 +14,7 @@ b * l_max^2``. Memory per rank is ``memory_per_token * S1 / d + memory_static`` 
 
 :meth:`CostModel.fit` fits the coefficients to measurements (relative least squares, non-negative,
 with the overlap branch of each measurement chosen alternately) and reports the fit error; the
-profiler ``mmbalance.balancing.profile`` (it runs torch, so it lives in ``mmbalance.collectives``)
+profiler ``mmbalance.collectives.profile.profile`` (it runs torch, so it is not in this layer)
 produces such measurements for a user's module.
 
 >>> m = CostModel(linear=1.0, attention=0.001)
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ._validate import as_count, as_lengths
+from .validate import as_count, as_lengths
 
 MASKS = ("causal", "full")
 

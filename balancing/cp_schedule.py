@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._core_api import core
-from ._validate import as_count, as_lengths, as_num_ranks
 from .cost_model import CostModel
+from .validate import as_count, as_lengths, as_num_ranks
 
 DEFAULT_COST = CostModel.transformer()
 # A callable cost is evaluated per degree: num_ranks is bounded for it, and so are the n * num_ranks

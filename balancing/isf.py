@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._core_api import core
-from ._validate import as_count, as_lengths
+from .validate import as_count, as_lengths
 
 
 def pad_ratio(lengths_of_one_batch) -> float:

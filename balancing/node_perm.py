@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._core_api import core
-from ._validate import as_coefficient, as_count, as_ranks
 from .plan import Plan
+from .validate import as_coefficient, as_count, as_ranks
 
 
 def node_wise_permutation(

@@ -10,6 +10,7 @@ then b", and ``p.inverse()`` moves every example back.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -32,6 +33,14 @@ def default_beta(policy: str, beta: float | None) -> float:
     if beta is not None:
         return beta
     return DEFAULT_BETA if policy in QUADRATIC_POLICIES else 0.0
+
+
+def imbalance(loads) -> float:
+    """Max over mean of per-rank loads (costs, tokens, seconds): 1.0 is perfect balance; 1.0 also
+    for no load at all. The one definition every statistic of the package uses."""
+    loads = np.asarray(loads, dtype=np.float64)
+    mean = float(loads.mean()) if loads.size else 0.0
+    return float(loads.max() / mean) if mean > 0 else 1.0
 
 
 def _slots(ranks: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -99,6 +108,34 @@ class Plan:
     def tokens(self) -> np.ndarray:
         """Tokens (sum of lengths) received by each rank, int64 ``[num_ranks]``."""
         return np.bincount(self.dst_rank, weights=self.lengths, minlength=self.num_ranks).astype(np.int64)
+
+    def batch_costs(self, ranks=None, num_ranks: int | None = None) -> np.ndarray:
+        """float64 ``[num_ranks]``: the cost of each batch that putting example ``i`` on rank
+        ``ranks[i]`` would form, under this plan's cost model (``policy``, ``alpha``, ``beta``).
+        Default: the plan's own batches (``dst_rank``, which is :attr:`costs`); pass
+        ``num_ranks`` for another number of batches (e.g. groups of ranks)."""
+        if ranks is None:
+            return np.array(self.costs)
+        from .validate import as_ranks
+
+        n = self.num_ranks if num_ranks is None else int(num_ranks)
+        ranks = as_ranks(ranks, self.num_examples, n, "ranks")
+        return _costs_of(self.lengths, ranks, n, self.policy, self.alpha, self.beta)
+
+    def source_costs(self) -> np.ndarray:
+        """float64 ``[num_ranks]``: each rank's batch cost before the move (requires a source)."""
+        self._need_source("source_costs")
+        return self.batch_costs(self.src_rank)
+
+    def imbalance(self, before: bool = False) -> float:
+        """Max/mean batch cost over the ranks after the move (``before=True``: as sampled)."""
+        return imbalance(self.source_costs() if before else self.costs)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """A short hex hash of the plan (the first 8 bytes of :meth:`digest`), computed once: what
+        the collectives compare across ranks before they move anything."""
+        return self.digest()[:8].hex()
 
     def moved(self) -> np.ndarray:
         """Boolean ``[n]``: examples whose rank changes (requires a source)."""
@@ -252,7 +289,7 @@ class Plan:
 
     def with_lengths(self, lengths) -> Plan:
         """The same moves for another payload of the same examples (e.g. labels, encoder outputs)."""
-        from ._validate import as_lengths
+        from .validate import as_lengths
 
         lengths = as_lengths(lengths)
         if lengths.shape[0] != self.num_examples:

@@ -42,8 +42,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._core_api import POLICY_IDS, core
-from ._validate import as_coefficient, as_count, as_lengths, as_num_ranks, as_ranks
 from .plan import Plan, default_beta
+from .validate import as_coefficient, as_count, as_lengths, as_num_ranks, as_ranks
 
 
 def post_balance(
@@ -167,70 +167,17 @@ def lower_bound(
 
     Every policy's batch cost splits the same way: with ``m`` the largest length in a batch of ``b``
     examples, ``cost = sum_i a(l_i) + b * h(m)`` with ``a`` and ``h`` non-negative and
-    non-decreasing:
+    non-decreasing (``"sum"``: ``a = l``; ``"quadratic"``: ``a = alpha*l + beta*l^2``; ``"padded"``:
+    ``h = m``; ``"conv"``: ``a = alpha*l``, ``h = beta*m^2``; ``"padded_quadratic"``: ``h = alpha*m +
+    beta*m^2``). The bound is the largest of four: the count bound (the ``k`` largest examples put
+    ``ceil(k/d)`` of them on one rank), the total bound (the mean over ranks), and for the policies
+    with padding the fluid bound (examples split into fractions, solved exactly by a greedy) and the
+    whole-example bound (exact for "padded" and "padded_quadratic"). Each is proven in
+    ``docs/lower_bound.md``.
 
-    ================== ======================= ======================
-    policy             ``a(l)``                ``h(m)``
-    ================== ======================= ======================
-    "sum"              ``l``                   0
-    "quadratic"        ``alpha*l + beta*l^2``  0
-    "padded"           0                       ``m``
-    "conv"             ``alpha*l``             ``beta*m^2``
-    "padded_quadratic" 0                       ``alpha*m + beta*m^2``
-    ================== ======================= ======================
-
-    The bound is the largest of four, each proven below (``s_1 >= s_2 >= ...`` the sorted lengths,
-    ``d = num_ranks``):
-
-    1. **Count bound** ``max over k of sum_{j=k-c+1..k} a(s_j) + c * h(s_{k-c+1})``, ``c =
-       ceil(k/d)``. The ``k`` largest examples on ``d`` ranks put ``c`` of them on one rank. Their
-       ``a`` sum to at least that of the ``c`` smallest of the ``k`` (``a`` non-decreasing); ``c``
-       distinct positions among ``1..k`` include one ``<= k-c+1``, so the rank's largest length is
-       at least ``s_{k-c+1}`` and it pays ``h`` of at least that for each of its ``>= c`` examples.
-       ``k = 1`` is the largest single example; for "sum" ``k = d+1`` gives ``s_d + s_{d+1}``.
-    2. **Total bound** ``sum_i (a(l_i) + h(l_i)) / d``: a batch costs at least the sum of its
-       examples' costs alone (``h(m) >= h(l_i)``), and the largest of ``d`` batches is at least
-       their mean. For "sum" every batch cost is a whole number, so 1. and 2. round up.
-    3. **Fluid bound** (policies with padding, ``h != 0``), the one that sees the padding across
-       ranks. Relax the problem: examples may be split into fractions placed on different ranks; a
-       rank with designated leader value ``m`` may hold fractions of examples with ``l <= m`` at
-       ``a(l) + h(m)`` per unit. Every plan is such a relaxed solution (``m`` its largest length), so
-       if the relaxation needs more than ``d`` ranks for makespan ``C``, so does every plan. The
-       relaxation is solved exactly by the greedy that walks the sorted lengths as a continuum and
-       fills rank after rank up to ``C``, each led by the length where it starts. Proof that the
-       greedy needs no more ranks than any relaxed solution ``y`` (induction on the greedy's ranks):
-       let ``y`` cover what remains after the greedy's first ``j-1`` ranks with ranks ``j..k``. Cap
-       every leader of ``y`` at the largest remaining length ``L`` (costs only drop) and call rank
-       ``j`` one of ``y``'s ranks holding some of the example at ``L``, so its leader is ``L``, the
-       greedy's, and no other leader is larger. Let ``P`` be the stretch the greedy's rank ``j``
-       takes. While ``y``'s rank ``j`` holds some of an example ``t'`` after ``P`` and some rank
-       ``b`` holds some of an example ``t`` in ``P`` (``l_t >= l_t'``, ``h_j >= h_b``): move
-       ``e`` of ``t`` from ``b`` to ``j`` and ``e * (a(l_t) + h_j) / (a(l_t') + h_j)`` of ``t'``
-       from ``j`` to ``b``. Rank ``j``'s cost is unchanged and rank ``b``'s changes by ``e * (a(l_t)
-       - a(l_t')) * (h_b - h_j) / (a(l_t') + h_j) <= 0``; both stay within their leaders; taking
-       ``e`` as large as the two amounts allow empties one of the offending pairs and creates none
-       (a zero-cost ``t'``, ``a(l_t') + h_j = 0``, just moves to ``b``). Afterwards either rank ``j``
-       holds nothing after ``P``, and moving the rest of ``P`` onto it makes it the greedy's rank
-       (cost at most ``C``), or no other rank holds any of ``P``: then rank ``j`` holds all of
-       ``P``, which costs ``C`` already (unless ``P`` is all that remains), so anything else on it
-       costs nothing and moves off for free. Either way ranks ``j+1..k`` cover the rest. So ``C`` is
-       a bound whenever the greedy needs more than ``d`` ranks at ``C``. Without padding (``h = 0``)
-       the fluid bound is the total bound.
-    4. **Whole-example bound** (``h != 0``): drop the ``a`` of every example but the largest of its
-       batch, ``cost >= a(m) + b * h(m)``, which depends on the count and the largest length only.
-       For such costs some optimal plan is contiguous in the sorted order (order the batches by
-       their largest length and refill them with the same counts, largest examples first: no
-       batch's largest length grows), and the greedy that gives each rank in turn as many of the
-       largest remaining examples as fit under ``C`` needs no more ranks than any contiguous plan
-       (by induction its ``j``-th rank starts no earlier in the sorted order, so its largest length
-       is no larger, it takes at least as many and ends no earlier). For "padded" and "padded_quadratic" (``a = 0``) this is the
-       optimum itself. 3. is stronger where ``a`` weighs much (many examples per rank), 4. where
-       whole examples matter (few per rank).
-
-    3. and 4. are found by bisection on ``C`` (each greedy is monotone in ``C``) to a relative
-    ``1e-7``; the largest ``C`` the greedy refutes is returned, lowered by ``1e-9`` for rounding.
-    Cost: ``O(n log n)`` plus, with padding, about 25 passes of each greedy, ``O(min(d, u) log u)``
-    each for ``u`` distinct lengths (real data: 5-50 ms at 64-2560 ranks, under 0.5 s at 16384).
+    Cost: ``O(n log n)`` plus, with padding, about 25 bisection passes of each greedy, ``O(min(d, u)
+    log u)`` each for ``u`` distinct lengths (real data: 5-50 ms at 64-2560 ranks, under 0.5 s at
+    16384).
 
     Args:
         lengths: ``[n]`` non-negative integer lengths, as for :func:`post_balance`.

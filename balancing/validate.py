@@ -1,10 +1,23 @@
-"""Input validation shared by every planner: clear ``ValueError``/``TypeError`` naming the argument."""
+"""Input validation shared by every planner, and by the layers above that take lengths, ranks and
+coefficients: a clear ``ValueError``/``TypeError`` naming the argument, never a crash or a silently
+wrong plan."""
 
 from __future__ import annotations
 
 import numbers
 
 import numpy as np
+
+__all__ = [
+    "MAX_LENGTH",
+    "MAX_RANKS",
+    "MAX_TOTAL",
+    "as_coefficient",
+    "as_count",
+    "as_lengths",
+    "as_num_ranks",
+    "as_ranks",
+]
 
 # Limits that keep every plan exact and its memory bounded. Plans allocate O(num_ranks) per call,
 # so a rank count far above any real job is refused rather than left to exhaust memory; lengths

@@ -39,7 +39,7 @@ def _worker(rank, world, init, args, queue):
         dist.init_process_group(
             backend, init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
         )
-        from mmbalance.balancing import Plan, node_wise_permutation, post_balance
+        from mmbalance.balancing import Plan, imbalance, node_wise_permutation, post_balance
         from mmbalance.balancing.datasets import mixture
         from mmbalance.collectives import gather_lengths, rebalance
 
@@ -90,7 +90,7 @@ def _worker(rank, world, init, args, queue):
                         max_send_MB=sent.sum(1).max() * elt / 1e6,
                         max_offnode_MB=offn.max() * elt / 1e6,
                         total_moved_MB=sent.sum() * elt / 1e6,
-                        llm_max_over_mean=float(loads.max() / loads.mean()),
+                        llm_max_over_mean=imbalance(loads),
                     )
                 )
         dist.destroy_process_group()

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmbalance.balancing import paper_algorithm, post_balance
+from mmbalance.balancing import imbalance, post_balance
 from mmbalance.balancing.datasets import ExampleSizes, mixture
+from mmbalance.balancing.paper import paper_algorithm
 from mmbalance.cli import HelpFormatter, check_output, require_matplotlib, usage_error, write_output
 
 PEAK_FLOPS = 989e12 * 0.45  # H100 dense bf16 at a 45% efficiency, the same for every phase
@@ -264,7 +265,7 @@ def simulate(
                 ):
                     t = phase_times(lengths, dsts[p], ranks, tower, padded)
                     total += t.max()
-                    acc[st][f"{p}_imb"].append(t.max() / t.mean() if t.mean() > 0 else 1.0)
+                    acc[st][f"{p}_imb"].append(imbalance(t))
                 acc[st]["step_s"].append(total)
         base = float(np.mean(acc["none"]["step_s"]))
         for st in STRATEGIES:
@@ -355,7 +356,7 @@ def _check_args(args) -> tuple[list[int] | None, str | None]:
             f"--ranks {max(ranks)} x --per-rank {args.per_rank} is {max(ranks) * args.per_rank} examples per "
             f"step; at most {MAX_EXAMPLES} are simulated"
         )
-    from mmbalance.balancing._validate import MAX_RANKS
+    from mmbalance.balancing.validate import MAX_RANKS
 
     if max(ranks) > MAX_RANKS:
         return None, f"--ranks {max(ranks)} is above the planners' limit of {MAX_RANKS} ranks"

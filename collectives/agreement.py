@@ -21,6 +21,15 @@ abort the process inside the communication library).
 
 Ranks that never arrive (a dead process, a rank that left the step) can only be noticed by the
 process group's timeout: the gather then raises on every waiting rank.
+
+Entry points use it through :class:`Entry`, the one protocol every cross-rank call follows::
+
+    with Entry("rebalance", group) as e:       # local validation: a TypeError/ValueError raised
+        check(...)                               # here is recorded, not raised
+        e.fields["plan"] = plan.key              # must be equal on every rank
+        e.values = [grad_bits, torch.is_grad_enabled()]
+        e.like = tensor                          # the device the control tensors go to
+    agreed = e.agree()                           # raises on every rank if any rank had a problem
 """
 
 from __future__ import annotations
@@ -31,9 +40,10 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from .group import initialized, world_of
 from .inflight import run
 
-__all__ = ["RankMismatchError", "Agreement", "agree", "comm_device", "global_grad_bits"]
+__all__ = ["RankMismatchError", "Agreement", "Entry", "agree", "comm_device", "global_grad_bits"]
 
 WORDS = 8
 VALUES = WORDS - 3
@@ -233,3 +243,60 @@ def _explain(
             )
             lines.append(f"{k} differs between ranks ({shown})")
     return f"{entry} refused on every rank, nothing was moved: " + "; ".join(lines)
+
+
+class Entry:
+    """The agreement protocol of one call of a cross-rank entry point (see the module docstring).
+
+    Inside the ``with`` block the entry point validates its local inputs and fills ``fields``
+    (what must be equal on every rank), ``values`` (up to five ints it needs from every rank) and
+    ``like`` (a tensor on the device the control tensors should use). A ``TypeError`` or
+    ``ValueError`` raised in the block is kept as this rank's problem instead of propagating, so
+    the rank still joins the agreement; :meth:`agree` then raises the same error on every rank.
+    ``problem(text)`` records a problem found without raising.
+    """
+
+    __slots__ = ("name", "group", "fields", "values", "like", "problems", "error")
+
+    def __init__(self, name: str, group=None):
+        self.name = name
+        self.group = group
+        self.fields: dict[str, object] = {}
+        self.values: list[int] = []
+        self.like: torch.Tensor | None = None
+        self.problems: list[str] = []
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> Entry:
+        return self
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if isinstance(exc, (TypeError, ValueError)) and not isinstance(exc, RankMismatchError):
+            self.problems.append(str(exc))
+            self.error = exc
+            return True
+        return False
+
+    def problem(self, text: str) -> None:
+        self.problems.append(text)
+
+    def agree(self) -> Agreement:
+        """Run the agreement collective; returns every rank's values or raises on every rank."""
+        if self.error is not None and not initialized():
+            raise self.error  # no process group: nobody to agree with, the local error stands
+        world_of(self.group)
+        like = self.like if isinstance(self.like, torch.Tensor) else None
+        return agree(
+            self.name,
+            self.group,
+            fields=self.fields,
+            values=[int(v) for v in self.values],
+            problems=self.problems,
+            device=comm_device(self.group, like),
+            local_error=self.error,
+        )
+
+    def grad_bits(self, agreed: Agreement, index: int) -> int:
+        """:func:`global_grad_bits` of this entry point (value ``index``: requires-grad bits,
+        ``index + 1``: grad mode)."""
+        return global_grad_bits(self.name, agreed, index)

@@ -19,7 +19,6 @@ corrupting data or deadlocking in the all-to-all. The process group's timeout bo
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -29,23 +28,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mmbalance.balancing import Plan
-from mmbalance.balancing._validate import as_lengths
-from mmbalance.pyops import segment_gather
+from mmbalance.balancing.validate import as_lengths
+from mmbalance.pyops import cu_seqlens_from_lengths, segment_gather
+from mmbalance.pyops.checks import value_checks_enabled
 
-from .agreement import agree, comm_device, global_grad_bits
+from .agreement import Entry, comm_device
+from .group import world_of
 from .inflight import run
 
-__all__ = ["gather_lengths", "rebalance", "Route", "route_of", "verify_plan"]
-
-
-def _debug() -> bool:
-    return os.environ.get("MMBALANCE_DEBUG", "0") not in ("", "0")
-
-
-def _world(group) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
-    return dist.get_rank(group), dist.get_world_size(group)
+__all__ = ["gather_lengths", "gather_table", "rebalance", "Route", "route_of", "verify_plan"]
 
 
 def _as_table(local_lengths, name: str) -> tuple[np.ndarray, bool]:
@@ -69,27 +60,31 @@ def gather_table(
     mat: np.ndarray | None,
     group=None,
     *,
-    entry: str = "gather_lengths",
+    entry: str | Entry = "gather_lengths",
     problems: list[str] | None = None,
     local_error: BaseException | None = None,
     fields: dict[str, object] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """All-gather an int64 ``[n_r, k]`` table per rank (rank-major); ``mat=None`` with ``problems``
-    when this rank's input failed validation (every rank then raises, naming it)."""
-    rank, world = _world(group)
+    """All-gather an int64 ``[n_r, k]`` table per rank: ``(table [n, k], src_ranks [n])``,
+    rank-major, identical on every rank (what :func:`gather_lengths` and the orchestrator build on).
+
+    ``entry`` names the calling entry point, or is its :class:`~.agreement.Entry` with the
+    fields and problems of its own validation; ``mat=None`` when this rank's input failed it.
+    One agreement (row counts, the column count, which must match, and every rank's problems)
+    comes first, so a bad table on any rank raises on every rank before anything is gathered.
+    """
+    e = entry if isinstance(entry, Entry) else Entry(entry, group)
+    if not isinstance(entry, Entry):
+        e.problems += list(problems or [])
+        e.error = local_error
+        e.fields.update(fields or {})
+    rank, world = world_of(group)
     dev = comm_device(group)
     k = mat.shape[1] if mat is not None else -1
     count = mat.shape[0] if mat is not None else 0
-    # One agreement: the row counts, the column count (must match) and every rank's validation.
-    agreed = agree(
-        entry,
-        group,
-        fields={"columns": k, **(fields or {})},
-        values=[count],
-        problems=problems or [],
-        device=dev,
-        local_error=local_error,
-    )
+    e.fields = {"columns": k, **e.fields}
+    e.values = [count]
+    agreed = e.agree()
     counts = np.asarray(agreed.column(0), dtype=np.int64)
     width = int(counts.max()) if world else 0
     buf = torch.zeros((max(width, 1), max(k, 1)), dtype=torch.int64, device=dev)
@@ -122,13 +117,11 @@ def gather_lengths(local_lengths, group=None) -> tuple[np.ndarray, np.ndarray]:
         some rank's lengths are invalid or ranks pass different column counts; the lengths are
         checked inside the exchange, so no rank is left waiting.
     """
-    _world(group)
-    mat, two_d, problems, err = None, False, [], None
-    try:
+    world_of(group)
+    mat, two_d = None, False
+    with Entry("gather_lengths", group) as e:
         mat, two_d = _as_table(local_lengths, "local_lengths")
-    except (TypeError, ValueError) as exc:
-        problems, err = [str(exc)], exc
-    lengths, src = gather_table(mat, group, entry="gather_lengths", problems=problems, local_error=err)
+    lengths, src = gather_table(mat, group, entry=e)
     if not two_d:
         lengths = np.ascontiguousarray(lengths[:, 0]) if lengths.shape[1] else lengths.reshape(-1)
     return lengths, src
@@ -200,12 +193,6 @@ def route_of(plan: Plan, rank: int) -> Route:
     return route
 
 
-def _cu(lengths: np.ndarray, device) -> Tensor:
-    cu = np.zeros(lengths.size + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu[1:])
-    return torch.from_numpy(cu).to(device)
-
-
 def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route, check: bool) -> list[str]:
     """What is wrong with this rank's inputs for this route (host-side checks, plus the per-example
     lengths when ``check`` and they need no device sync)."""
@@ -219,7 +206,7 @@ def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route, che
             problems.append(
                 f"packed[{k}] has {t.shape[0] if t.dim() else 'no'} rows, the plan {route.in_tokens} tokens here"
             )
-    if not problems and check and (cu_seqlens.device.type == "cpu" or _debug()):
+    if not problems and check and value_checks_enabled(cu_seqlens):
         got = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu().numpy()
         if int(cu_seqlens[0]) != 0:
             problems.append(f"cu_seqlens[0] = {int(cu_seqlens[0])}, must be 0")
@@ -231,25 +218,16 @@ def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route, che
     return problems
 
 
-_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _plan_key(plan: Plan) -> str:
-    """The plan's hash (computed once per plan: its arrays are read-only)."""
-    key = _DIGESTS.get(plan)
-    if key is None:
-        key = _DIGESTS[plan] = plan.digest()[:8].hex()
-    return key
-
-
 def verify_plan(plan: Plan, problems: list[str] | None = None, group=None) -> None:
     """Collective check that every rank holds the same plan and inputs that fit it.
 
     Raises the same :class:`~mmbalance.collectives.RankMismatchError` on every rank when plans
     differ (by hash) or some rank reported ``problems``; returns on every rank otherwise.
     """
-    _world(group)
-    agree("verify_plan", group, fields={"plan": _plan_key(plan)}, problems=problems or [])
+    with Entry("verify_plan", group) as e:
+        e.fields["plan"] = plan.key
+        e.problems += list(problems or [])
+    e.agree()
 
 
 def _as_bytes(t: Tensor) -> Tensor:
@@ -300,7 +278,9 @@ def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, gr
         seq_lengths = np.empty_like(route.out_lengths)
         seq_lengths[route.recv_perm] = route.out_lengths
         perm = torch.from_numpy(route.recv_perm).to(device)
-        recv = segment_gather(recv, _cu(seq_lengths, device), perm, route.out_tokens)
+        recv = segment_gather(
+            recv, cu_seqlens_from_lengths(seq_lengths, device=device), perm, route.out_tokens
+        )
     parts = [recv] if len(raw) == 1 else torch.split(recv, widths, dim=1)
     for k, part in zip(present, parts):
         outs[k] = _from_bytes(part, tensors[k], route.out_tokens)
@@ -328,7 +308,7 @@ class _Rebalance(torch.autograd.Function):
         inverse = _inverse_of(ctx.plan)
         route = route_of(inverse, ctx.rank)
         fwd = route_of(ctx.plan, ctx.rank)
-        cu_out = _cu(fwd.out_lengths, ctx.cu_device)
+        cu_out = cu_seqlens_from_lengths(fwd.out_lengths, device=ctx.cu_device)
         send: list[Tensor | None] = []
         for k, (g, (shape, dtype, device)) in enumerate(zip(grads, ctx.out_meta)):
             if not (ctx.grad_bits >> k) & 1:
@@ -396,18 +376,14 @@ def rebalance(
     (an empty tensor is fine). A rank under ``torch.no_grad`` while others need gradients is
     refused on every rank.
     """
-    rank, world = _world(group)
-    problems: list[str] = []
-    err: BaseException | None = None
-    fields: dict[str, object] = {}
+    rank, world = world_of(group)
     grad_bits = 0
-    like = None
     many = isinstance(packed, (list, tuple))
     tensors = list(packed) if many else [packed]
-    try:
+    with Entry("rebalance", group) as e:
         if not tensors or not all(isinstance(t, Tensor) for t in tensors):
             raise TypeError("packed must be a tensor or a non-empty list of tensors")
-        like = tensors[0]
+        e.like = tensors[0]
         if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise TypeError("cu_seqlens must be an int32 or int64 tensor")
         for k, t in enumerate(tensors):
@@ -422,28 +398,17 @@ def rebalance(
         if plan.src_rank is None:
             raise ValueError("plan has no source layout: make it with post_balance(..., src_ranks=...)")
         route = route_of(plan, rank)
-        fields = {"plan": _plan_key(plan), "check": bool(check), "payloads": len(tensors)}
-        fields.update(_payload_fields(tensors))
-        problems = _local_problems(tensors, cu_seqlens, route, check)
+        e.fields = {"plan": plan.key, "check": bool(check), "payloads": len(tensors)}
+        e.fields.update(_payload_fields(tensors))
+        e.problems += _local_problems(tensors, cu_seqlens, route, check)
         for k, t in enumerate(tensors):
             if t.requires_grad and (t.is_floating_point() or t.is_complex()):
                 grad_bits |= 1 << k
-    except (TypeError, ValueError) as exc:
-        problems, err = [str(exc)], exc
-    grad_mode = torch.is_grad_enabled()
-    agreed = agree(
-        "rebalance",
-        group,
-        fields=fields,
-        values=[grad_bits, int(grad_mode)],
-        problems=problems,
-        device=comm_device(group, like),
-        local_error=err,
-    )
-    grad_bits = global_grad_bits("rebalance", agreed, 0)
+    e.values = [grad_bits, torch.is_grad_enabled()]
+    grad_bits = e.grad_bits(e.agree(), 0)
     # When some rank needs gradients, every rank's outputs take part in autograd (the anchor), so
     # every rank reaches the backward all-to-all.
     anchor = torch.empty(0, device=cu_seqlens.device, requires_grad=bool(grad_bits))
     outs = _Rebalance.apply(plan, group, rank, grad_bits, cu_seqlens, anchor, *tensors)
-    out_cu = _cu(route_of(plan, rank).out_lengths, cu_seqlens.device)
+    out_cu = cu_seqlens_from_lengths(route_of(plan, rank).out_lengths, device=cu_seqlens.device)
     return (list(outs) if many else outs[0]), out_cu

@@ -14,6 +14,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .group import group_timeout, world_of
+
 __all__ = ["GroupPool"]
 
 
@@ -22,7 +24,7 @@ class GroupPool:
 
     Args:
         backend: backend of the new groups (default: the world's).
-        timeout: timeout of the new groups (default: the world's).
+        timeout: timeout of the new groups (default: the world's, as ``init_process_group`` set it).
 
     Example::
 
@@ -43,8 +45,7 @@ class GroupPool:
     def get(self, ranks: Sequence[int]):
         """The process group of ``ranks`` (every rank must call this with the same sequence of rank
         sets, members or not)."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized")
+        world_of(None)
         key = tuple(sorted(int(r) for r in ranks))
         world = dist.get_world_size()
         if not key:
@@ -59,8 +60,9 @@ class GroupPool:
             kw = {}
             if self.backend is not None:
                 kw["backend"] = self.backend
-            if self.timeout is not None:
-                kw["timeout"] = self.timeout
+            timeout = self.timeout if self.timeout is not None else group_timeout()
+            if timeout is not None:
+                kw["timeout"] = timeout
             group = dist.new_group(list(key), **kw)
             self._groups[key] = group
             self.created += 1

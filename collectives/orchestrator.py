@@ -1,153 +1,50 @@
-"""The multi-phase orchestrator (OrchMLLM section 6): one plan per phase, composed moves.
+"""The multi-phase orchestrator (OrchMLLM section 6): gathers the sizes, plans every phase of a step
+ahead of time, and moves the tensors by those plans.
 
-Every rank hands in the per-modality sizes of the examples it sampled. The orchestrator
-all-gathers them, and (in a background thread, overlapping the previous step) plans
-
-* one post-balancing plan per encoder phase over that encoder's input lengths (examples without
-  the modality stay where they are), with the phase's own policy (``"sum"`` for a packed ViT,
-  ``"padded"``/``"conv"`` for a padded audio encoder, ...);
-* one plan for the LLM over the interleaved sequence length of each example: its text plus every
-  encoder's output after the connector (``ceil(len / downsample)`` tokens);
-* the composed moves ``plan_llm ∘ plan_encoder⁻¹``, so encoder outputs go straight from the encoder
-  layout to the rank where the LLM needs them: one all-to-all instead of two, forward and backward.
-
-:meth:`StepPlan.assemble` then interleaves each example's text and encoder subsequences in the
-example's declared order ("subsequences assembly"), with one ``segment_gather``.
+The planning itself is :func:`mmbalance.balancing.phases.plan_step` (numpy only): one located
+plan per encoder phase, one for the LLM over each example's interleaved sequence, and the composed
+moves ``plan_llm o plan_encoder^-1`` that take encoder outputs straight to their LLM rank. This
+module adds what needs ranks and tensors: :class:`Orchestrator` all-gathers every rank's sizes and
+plans in a background thread, one step ahead; :class:`StepPlan` moves examples into the encoders'
+layouts (:meth:`StepPlan.to_encoder`), into the LLM layout (:meth:`StepPlan.to_llm`), and
+interleaves each example's parts in its declared order (:meth:`StepPlan.assemble`, "subsequence
+assembly", one ``segment_gather``).
 
 Loss normalization: the rearrangement does not change the result only if the loss is a sum over
 tokens divided by the *global* token count (all ranks together). A per-rank mean averaged over ranks
-weights tokens by the size of the batch they landed in, so it depends on the placement.
+weights tokens by the size of the batch it landed in, so it depends on the placement.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from mmbalance.balancing import POLICIES, Plan, post_balance
-from mmbalance.balancing._core_api import batch_costs
-from mmbalance.balancing._validate import as_coefficient, as_lengths
-from mmbalance.balancing.plan import default_beta
+from mmbalance.balancing import Plan
+from mmbalance.balancing.phases import TEXT, PhasePlans, PhaseSpec, connector_lengths, plan_step
+from mmbalance.balancing.validate import as_lengths
 
-from .agreement import agree, comm_device, global_grad_bits
-from .alltoall import _plan_key, _world, gather_table, rebalance
+from .agreement import Entry
+from .alltoall import gather_table, rebalance
+from .broadcast import broadcast_from_leader
+from .group import world_of
 
 __all__ = ["PhaseSpec", "Orchestrator", "StepPlan", "TEXT", "broadcast_from_leader", "connector_lengths"]
 
-TEXT = "text"
-
-
-@dataclass(frozen=True)
-class PhaseSpec:
-    """How one phase is balanced.
-
-    ``policy``/``alpha``/``beta``: the cost model of :func:`~mmbalance.balancing.post_balance`
-    (``beta=None``: :data:`~mmbalance.balancing.DEFAULT_BETA` for the policies with an attention
-    term, as there; the resolved value is what ``spec.beta`` holds). ``downsample``: encoder tokens per LLM token after the connector (e.g. 4 for a 2x2 pixel
-    shuffle, 2 for an audio adapter); ignored for the LLM phase.
-    """
-
-    policy: str = "sum"
-    alpha: float = 1.0
-    beta: float | None = None
-    downsample: int = 1
-
-    def __post_init__(self):
-        if not isinstance(self.policy, str) or self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
-        object.__setattr__(self, "beta", default_beta(self.policy, self.beta))
-        for name in ("alpha", "beta"):
-            as_coefficient(getattr(self, name), name)
-        if isinstance(self.downsample, bool) or not isinstance(self.downsample, int) or self.downsample < 1:
-            raise ValueError(f"downsample must be an int >= 1, got {self.downsample!r}")
-
-
-def _phase_plan(lengths: np.ndarray, world: int, spec: PhaseSpec, src: np.ndarray, rpn: int | None) -> Plan:
-    """Plan over the examples that have this modality; the others stay home (and cost nothing)."""
-    sel = np.flatnonzero(lengths > 0)
-    sub = post_balance(
-        lengths[sel],
-        world,
-        spec.policy,
-        src_ranks=src[sel],
-        ranks_per_node=rpn,
-        alpha=spec.alpha,
-        beta=spec.beta,
-    )
-    dst = src.copy()
-    dst[sel] = sub.dst_rank
-    return _relocated(dst, lengths, world, src, spec, sub.costs)
-
-
-def _relocated(
-    plan_dst: np.ndarray,
-    lengths: np.ndarray,
-    world: int,
-    src: np.ndarray,
-    spec: PhaseSpec,
-    costs: np.ndarray | None = None,
-) -> Plan:
-    """A world-level plan sending example ``i`` to rank ``plan_dst[i]``."""
-    return Plan.from_destinations(
-        lengths, plan_dst, world, src, policy=spec.policy, alpha=spec.alpha, beta=spec.beta, costs=costs
-    )
-
-
-def _group_plan(
-    lengths: np.ndarray, world: int, k: int, spec: PhaseSpec, src: np.ndarray, rpn: int | None, balance: bool
-) -> Plan:
-    """LLM plan over ``world // k`` groups of ``k`` ranks (TP/CP groups); examples go to each group's
-    first rank. Without ``balance`` every example stays in its own rank's group."""
-    groups = world // k
-    gsrc = src // k
-    if balance:
-        grpn = rpn // k if rpn and rpn % k == 0 and rpn >= k else None
-        gplan = post_balance(
-            lengths,
-            groups,
-            spec.policy,
-            src_ranks=gsrc,
-            ranks_per_node=grpn,
-            alpha=spec.alpha,
-            beta=spec.beta,
-        )
-        gdst = gplan.dst_rank
-    else:
-        gdst = gsrc
-    costs = np.zeros(world)
-    costs[::k] = batch_costs(lengths, gdst, groups, spec.policy, spec.alpha, spec.beta)
-    return _relocated(gdst * k, lengths, world, src, spec, costs)
-
-
-def connector_lengths(lengths: np.ndarray, downsample: int) -> np.ndarray:
-    """LLM tokens an encoder output of ``lengths`` tokens becomes: ``ceil(lengths / downsample)``."""
-    return (lengths + downsample - 1) // downsample
-
 
 @dataclass
-class StepPlan:
-    """All plans of one training step, identical on every rank, and the moves that use them."""
+class StepPlan(PhasePlans):
+    """All plans of one training step (:class:`~mmbalance.balancing.phases.PhasePlans`, identical
+    on every rank) and, for this ``rank``, the moves that use them."""
 
-    rank: int
-    world: int
-    src_ranks: np.ndarray
-    sizes: dict[str, np.ndarray]  # global per-example encoder-input lengths per modality, and text
-    llm_parts: dict[str, np.ndarray]  # per-example LLM tokens of every part (text and modalities)
-    orders: list[tuple[str, ...]]
-    order_ids: np.ndarray
-    encoder: dict[str, Plan]
-    llm: Plan
-    moves: dict[str, Plan] = field(default_factory=dict)  # part -> plan into the LLM layout
+    rank: int = 0
     group: object = None
     check: bool = True
-    llm_group_size: int = 1
-    plan_ms: float = 0.0  # time spent planning (in the background thread)
 
     # ------------------------------------------------------------------ moves
     def to_encoder(self, modality: str, packed, cu_seqlens: Tensor):
@@ -213,89 +110,6 @@ class StepPlan:
         np.cumsum(lengths, out=cu_out[1:])
         return seq, torch.from_numpy(cu_out).to(device)
 
-    # ------------------------------------------------------------------ numbers
-    def summary(self) -> dict[str, dict[str, float]]:
-        """Per phase: max/mean cost over ranks (LLM: over LLM groups) before and after, tokens moved."""
-        out = {}
-        k = self.llm_group_size
-        phases = {**self.encoder, "llm": self.llm}
-        for name, plan in phases.items():
-            if name == "llm" and k > 1:
-                groups = self.world // k
-                before = batch_costs(
-                    plan.lengths, plan.src_rank // k, groups, plan.policy, plan.alpha, plan.beta
-                )
-                after = plan.costs[::k]
-            else:
-                before = batch_costs(
-                    plan.lengths, plan.src_rank, self.world, plan.policy, plan.alpha, plan.beta
-                )
-                after = plan.costs
-            mean_b = before.mean() if before.size else 0.0
-            mean_a = after.mean() if after.size else 0.0
-            out[name] = {
-                "before": float(before.max() / mean_b) if mean_b else 1.0,
-                "after": float(after.max() / mean_a) if mean_a else 1.0,
-                "moved_tokens": int(plan.moved_tokens()),
-            }
-        return out
-
-
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, anchor, shape, group, leader):
-        ctx.group, ctx.leader, ctx.in_shape = group, leader, x.shape
-        ctx.is_leader = torch.distributed.get_rank() == leader
-        buf = x.contiguous().clone() if ctx.is_leader else x.new_empty(tuple(shape))
-        torch.distributed.broadcast(buf, src=leader, group=group)
-        return buf
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        torch.distributed.reduce(grad, dst=ctx.leader, group=ctx.group)
-        if not ctx.is_leader:
-            grad = grad.new_zeros(ctx.in_shape)
-        return (grad if ctx.needs_input_grad[0] else None), None, None, None, None
-
-
-def broadcast_from_leader(x: Tensor, shape: Sequence[int], group, leader: int) -> Tensor:
-    """The leader's ``x`` on every rank of ``group``; differentiable (gradients are summed back to
-    the leader).
-
-    Non-leaders pass their own local tensor (for example the empty batch the plan gave them): it
-    is not read, but it keeps the non-leader's earlier collectives (the moves that produced it) in
-    the autograd graph, so their backward all-to-alls run on every rank. ``shape`` is the leader's
-    shape, known from the plan (no size exchange). ``leader`` is a global rank.
-
-    One agreement collective first: ``shape``, ``leader`` and the dtype must be the same on every
-    rank, and the leader's ``x`` must have ``shape``; otherwise every rank raises. When any rank
-    needs a gradient, every rank's output requires grad, so the backward reduction runs everywhere.
-    """
-    problems, err, fields, values = [], None, {}, [0, 0]
-    try:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a tensor, got {type(x).__name__}")
-        shape = tuple(int(s) for s in shape)
-        if torch.distributed.get_rank() == leader and tuple(x.shape) != shape:
-            raise ValueError(f"x has shape {tuple(x.shape)} on the leader, expected {shape}")
-        fields = {"shape": shape, "leader": int(leader), "dtype": x.dtype, "device": x.device.type}
-        values = [int(x.requires_grad), int(torch.is_grad_enabled())]
-    except (TypeError, ValueError) as exc:
-        problems, err = [str(exc)], exc
-    agreed = agree(
-        "broadcast_from_leader",
-        group,
-        fields=fields,
-        values=values,
-        problems=problems,
-        device=comm_device(group, x if isinstance(x, Tensor) else None),
-        local_error=err,
-    )
-    needed = global_grad_bits("broadcast_from_leader", agreed, 0)
-    anchor = torch.empty(0, device=x.device, requires_grad=bool(needed))
-    return _Broadcast.apply(x, anchor, shape, group, leader)
-
 
 class Orchestrator:
     """Plans every phase of each step, ahead of time, identically on every rank.
@@ -303,7 +117,7 @@ class Orchestrator:
     Args:
         encoders: modality name -> :class:`PhaseSpec` (e.g. ``{"vision": PhaseSpec("sum",
             downsample=4), "audio": PhaseSpec("conv", beta=1e-3, downsample=2)}``).
-        llm: the LLM phase's :class:`PhaseSpec` (``"sum"`` or ``"quadratic"``).
+        llm: the LLM phase's :class:`PhaseSpec` (``"sum"`` or ``"quadratic"``; default ``"sum"``).
         orders: the possible interleavings of an example's parts; default one order: every
             modality in the given order, then ``"text"``.
         group: the data-parallel process group.
@@ -329,7 +143,7 @@ class Orchestrator:
         self,
         encoders: Mapping[str, PhaseSpec],
         *,
-        llm: PhaseSpec = PhaseSpec(),
+        llm: PhaseSpec | None = None,
         orders: Sequence[Sequence[str]] | None = None,
         group=None,
         ranks_per_node: int | None = None,
@@ -346,6 +160,7 @@ class Orchestrator:
             if not isinstance(spec, PhaseSpec):
                 raise TypeError(f"encoders[{name!r}] must be a PhaseSpec")
         self.encoders = dict(encoders)
+        llm = PhaseSpec() if llm is None else llm
         if not isinstance(llm, PhaseSpec):
             raise TypeError(f"llm must be a PhaseSpec, got {type(llm).__name__}")
         self.llm = llm
@@ -389,9 +204,10 @@ class Orchestrator:
             differently: the sizes are validated inside the exchange, so no rank is left waiting.
         """
         names = [*self.encoders, TEXT]
-        mat, problems, err = None, [], None
-        _, world = _world(self.group)
-        try:
+        mat = None
+        _, world = world_of(self.group)
+        with Entry("Orchestrator.submit", self.group) as e:
+            e.fields["configuration"] = self._config_text()
             if world % self.llm_group_size:
                 raise ValueError(
                     f"llm_group_size ({self.llm_group_size}) must divide the world size ({world})"
@@ -401,17 +217,8 @@ class Orchestrator:
                     f"ranks_per_node ({self.ranks_per_node}) must divide the world size ({world})"
                 )
             mat = self._table(sizes, order_ids, names)
-        except (TypeError, ValueError) as exc:
-            problems, err = [str(exc)], exc
-        table, src = gather_table(
-            mat,
-            self.group,
-            entry="Orchestrator.submit",
-            problems=problems,
-            local_error=err,
-            fields={"configuration": self._config_text()},
-        )
-        rank, world = _world(self.group)
+        table, src = gather_table(mat, self.group, entry=e)
+        rank, world = world_of(self.group)
         job = (table, src, rank, world)
         if self._pool is None:
             fut: Future = Future()
@@ -467,55 +274,21 @@ class Orchestrator:
         return self.submit(sizes, order_ids).result()
 
     def _plan(self, table: np.ndarray, src: np.ndarray, rank: int, world: int) -> StepPlan:
-        t0 = time.perf_counter()
         names = [*self.encoders, TEXT]
-        sizes = {n: np.ascontiguousarray(table[:, k]) for k, n in enumerate(names)}
-        order_ids = np.ascontiguousarray(table[:, -1])
-        rpn = self.ranks_per_node
-        k = self.llm_group_size
-        if world % k:
-            raise ValueError(f"llm_group_size ({k}) must divide the world size ({world})")
-        if self.balance:
-            encoder = {m: _phase_plan(sizes[m], world, spec, src, rpn) for m, spec in self.encoders.items()}
-        else:
-            encoder = {m: _relocated(src, sizes[m], world, src, spec) for m, spec in self.encoders.items()}
-        llm_parts = {m: connector_lengths(sizes[m], spec.downsample) for m, spec in self.encoders.items()}
-        llm_parts[TEXT] = sizes[TEXT]
-        total = np.ascontiguousarray(sum(llm_parts.values()), dtype=np.int64)
-        if k == 1 and self.balance:
-            llm = post_balance(
-                total,
-                world,
-                self.llm.policy,
-                src_ranks=src,
-                ranks_per_node=rpn,
-                alpha=self.llm.alpha,
-                beta=self.llm.beta,
-            )
-        else:
-            llm = _group_plan(total, world, k, self.llm, src, rpn, self.balance)
-        moves = {TEXT: llm.with_lengths(llm_parts[TEXT])}
-        for m in self.encoders:
-            out_len = llm_parts[m]
-            moves[m] = llm.with_lengths(out_len).compose(encoder[m].with_lengths(out_len).inverse())
-        for p in [*encoder.values(), *moves.values()]:
-            _plan_key(p)  # hash the plans here, off the training thread (every move checks them)
-        return StepPlan(
-            rank=rank,
-            world=world,
-            src_ranks=src,
-            sizes=sizes,
-            llm_parts=llm_parts,
+        plans = plan_step(
+            {n: np.ascontiguousarray(table[:, k]) for k, n in enumerate(names)},
+            src,
+            world,
+            self.encoders,
+            self.llm,
             orders=self.orders,
-            order_ids=order_ids,
-            encoder=encoder,
-            llm=llm,
-            moves=moves,
-            group=self.group,
-            check=self.check_plans,
-            llm_group_size=k,
-            plan_ms=(time.perf_counter() - t0) * 1e3,
+            order_ids=np.ascontiguousarray(table[:, -1]),
+            ranks_per_node=self.ranks_per_node,
+            llm_group_size=self.llm_group_size,
+            balance=self.balance,
         )
+        fields = {f: getattr(plans, f) for f in PhasePlans.__dataclass_fields__}
+        return StepPlan(**fields, rank=rank, group=self.group, check=self.check_plans)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .agreement import Agreement, agree, comm_device, global_grad_bits
+from .agreement import Agreement, Entry
+from .group import world_of
 from .inflight import Inflight
 from .overlap_comm import BACKENDS, Transport, gather_matmul, make_transport, matmul_reduce, resolve_backend
 from .overlap_plan import ShardLayout, choose_chunks, chunk_plan
@@ -103,38 +104,19 @@ def _check_chunks(chunks: object) -> int | None:
     return chunks
 
 
-def _check_group(group: object) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("group: this process is not a member of the group")
-    return rank, dist.get_world_size(group)
-
-
 def _grad_bits(*tensors: torch.Tensor | None) -> int:
     return sum(1 << j for j, t in enumerate(tensors) if t is not None and t.requires_grad)
 
 
-def _agree(
-    entry: str,
-    group: dist.ProcessGroup | None,
-    like: torch.Tensor | None,
-    fields: dict[str, object],
-    values: list[int],
-    problems: list[str],
-    err: BaseException | None,
-) -> tuple[Agreement, tuple[bool, bool, bool]]:
+def _agree(e: Entry) -> tuple[Agreement, tuple[bool, bool, bool]]:
     """The agreement step of both entry points; returns it and the global gradient needs.
 
-    ``values`` ends with (grad bits, grad mode): when any rank needs a gradient, every rank must
+    ``e.values`` ends with (grad bits, grad mode): when any rank needs a gradient, every rank must
     be able to run the backward collective, so a rank under ``torch.no_grad`` is refused.
     """
-    dev = comm_device(group, like)
-    agreed = agree(entry, group, fields=fields, values=values, problems=problems, device=dev, local_error=err)
-    bits = global_grad_bits(entry, agreed, len(values) - 2)
+    n = len(e.values)
+    agreed = e.agree()
+    bits = e.grad_bits(agreed, n - 2)
     return agreed, (bool(bits & 1), bool(bits & 2), bool(bits & 4))
 
 
@@ -317,19 +299,16 @@ def all_gather_matmul(
         ``x_shard``, ``weight`` and ``bias``: ``grad_x`` is a sliced GEMM + reduce-scatter,
         ``grad_weight = grad_y.T @ gathered`` runs while the last reductions are in flight.
     """
-    problems: list[str] = []
-    err: BaseException | None = None
-    fields: dict[str, object] = {}
-    values = [0, 0]
-    like = x_shard if isinstance(x_shard, torch.Tensor) else None
-    try:
+    with Entry("all_gather_matmul", group) as e:
+        e.values = [0, 0, 0, 0]
+        e.like = x_shard if isinstance(x_shard, torch.Tensor) else None
         if _problems:  # a caller's own validation (the TP modules): raised on every rank below
             raise ValueError("; ".join(_problems))
         x_shard, weight, bias = _check_operands(x_shard, weight, bias, "x_shard")
         chunks = _check_chunks(chunks)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
-        rank, world = _check_group(group)
+        rank, world = world_of(group)
         m_r, k, n = x_shard.shape[0], x_shard.shape[1], weight.shape[0]
         given = None
         if shard_sizes is not None:
@@ -338,7 +317,7 @@ def all_gather_matmul(
                 raise ValueError(
                     f"shard_sizes[{rank}] = {given.sizes[rank]} but x_shard has {m_r} rows on rank {rank}"
                 )
-        fields = {
+        e.fields = {
             "x_shard.shape[1] (K)": k,
             "dtype": x_shard.dtype,
             "device": x_shard.device.type,
@@ -348,13 +327,8 @@ def all_gather_matmul(
             "save_gathered": bool(save_gathered),
             "shard_sizes": given.sizes if given is not None else "exchanged",
         }
-        values = [m_r, n, _grad_bits(x_shard, weight, bias), int(torch.is_grad_enabled())]
-    except (TypeError, ValueError) as exc:
-        problems, err = [str(exc)], exc
-    if err is not None and not (dist.is_available() and dist.is_initialized()):
-        raise err  # without a process group there is nobody to agree with
-    _check_group(group)
-    agreed, need = _agree("all_gather_matmul", group, like, fields, values, problems, err)
+        e.values = [m_r, n, _grad_bits(x_shard, weight, bias), int(torch.is_grad_enabled())]
+    agreed, need = _agree(e)
     layout = ShardLayout(tuple(agreed.column(0)))
     # the chunk count from global facts only: the gathered rows, K, the widest local N
     setup = _setup(group, layout, chunks, backend, x_shard, k, max(agreed.column(1)), need, save_gathered)
@@ -391,19 +365,16 @@ def matmul_reduce_scatter(
         the backward gathers ``grad_z`` in slices and overlaps each slice's transfer with the
         ``grad_x`` and ``grad_weight`` GEMMs of the previous one.
     """
-    problems: list[str] = []
-    err: BaseException | None = None
-    fields: dict[str, object] = {}
-    values = [0, 0]
-    like = x if isinstance(x, torch.Tensor) else None
-    try:
+    with Entry("matmul_reduce_scatter", group) as e:
+        e.values = [0, 0, 0]
+        e.like = x if isinstance(x, torch.Tensor) else None
         if _problems:  # a caller's own validation (the TP modules): raised on every rank below
             raise ValueError("; ".join(_problems))
         x, weight, bias = _check_operands(x, weight, bias, "x")
         chunks = _check_chunks(chunks)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
-        rank, world = _check_group(group)
+        rank, world = world_of(group)
         m = x.shape[0]
         if shard_sizes is None:
             layout = ShardLayout.even(m, world)
@@ -411,7 +382,7 @@ def matmul_reduce_scatter(
             layout = ShardLayout.from_sizes(shard_sizes, world)
             if layout.total != m:
                 raise ValueError(f"shard_sizes sums to {layout.total} but x has {m} rows")
-        fields = {
+        e.fields = {
             "x.shape[0] (M)": m,
             "weight.shape[0] (N)": weight.shape[0],
             "dtype": x.dtype,
@@ -421,13 +392,8 @@ def matmul_reduce_scatter(
             "backend": backend if backend is not None else "auto",
             "shard_sizes": layout.sizes,
         }
-        values = [x.shape[1], _grad_bits(x, weight, bias), int(torch.is_grad_enabled())]
-    except (TypeError, ValueError) as exc:
-        problems, err = [str(exc)], exc
-    if err is not None and not (dist.is_available() and dist.is_initialized()):
-        raise err  # without a process group there is nobody to agree with
-    _check_group(group)
-    agreed, need = _agree("matmul_reduce_scatter", group, like, fields, values, problems, err)
+        e.values = [x.shape[1], _grad_bits(x, weight, bias), int(torch.is_grad_enabled())]
+    agreed, need = _agree(e)
     # the chunk count from global facts only: M, N and the widest local K
     setup = _setup(group, layout, chunks, backend, x, max(agreed.column(0)), weight.shape[0], need)
     return _MatmulReduceScatter.apply(x, weight, bias, _anchor(need, x), setup)

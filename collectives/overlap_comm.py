@@ -25,12 +25,13 @@ first (in plan order), then reduce pieces chunk by chunk.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from mmbalance.kernels.dispatch import Backend, select_backend
 
 from .inflight import Inflight
 from .overlap_plan import Chunk, ShardLayout
@@ -186,41 +187,29 @@ class TorchTransport:
         return _TorchReduce(self, n_cols, dtype, device)
 
 
-def _env_backend() -> str | None:
-    env = os.environ.get("MMBALANCE_OVERLAP_BACKEND", "").strip().lower()
-    if not env or env == "auto":
-        return None
-    if env not in BACKENDS:
-        raise ValueError(f"MMBALANCE_OVERLAP_BACKEND must be one of {BACKENDS} or 'auto', got {env!r}")
-    return env
+def _copy_engine_reasons(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[str]:
+    from . import _copy_engine
+
+    if not tensor.is_cuda:
+        return _copy_engine.not_supported_reasons(tensor)
+    return _copy_engine.group_supported(group, tensor.device)
+
+
+_BACKENDS = (Backend("copy_engine", _copy_engine_reasons), Backend("torch", lambda tensor, group: []))
 
 
 def resolve_backend(backend: str | None, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> str:
-    """Pick the transport: ``backend`` if given, else ``$MMBALANCE_OVERLAP_BACKEND``, else automatic.
+    """Pick the transport (:func:`mmbalance.kernels.dispatch.select_backend`): ``backend`` if given,
+    else ``$MMBALANCE_OVERLAP_BACKEND``, else automatic.
 
     Automatic: ``"copy_engine"`` for CUDA tensors when every rank of ``group`` agrees it can use it
     (a one-time collective handshake per group, see ``_copy_engine.group_supported``), otherwise
     ``"torch"``. Forcing ``"copy_engine"`` where it is unsupported raises ``ValueError`` with the
     reasons. Every rank must make the same choice: pass the same ``backend`` everywhere.
     """
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
-    choice = backend if backend is not None else _env_backend()
-    if choice == "torch":
-        return "torch"
-    from . import _copy_engine
-
-    if not tensor.is_cuda:
-        if choice == "copy_engine":
-            reasons = _copy_engine.not_supported_reasons(tensor)
-            raise ValueError(f"backend='copy_engine' is not supported here: {'; '.join(reasons)}")
-        return "torch"
-    reasons = _copy_engine.group_supported(group, tensor.device)
-    if not reasons:
-        return "copy_engine"
-    if choice == "copy_engine":
-        raise ValueError(f"backend='copy_engine' is not supported here: {'; '.join(reasons)}")
-    return "torch"
+    return select_backend(
+        "all-gather/GEMM overlap", _BACKENDS, backend, tensor, group, env="MMBALANCE_OVERLAP_BACKEND"
+    )
 
 
 def make_transport(

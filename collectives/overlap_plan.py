@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .agreement import Entry
+
 __all__ = [
     "ShardLayout",
     "Piece",
@@ -260,18 +262,10 @@ def exchange_shard_sizes(
     ``ShardLayout(sizes)`` needs no communication at all. An invalid ``local_rows`` on any rank
     raises on every rank.
     """
-    from .agreement import agree
-
-    problems, err = [], None
-    if isinstance(local_rows, bool) or not isinstance(local_rows, int) or local_rows < 0:
-        err = ValueError(f"local_rows must be a non-negative int, got {local_rows!r}")
-        problems = [str(err)]
-    agreed = agree(
-        "exchange_shard_sizes",
-        group,
-        values=[0 if problems else local_rows],
-        problems=problems,
-        device=device,
-        local_error=err,
-    )
-    return ShardLayout(tuple(agreed.column(0)))
+    with Entry("exchange_shard_sizes", group) as e:
+        e.values = [0]
+        e.like = torch.empty(0, device=device) if device is not None else None
+        if isinstance(local_rows, bool) or not isinstance(local_rows, int) or local_rows < 0:
+            raise ValueError(f"local_rows must be a non-negative int, got {local_rows!r}")
+        e.values = [local_rows]
+    return ShardLayout(tuple(e.agree().column(0)))

@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from mmbalance.pyops.attention import attention_block, attention_block_backward, merge_attention_states
 
-from .agreement import agree, comm_device, global_grad_bits
+from .agreement import Entry
+from .group import world_of
 from .inflight import Inflight, run
 from .ring_plan import LAYOUTS, RingPlan, ring_plan
 
@@ -54,9 +55,7 @@ def _group_rank_size(group, rank: int | None = None, degree: int | None = None) 
         if not 0 <= rank < degree:
             raise ValueError(f"rank must be in [0, degree={degree}), got {rank}")
         return rank, degree
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("group: torch.distributed is not initialised (or pass rank= and degree=)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    return world_of(group)
 
 
 # ---------------------------------------------------------------------------------- shard, unshard
@@ -109,23 +108,20 @@ def cp_unshard(x_local: torch.Tensor, cu_seqlens, group=None, layout: str = "zig
     if not isinstance(x_local, torch.Tensor):
         raise TypeError(f"x_local must be a torch.Tensor, got {type(x_local).__name__}")
     r, d = _group_rank_size(group)
-    problems, err, fields = [], None, {}
-    try:
+    with Entry("cp_unshard", group) as e:
+        e.like = x_local
         plan = ring_plan(cu_seqlens, d, layout)
         if x_local.dim() < 1 or x_local.shape[0] != plan.tokens[r]:
             raise ValueError(
                 f"x_local has {x_local.shape[0] if x_local.dim() else 0} tokens; rank {r}'s shard has "
                 f"{plan.tokens[r]}"
             )
-        fields = {
+        e.fields = {
             "cu_seqlens": _lengths_key(plan.lengths),
             "layout": layout,
             "x_local": (x_local.dtype, tuple(x_local.shape[1:])),
         }
-    except (TypeError, ValueError) as exc:
-        problems, err = [str(exc)], exc
-    agree("cp_unshard", group, fields=fields, problems=problems, device=comm_device(group, x_local),
-          local_error=err)  # fmt: skip
+    e.agree()
     return _Unshard.apply(x_local, plan, r, group)
 
 
@@ -401,11 +397,13 @@ def ring_attention(
     Raises ValueError/TypeError naming the argument for bad shapes, layout or a shard size that
     does not match ``cu_seqlens``. Every rank of the group must make the same call.
     """
-    problems, err, fields, values, ring = [], None, {}, [0, 0], None
-    try:
+    ring = None
+    with Entry("ring_attention", group) as e:
+        e.values = [0, 0]
+        e.like = q if isinstance(q, torch.Tensor) else None
         ring = make_ring(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale, group=group,
                          layout=layout, backend=backend)  # fmt: skip
-        fields = {
+        e.fields = {
             "cu_seqlens": _lengths_key(ring.plan.lengths),
             "causal": ring.causal,
             "layout": layout,
@@ -416,18 +414,11 @@ def ring_attention(
             "backend": backend,
             "device": q.device.type,
         }
-        values = [
+        e.values = [
             sum(1 << j for j, t in enumerate((q, k, v)) if t.requires_grad),
             int(torch.is_grad_enabled()),
         ]
-    except (TypeError, ValueError) as exc:
-        problems, err = [str(exc)], exc
-    if err is not None and not (dist.is_available() and dist.is_initialized()):
-        raise err
-    like = q if isinstance(q, torch.Tensor) else None
-    agreed = agree("ring_attention", group, fields=fields, values=values, problems=problems,
-                   device=comm_device(group, like), local_error=err)  # fmt: skip
-    needed = global_grad_bits("ring_attention", agreed, 0)
+    needed = e.grad_bits(e.agree(), 0)
     anchor = torch.empty(0, device=q.device, requires_grad=bool(needed))
     out, lse = _RingAttention.apply(q, k, v, anchor, ring)
     return (out, lse) if return_lse else out

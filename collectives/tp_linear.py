@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import Entry
+from .group import world_of
 from .overlap import all_gather_matmul, matmul_reduce_scatter
 from .overlap_plan import ShardLayout
 
@@ -52,12 +54,6 @@ def sequence_shards(sizes: Sequence[int] | ShardLayout) -> Iterator[ShardLayout]
 def _current_shards() -> ShardLayout | None:
     stack = getattr(_STATE, "stack", None)
     return stack[-1] if stack else None
-
-
-def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _scaled(layout: ShardLayout | None, per_row: int) -> ShardLayout | None:
@@ -96,14 +92,10 @@ def _check_master_rng(module: nn.Module, group) -> None:
     generator states in one small collective; differently seeded ranks raise on every rank."""
     if module.weight.device.type == "meta":
         return
-    from .agreement import agree
-
-    agree(
-        f"{type(module).__name__}.reset_parameters",
-        group,
-        fields={"random state (seed every tensor-parallel rank alike)": _rng_digest(module.weight.device)},
-        device=module.weight.device if module.weight.is_cuda else None,
-    )
+    with Entry(f"{type(module).__name__}.reset_parameters", group) as e:
+        e.fields["random state (seed every tensor-parallel rank alike)"] = _rng_digest(module.weight.device)
+        e.like = module.weight
+    e.agree()
 
 
 def _feature_problems(x: torch.Tensor, features: int, name: str) -> list[str]:
@@ -146,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        rank, world = _group_info(group)
+        rank, world = world_of(group)
         if out_features < world:
             raise ValueError(f"out_features ({out_features}) must be at least the group size ({world})")
         self.in_features = in_features
@@ -257,7 +249,7 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        rank, world = _group_info(group)
+        rank, world = world_of(group)
         if in_features < world:
             raise ValueError(f"in_features ({in_features}) must be at least the group size ({world})")
         self.in_features = in_features

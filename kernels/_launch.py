@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from .dispatch import Backend, select_backend
+
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -21,21 +23,25 @@ def launchable(kernel):
     return torch.library.wrap_triton(kernel)
 
 
+def triton_unsupported_reasons(t: torch.Tensor) -> list[str]:
+    """Why the Triton kernels cannot run on ``t`` (empty: they can)."""
+    if t.is_cuda or INTERPRET:
+        return []
+    return [
+        f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1, set before import), got {t.device}"
+    ]
+
+
+VARLEN_BACKENDS = (Backend("triton", triton_unsupported_reasons), Backend("reference", lambda t: []))
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when the Triton kernel (rather than the torch reference) should run on ``t``.
 
     CUDA tensors take the kernel and CPU tensors the reference, except under the interpreter
     (``TRITON_INTERPRET=1``), where CPU tensors take the kernel too. ``MMBALANCE_VARLEN_BACKEND``
-    forces the choice for the varlen ops: ``reference`` (plain torch everywhere) or ``triton`` (the
-    kernel; on CPU tensors only under the interpreter, otherwise a ``RuntimeError`` says why).
+    forces the choice for the varlen ops (:func:`~mmbalance.kernels.dispatch.select_backend`):
+    ``reference`` (plain torch everywhere) or ``triton`` (the kernel; a ``ValueError`` says why
+    where it cannot run).
     """
-    forced = os.environ.get("MMBALANCE_VARLEN_BACKEND", "").strip().lower()
-    if forced == "reference":
-        return False
-    if forced == "triton":
-        if not (t.is_cuda or INTERPRET):
-            raise RuntimeError("MMBALANCE_VARLEN_BACKEND=triton needs CUDA tensors or TRITON_INTERPRET=1")
-        return True
-    if forced not in ("", "auto"):
-        raise ValueError(f"MMBALANCE_VARLEN_BACKEND must be auto, reference or triton, got {forced!r}")
-    return t.is_cuda or INTERPRET
+    return select_backend("varlen ops", VARLEN_BACKENDS, None, t, env="MMBALANCE_VARLEN_BACKEND") == "triton"

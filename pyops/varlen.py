@@ -36,6 +36,7 @@ from mmbalance.kernels import varlen as _kernels
 from mmbalance.kernels._launch import use_triton
 
 from . import varlen_ref as _ref
+from .checks import value_checks_enabled
 
 __all__ = [
     "pack",
@@ -82,7 +83,7 @@ def _check_pack(padded, seqlens, total_tokens) -> None:
 @torch.library.custom_op("mmbalance::pack", mutates_args=())
 def _pack_op(padded: Tensor, seqlens: Tensor, total_tokens: int) -> Tensor:
     _check_pack(padded, seqlens, total_tokens)
-    if _ref.value_checks_enabled(padded):
+    if value_checks_enabled(padded):
         _ref.check_lengths_values("seqlens", seqlens)
         if seqlens.numel() and int(seqlens.max()) > padded.shape[1]:
             b = int(seqlens.argmax())
@@ -154,7 +155,7 @@ def _check_unpack(packed, cu_seqlens, max_seqlen, pad_value) -> None:
 @torch.library.custom_op("mmbalance::unpack", mutates_args=())
 def _unpack_op(packed: Tensor, cu_seqlens: Tensor, max_seqlen: int, pad_value: float = 0.0) -> Tensor:
     _check_unpack(packed, cu_seqlens, max_seqlen, pad_value)
-    if _ref.value_checks_enabled(packed):
+    if value_checks_enabled(packed):
         _ref.check_cu_seqlens_values("cu_seqlens", cu_seqlens, packed.shape[0], "packed.shape[0]")
         if cu_seqlens.shape[0] > 1:
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -232,7 +233,7 @@ def _check_segment_values(cu_seqlens, order, packed_tokens, packed_name, out_tok
 @torch.library.custom_op("mmbalance::segment_gather", mutates_args=())
 def _segment_gather_op(packed: Tensor, cu_seqlens: Tensor, order: Tensor, out_tokens: int) -> Tensor:
     _check_segments(packed, "packed", cu_seqlens, order, out_tokens, "out_tokens")
-    if _ref.value_checks_enabled(packed):
+    if value_checks_enabled(packed):
         _check_segment_values(cu_seqlens, order, packed.shape[0], "packed.shape[0]", out_tokens, "out_tokens")
     if not use_triton(packed):
         return _ref.segment_gather_ref(packed, cu_seqlens, order, out_tokens)
@@ -252,7 +253,7 @@ def _segment_gather_fake(packed, cu_seqlens, order, out_tokens):
 @torch.library.custom_op("mmbalance::segment_scatter", mutates_args=())
 def _segment_scatter_op(src: Tensor, cu_seqlens: Tensor, order: Tensor, total_tokens: int) -> Tensor:
     _check_segments(src, "src", cu_seqlens, order, total_tokens, "total_tokens")
-    if _ref.value_checks_enabled(src):
+    if value_checks_enabled(src):
         _check_segment_values(cu_seqlens, order, total_tokens, "total_tokens", src.shape[0], "src.shape[0]")
     if not use_triton(src):
         return _ref.segment_scatter_ref(src, cu_seqlens, order, total_tokens)
@@ -336,27 +337,57 @@ def segment_scatter(src: Tensor, cu_seqlens: Tensor, order: Tensor, total_tokens
 # index helpers (plain torch, no host sync; compile-friendly)
 
 
-def cu_seqlens_from_lengths(lengths: Tensor, dtype: torch.dtype = torch.int32) -> Tensor:
+def cu_seqlens_from_lengths(lengths, dtype: torch.dtype = torch.int32, *, device=None) -> Tensor:
     """``[n]`` integer lengths -> ``[n + 1]`` cu_seqlens ``[0, l0, l0 + l1, ...]`` in ``dtype``.
 
-    Same device as ``lengths``; empty ``lengths`` gives ``[0]``. Negative lengths raise
-    ``ValueError`` (checked on CPU, and on CUDA with ``MMBALANCE_DEBUG=1``).
+    ``lengths`` is a tensor (the result is on its device, computed there with no host sync) or,
+    the host-side form, a numpy array or sequence of ints (summed on the host, where plans live,
+    and moved to ``device`` in one copy; default CPU). Empty ``lengths`` gives ``[0]``. Negative
+    lengths raise ``ValueError`` (checked on CPU and for host lengths, on CUDA with
+    ``MMBALANCE_DEBUG=1``), and so does a total that ``dtype`` cannot hold.
     """
-    if not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+    if not isinstance(lengths, Tensor):
+        return _host_cu_seqlens(lengths, dtype, device)
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise TypeError("lengths must be an integer torch.Tensor")
     if lengths.dim() != 1:
         raise ValueError(f"lengths must be 1-D, got shape {tuple(lengths.shape)}")
     if dtype not in _ref.INDEX_DTYPES:
         raise TypeError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
-    if _ref.value_checks_enabled(lengths):
+    if value_checks_enabled(lengths):
         _ref.check_lengths_values("lengths", lengths)
     return _ref.exclusive_cumsum(lengths, dtype)
+
+
+def _host_cu_seqlens(lengths, dtype: torch.dtype, device) -> Tensor:
+    import numpy as np
+
+    if dtype not in _ref.INDEX_DTYPES:
+        raise TypeError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+    try:
+        arr = np.asarray(lengths)
+    except (TypeError, ValueError) as exc:
+        raise TypeError("lengths must be a tensor or a sequence of non-negative integers") from exc
+    if arr.dtype == object or arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+        raise TypeError(f"lengths must be integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"lengths must be non-negative, got {int(arr.min())}")
+    cu = np.zeros(arr.size + 1, dtype=np.int64)
+    np.cumsum(arr, out=cu[1:])
+    if dtype == torch.int32 and cu[-1] > np.iinfo(np.int32).max:
+        raise ValueError(
+            f"lengths sum to {int(cu[-1])} tokens, more than int32 cu_seqlens hold; pass dtype=torch.int64"
+        )
+    out = torch.from_numpy(cu.astype(np.int32) if dtype == torch.int32 else cu)
+    return out if device is None else out.to(device)
 
 
 def _check_cu_and_total(cu_seqlens: Tensor, total_tokens: int) -> None:
     _ref.check_cu_seqlens("cu_seqlens", cu_seqlens, cu_seqlens, "cu_seqlens")
     _ref.check_size("total_tokens", total_tokens)
-    if _ref.value_checks_enabled(cu_seqlens):
+    if value_checks_enabled(cu_seqlens):
         _ref.check_cu_seqlens_values("cu_seqlens", cu_seqlens, total_tokens, "total_tokens")
 
 
@@ -381,7 +412,7 @@ def gathered_cu_seqlens(cu_seqlens: Tensor, order: Tensor) -> Tensor:
     """The ``cu_seqlens`` of ``segment_gather(packed, cu_seqlens, order, ...)``: ``[m + 1]``, same dtype."""
     _ref.check_cu_seqlens("cu_seqlens", cu_seqlens, cu_seqlens, "cu_seqlens")
     _ref.check_index("order", order, cu_seqlens, "cu_seqlens")
-    if _ref.value_checks_enabled(cu_seqlens):
+    if value_checks_enabled(cu_seqlens):
         _ref.check_order_values(order, cu_seqlens.shape[0] - 1)
     return _ref.exclusive_cumsum((cu_seqlens[1:] - cu_seqlens[:-1])[order.long()], cu_seqlens.dtype)
 
@@ -408,6 +439,6 @@ def inverse_permutation(order: Tensor, size: int | None = None) -> Tensor:
     _ref.check_size("size", size)
     if order.shape[0] > size:
         raise ValueError(f"order has {order.shape[0]} ids, more than size = {size}")
-    if _ref.value_checks_enabled(order):
+    if value_checks_enabled(order):
         _ref.check_order_values(order, size, "size")
     return _inverse(order, size)

@@ -15,8 +15,6 @@ place on the training step's critical path).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -37,15 +35,6 @@ PAYLOAD_DTYPES = (
 
 # ----------------------------------------------------------------------------------------------
 # validation
-
-
-def value_checks_enabled(t: Tensor) -> bool:
-    """Whether checks that read tensor values (a device-to-host sync on CUDA) should run on ``t``."""
-    if torch.compiler.is_compiling() or t.device.type == "meta":
-        return False
-    if t.device.type == "cpu":
-        return True
-    return os.environ.get("MMBALANCE_DEBUG", "0") not in ("", "0")
 
 
 def check_size(name: str, value) -> None:

@@ -178,7 +178,7 @@ def test_balancing_import_stays_torch_free():
 
 def test_profile_measures_a_module_and_fits():
     torch = pytest.importorskip("torch")
-    from mmbalance.balancing import profile
+    from mmbalance.collectives.profile import profile
 
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=64, batch_first=True)

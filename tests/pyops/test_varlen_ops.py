@@ -291,6 +291,33 @@ def test_cu_seqlens_position_and_segment_ids(lengths, dtype):
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+def test_cu_seqlens_from_host_lengths(lengths, dtype):
+    import numpy as np
+
+    for host in (list(lengths), np.asarray(lengths, dtype=np.int64), np.asarray(lengths, dtype=np.int32)):
+        cu = P.cu_seqlens_from_lengths(host, dtype=dtype, device="cpu")
+        assert cu.dtype == dtype and cu.tolist() == cu_of(lengths).tolist()
+
+
+@pytest.mark.parametrize(
+    ("lengths", "dtype", "exc", "word"),
+    [
+        ([1, -2], torch.int32, ValueError, "non-negative"),
+        ([[1, 2]], torch.int32, ValueError, "1-D"),
+        ([1.5], torch.int32, TypeError, "integers"),
+        (["a"], torch.int32, TypeError, "integers"),
+        ([2**31 - 1, 1], torch.int32, ValueError, "int64"),
+        ([1], torch.float32, TypeError, "dtype"),
+    ],
+    ids=["negative", "2d", "float", "str", "int32_overflow", "bad_dtype"],
+)
+def test_cu_seqlens_from_host_lengths_rejects(lengths, dtype, exc, word):
+    with pytest.raises(exc, match=word):
+        P.cu_seqlens_from_lengths(lengths, dtype=dtype)
+
+
 def test_inverse_permutation_and_ungather():
     gen = _gen(8)
     perm = torch.randperm(7, generator=gen)
@@ -337,7 +364,7 @@ def test_backend_can_be_forced(monkeypatch):
     if _launch.INTERPRET:
         assert _launch.use_triton(x) is True
     else:
-        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             _launch.use_triton(x)
     monkeypatch.setenv("MMBALANCE_VARLEN_BACKEND", "fast")
     with pytest.raises(ValueError, match="MMBALANCE_VARLEN_BACKEND"):
