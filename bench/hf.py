@@ -9,7 +9,10 @@ all-to-all of the inputs, the encoder, and the all-to-all of the outputs; the ro
 medians over the steps (the slowest rank), the overhead (planning plus both all-to-alls) over the
 encoder's time, the vision max/mean before and after, and the step time balanced vs unbalanced.
 Two sizes: ``tiny`` (hidden 32, the test configuration) and ``small`` (ViT width 256, 4 layers,
-larger images), where the encoder does real work. On a CPU with gloo these are loopback numbers.
+larger images), where the encoder does real work. A third case, ``video``, gives rank 0 one 8-frame
+video and every other rank one small image, balanced with the video's frames as items of their own
+(``split_frames=True``, the default) and as one item (``split_frames=False``). On a CPU with gloo
+these are loopback numbers.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ import numpy as np
 from .harness import Row, base_parser, device_name, report, spawn
 
 CONFIGS = {
-    # name: (ViT depth, ViT width, LLM width, large image side in patches, large images on rank 0)
+    # name: (ViT depth, ViT width, LLM width, large image side in patches, large images on rank 0;
+    # for "video": the frames of rank 0's one video)
     "tiny": (1, 32, 32, 8, 4),
     "small": (4, 256, 256, 24, 6),
+    "video": (2, 64, 64, 12, 8),
 }
+IMAGE, VSTART, VEND, VIDEO = 100, 101, 102, 103
 
 
 def _model(depth: int, width: int, llm: int):
@@ -40,20 +46,27 @@ def _model(depth: int, width: int, llm: int):
                          eos_token_id=2, rope_parameters={"rope_type": "default", "mrope_section": section}),
         vision_config=dict(depth=depth, embed_dim=width, hidden_size=llm, num_heads=4, mlp_ratio=4,
                            patch_size=4, temporal_patch_size=2, spatial_merge_size=2),
-        image_token_id=100, vision_start_token_id=101, vision_end_token_id=102,
+        image_token_id=IMAGE, vision_start_token_id=VSTART, vision_end_token_id=VEND, video_token_id=VIDEO,
     )  # fmt: skip
     return Qwen2VLForConditionalGeneration(cfg).train()
 
 
-def _batch(rank: int, step: int, side: int, count: int) -> dict:
+def _batch(rank: int, step: int, side: int, count: int, video: bool = False) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(1000 * step + rank)
+    if video and rank == 0:  # one video of `count` frames
+        n = count * side * side // 4
+        ids = torch.tensor([[5] * 3 + [VSTART] + [VIDEO] * n + [VEND] + [7] * 8])
+        tt = torch.tensor([[0] * 4 + [2] * n + [0] * 9], dtype=torch.int)
+        return dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=tt,
+                    labels=ids.masked_fill(tt != 0, -100), pixel_values_videos=torch.randn(n * 4, 96, generator=g),
+                    video_grid_thw=torch.tensor([[count, side, side]]))  # fmt: skip
     grids = [(side, side)] * count if rank == 0 else [(4, 4)]
     rows, types, pix = [], [], []
     for h, w in grids:
         n = h * w // 4
-        rows.append([5] * 3 + [101] + [100] * n + [102] + [7] * 8)
+        rows.append([5] * 3 + [VSTART] + [IMAGE] * n + [VEND] + [7] * 8)
         types.append([0] * 4 + [1] * n + [0] * 9)
         pix.append(torch.randn(h * w, 96, generator=g))
     width = max(map(len, rows))
@@ -72,13 +85,15 @@ def _worker(rank: int, world: int, config: str, steps: int) -> dict:
     from mmbalance.integrations.hf import apply_encoder_balance
 
     depth, width, llm, side, count = CONFIGS[config]
+    video = config == "video"
     out = {}
-    for balanced in (True, False):
+    modes = ("balanced", "whole_videos", "unbalanced") if video else ("balanced", "unbalanced")
+    for key in modes:
         model = _model(depth, width, llm)
-        handle = apply_encoder_balance(model) if balanced else None
+        handle = None if key == "unbalanced" else apply_encoder_balance(model, split_frames=key == "balanced")
         timings, stats, step_ms = [], [], []
         for step in range(steps + 2):  # two warm-up steps
-            batch = _batch(rank, step, side, count)
+            batch = _batch(rank, step, side, count, video)
             dist.barrier()
             t0 = time.perf_counter()
             model(**batch).loss.backward()
@@ -92,7 +107,6 @@ def _worker(rank: int, world: int, config: str, steps: int) -> dict:
                     dist.all_reduce(vec, op=dist.ReduceOp.MAX)
                     timings.append(vec.tolist())
                     stats.append(handle.stats["vision"])
-        key = "balanced" if balanced else "unbalanced"
         out[key] = {"step_ms": float(np.median(step_ms))}
         if handle:
             med = np.median(np.asarray(timings), axis=0)
@@ -109,11 +123,16 @@ def bench(world: int, steps: int, configs) -> list[Row]:
         b, u = res["balanced"], res["unbalanced"]
         overhead = b["plan_ms"] + b["move_in_ms"] + b["move_back_ms"]
         depth, width, llm, side, count = CONFIGS[config]
+        what = f"one {count}-frame video of" if config == "video" else f"{count} images of"
+        extra = {}
+        if "whole_videos" in res:
+            w = res["whole_videos"]
+            extra = {"vision_after_whole_videos": w["after"], "step_ms_whole_videos": w["step_ms"]}
         rows.append(
             Row(
                 "hf_encoder_balance[qwen2_vl]",
                 "mmbalance",
-                f"{config}: ViT {depth}x{width}, {world} ranks, rank 0 {count} images of {side}x{side} patches",
+                f"{config}: ViT {depth}x{width}, {world} ranks, rank 0 {what} {side}x{side} patches",
                 "float32",
                 device_name(),
                 overhead,
@@ -127,6 +146,7 @@ def bench(world: int, steps: int, configs) -> list[Row]:
                     "moved": b["moved"],
                     "step_ms_balanced": b["step_ms"],
                     "step_ms_unbalanced": u["step_ms"],
+                    **extra,
                 },
             )
         )
@@ -143,7 +163,7 @@ def main(argv=None) -> None:
     except ImportError:
         print('mmbalance bench hf needs transformers (pip install "mmbalance[hf]"); skipped')
         return
-    configs = ["tiny"] if args.quick else ["tiny", "small"]
+    configs = ["tiny", "video"] if args.quick else ["tiny", "small", "video"]
     report(
         bench(args.world, max(2, args.steps // 2) if args.quick else args.steps, configs),
         args.json,

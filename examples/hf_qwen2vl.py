@@ -5,13 +5,17 @@
 Each rank samples a skewed batch: rank 0 gets several large images, every other rank one small
 image, so without balancing rank 0's vision encoder does almost all the work while the others
 wait. With ``apply_encoder_balance`` every rank encodes an equal share of the images; the language
-model is untouched, so the losses are the same with and without ``--no-balance``.
+model is untouched, so the losses are the same with and without ``--no-balance``. Every step prints
+its time (the slowest rank's), so the two runs can be compared; where the ranks share CPU cores the
+times cannot show the saving (see the note it prints).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,11 +73,18 @@ def main() -> None:
     model = DistributedDataParallel(tiny_qwen2vl())
     handle = None if args.no_balance else apply_encoder_balance(model)  # <- the one line
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    times = []
     for step in range(args.steps):
-        loss = model(**skewed_batch(rank, step)).loss
+        batch = skewed_batch(rank, step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(**batch).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
+        elapsed = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        times.append(1e3 * float(elapsed))
         total = loss.detach().clone()
         dist.all_reduce(total)
         if rank == 0:
@@ -83,7 +94,19 @@ def main() -> None:
                 if vision
                 else "vision max/mean: not balanced"
             )
-            print(f"step {step}  loss {total.item() / dist.get_world_size():.6f}  {where}", flush=True)
+            print(
+                f"step {step}  loss {total.item() / dist.get_world_size():.6f}  {times[-1]:6.1f} ms  {where}",
+                flush=True,
+            )
+    if rank == 0:
+        later = times[1:] or times  # the first step warms up
+        print(
+            f"median step time: {statistics.median(later):.1f} ms ({'not ' if handle is None else ''}balanced)"
+        )
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if dist.get_world_size() > (cores or 1):
+            print(f"note: {dist.get_world_size()} ranks share {cores} CPU cores here, so they take turns and the "
+                  "step time is the sum of their work; balancing shows in the max/mean above")  # fmt: skip
     if handle:
         handle.remove()
     # Free DDP (its reducer holds the process group) before the group goes: tearing down a gloo

@@ -13,12 +13,17 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
@@ -112,3 +117,56 @@ def run_distributed(
             )
             raise RuntimeError(f"every rank returned its result, but then {what} (a failure at exit)")
         return [results[r] for r in range(world_size)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict | None = None) -> str:
+    """Run the Python file ``script`` on ``nproc`` ranks with the environment ``torchrun`` gives its
+    workers (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...), from the repository root.
+
+    The workers are started here rather than through torchrun, whose workers live in sessions of
+    their own: a timeout here kills every worker, so a hung example fails the test instead of
+    leaving the suite waiting on pipes that a stray worker holds open. Returns rank 0's stdout.
+    """
+    port = str(_free_port())
+    procs, logs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for rank in range(nproc):
+                env_r = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                           WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+                logs.append(open(os.path.join(tmp, f"rank{rank}.log"), "w+"))  # noqa: SIM115 - closed below
+                procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=REPO,
+                                              env=env_r, stdout=logs[-1], stderr=subprocess.STDOUT, text=True,
+                                              start_new_session=True))  # fmt: skip
+            deadline, timed_out = time.monotonic() + timeout, False
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    break
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            outs = []
+            for log in logs:
+                log.seek(0)
+                outs.append(log.read())
+                log.close()
+    if timed_out:
+        tails = "".join(f"--- rank {r}\n{out[-2000:]}" for r, out in enumerate(outs))
+        raise AssertionError(f"{script} {' '.join(args)} did not finish in {timeout:.0f} s:\n{tails}")
+    for rank, (proc, out) in enumerate(zip(procs, outs)):
+        assert proc.returncode == 0, f"rank {rank}'s process {describe_exit(proc.returncode)}:\n{out[-3000:]}"
+    return outs[0]

@@ -1,20 +1,20 @@
 """Hugging Face transformers integration (``pip install "mmbalance[hf]"``, transformers >= 5.18).
 
 * :func:`apply_encoder_balance`: balance the vision/audio encoders of a Hugging Face multimodal
-  model over the data-parallel ranks in every forward, with results identical to not balancing::
+  model over the data-parallel ranks in every training forward, with results identical to not
+  balancing::
 
       handle = apply_encoder_balance(model)          # after init_process_group, before training
-      loss = model(**batch).loss                      # unchanged training loop (DDP, FSDP2 ...)
+      loss = model(**batch).loss                      # unchanged training loop (Trainer, DDP, FSDP2 ...)
       handle.stats["vision"]                          # {"before": 1.9, "after": 1.01, "moved": 0.3}
 
-* :class:`EncoderAdapter` / :func:`register_adapter`: teach it a model class it does not know.
+* :class:`EncoderAdapter` / :func:`register_adapter`: teach it a model class it does not know
+  (the built-in adapters are in ``models/``, one file per family).
 * :func:`register_attention`: a packed (padding-free) varlen attention backend for transformers'
   ``AttentionInterface``, named ``"mmbalance_varlen"``.
 """
 
 from __future__ import annotations
-
-import importlib
 
 _MIN_TRANSFORMERS = (5, 18)
 
@@ -39,16 +39,9 @@ def _require_transformers() -> None:
 
 _require_transformers()
 
-from .adapter import EncoderAdapter, Items  # noqa: E402
 from .attention import ATTENTION_NAME, register_attention  # noqa: E402
-from .balance import (  # noqa: E402
-    EncoderBalanceHandle,
-    apply_encoder_balance,
-    register_adapter,
-    registered_adapters,
-)
-
-importlib.import_module(f"{__name__}.adapters")  # registers the built-in adapters
+from .balance import EncoderBalanceHandle, apply_encoder_balance  # noqa: E402
+from .encoder_adapter import EncoderAdapter, Items, register_adapter, registered_adapters  # noqa: E402
 
 __all__ = [
     "ATTENTION_NAME",

@@ -2,16 +2,17 @@
 
 ``apply_encoder_balance(model)`` replaces ``model.forward`` (on the instance; ``handle.remove()``
 puts the class's back). In every training forward, for each encoder the model has (see
-``adapters.py``):
+``models/``):
 
 1. the encoder's items are taken out of the forward's arguments (``Items``);
 2. every rank's item sizes are all-gathered (one small collective, with the agreement step, so a
-   bad input on one rank raises on every rank);
+   bad input on one rank, or ranks that disagree on the forward's encoder options or grad mode,
+   raise on every rank);
 3. every rank computes the same locality-aware post-balancing plan on the items' encoder costs
    (``post_balance(costs, ranks, "sum", src_ranks=...)``: items stay home unless balance needs
    the move, moved items prefer node-mates);
 4. the inputs move with one all-to-all (``rebalance``), each rank encodes its share with one
-   encoder call (a tiny dummy item when its share is empty, so FSDP/DDP see the same calls on
+   encoder call (a tiny stand-in item when its share is empty, so FSDP/DDP see the same calls on
    every rank), and the outputs return with one all-to-all along the inverse plan;
 5. the outputs, back in their rank and order, go where the model expects its encoder's results
    (``mm_encoder_outputs``, or the input embeddings for audio towers), and the model's own forward
@@ -19,9 +20,14 @@ puts the class's back). In every training forward, for each encoder the model ha
 
 Backward retraces the two all-to-alls (``rebalance`` is differentiable), so encoder gradients are
 produced on the rank that encoded the item and summed by DDP/FSDP as usual: loss and summed
-gradients equal the unbalanced step's. A zero-valued term that depends on every rank's returned
-outputs and dummy encoding is attached to ``loss`` and ``logits``, so every rank's backward
-reaches the all-to-all and the encoder even when its own batch has no item for that encoder.
+gradients equal the unbalanced step's. So that every rank's backward reaches the all-to-all and
+its encoder call even when its own batch has no item, a zero that depends on every rank's returned
+outputs and stand-in encoding is added to the input embeddings of the language model: whatever the
+loss is built from (logits, hidden states of a base ``...Model``) depends on it, nothing is a view,
+and in-place ops on the loss work as usual.
+
+Evaluation forwards (``model.eval()``) and ``generate()`` run the stock forward: their call
+patterns may differ between ranks, and generation needs no balanced encoder.
 """
 
 from __future__ import annotations
@@ -36,36 +42,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mmbalance.balancing import post_balance
+from mmbalance.balancing import imbalance, post_balance
 from mmbalance.collectives import rebalance
+from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.alltoall import gather_table
+from mmbalance.collectives.group import group_timeout, world_of
+from mmbalance.collectives.inflight import gather_objects
+from mmbalance.pyops import cu_seqlens_from_lengths
 
-from .adapter import EncoderAdapter, Items
+from . import models as _builtin  # noqa: F401 - registers the built-in adapters
+from .encoder_adapter import EncoderAdapter, Items, adapters_for, supported_classes
 
-__all__ = ["EncoderBalanceHandle", "apply_encoder_balance", "register_adapter", "registered_adapters"]
+__all__ = ["EncoderBalanceHandle", "apply_encoder_balance"]
 
-_REGISTRY: list[type[EncoderAdapter]] = []
-_LOCK = threading.Lock()
 _ATTR = "_mmbalance_encoder_balance"
 _COST_UNITS = 1e9  # the largest item cost, in the integer units the planner balances
-
-
-def register_adapter(adapter: type[EncoderAdapter]) -> type[EncoderAdapter]:
-    """Register an :class:`EncoderAdapter` subclass (usable as a class decorator). Later
-    registrations win over earlier ones for the same model class."""
-    if not (isinstance(adapter, type) and issubclass(adapter, EncoderAdapter)):
-        raise TypeError(f"adapter must be an EncoderAdapter subclass, got {adapter!r}")
-    with _LOCK:
-        _REGISTRY.insert(0, adapter)
-    return adapter
-
-
-def registered_adapters() -> list[type[EncoderAdapter]]:
-    return list(_REGISTRY)
-
-
-def _supported() -> list[str]:
-    return sorted({c for a in _REGISTRY for c in a.model_classes})
 
 
 def _unwrap(model):
@@ -75,38 +66,43 @@ def _unwrap(model):
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-class _Attach(torch.autograd.Function):
-    """``x`` unchanged, with ``anchor`` (a zero-valued scalar) joined to its graph: backward of
-    anything built on ``x`` also runs backward through ``anchor``, without touching ``x``'s data."""
+class _ZeroLink(torch.autograd.Function):
+    """A zero scalar whose backward sends zero gradients to ``tensors``: adding it to something
+    the loss depends on makes every rank's backward run through ``tensors`` (the returned outputs
+    and the stand-in encoding, hence the backward all-to-all and the encoder), without reading
+    their values (an inf in them cannot turn the zero into a NaN)."""
 
     @staticmethod
-    def forward(ctx, x, anchor):
-        return x.view_as(x)
+    def forward(ctx, *tensors):
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        return torch.zeros((), dtype=torch.float32, device=tensors[0].device)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.zeros((), dtype=grad.dtype, device=grad.device)
+        # zeros that take no memory (one element, expanded): the point is the path, not the value
+        return tuple(
+            torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.meta
+        )
 
 
-def _attach(output, anchor: Tensor):
-    """Join ``anchor`` to the loss and logits of ``output`` (a ModelOutput or a tuple)."""
-    if not anchor.requires_grad:
-        return output
+def _floating(t) -> bool:
+    return isinstance(t, Tensor) and t.is_floating_point()
+
+
+def _attach_to_outputs(output, anchor: Tensor):
+    """For models without input embeddings (not a transformers model): add ``anchor`` to the
+    floating-point outputs a loss is built from (new tensors, never views)."""
     if isinstance(output, tuple):
-        out, done = list(output), 0
-        for k, t in enumerate(out):
-            if done < 2 and isinstance(t, Tensor) and t.is_floating_point():
-                out[k], done = _Attach.apply(t, anchor.to(t.dtype)), done + 1
-        return type(output)(out) if type(output) is tuple else output
-    for name in ("loss", "logits"):
+        return type(output)(t + anchor.to(t.dtype) if _floating(t) else t for t in output)
+    for name in ("loss", "logits", "last_hidden_state"):
         t = getattr(output, name, None)
-        if isinstance(t, Tensor) and t.is_floating_point():
-            setattr(output, name, _Attach.apply(t, anchor.to(t.dtype)))
+        if _floating(t):
+            setattr(output, name, t + anchor.to(t.dtype))
     return output
 
 
 class EncoderBalanceHandle:
-    """What :func:`apply_encoder_balance` returns.
+    """What :func:`apply_encoder_balance` returns; it is also the model's ``forward`` while active.
 
     Attributes:
         stats: ``{encoder: {"before", "after", "moved"}}`` of the last balanced forward: max/mean
@@ -117,7 +113,8 @@ class EncoderBalanceHandle:
             the inputs, the encoder itself, and the all-to-all of the outputs.
         adapters: the adapters in use, by encoder name.
         group: the process group the encoders are balanced over (a dedicated copy of the one
-            given, so the balancing all-to-alls never interleave with DDP/FSDP collectives).
+            given, with its timeout, so the balancing all-to-alls never interleave with DDP/FSDP
+            collectives); destroyed by :meth:`remove`.
     """
 
     def __init__(
@@ -134,20 +131,57 @@ class EncoderBalanceHandle:
         self._had_forward = "forward" in model.__dict__
         self._old_forward = model.__dict__.get("forward")
         self._forward = model.forward  # the bound forward that runs after the encoders
-        self._signature = inspect.signature(self._forward)
+        self._had_generate = "generate" in model.__dict__
+        self._old_generate = model.__dict__.get("generate")
+        self._generating = threading.local()
         self._removed = False
+        # the stock forward's identity for the tools that inspect it (Trainer's column removal,
+        # generate's argument check): the same signature, name and documentation
+        self.__wrapped__ = self._forward
+        self.__signature__ = inspect.signature(self._forward)
+        self.__name__ = getattr(self._forward, "__name__", "forward")
+        self.__qualname__ = getattr(self._forward, "__qualname__", "forward")
+        self.__doc__ = getattr(self._forward, "__doc__", None)
 
     # ------------------------------------------------------------------ lifecycle
+    def _install(self) -> None:
+        model = self.model
+        model.forward = self
+        model.__dict__[_ATTR] = self
+        stock_generate = getattr(model, "generate", None)
+        if callable(stock_generate):
+
+            def generate(*args, **kwargs):
+                depth = getattr(self._generating, "depth", 0)
+                self._generating.depth = depth + 1
+                try:
+                    return stock_generate(*args, **kwargs)
+                finally:
+                    self._generating.depth = depth
+
+            generate.__wrapped__ = stock_generate
+            generate.__doc__ = stock_generate.__doc__
+            model.generate = generate
+
     def remove(self) -> None:
-        """Restore the model exactly as it was (idempotent)."""
+        """Restore the model exactly as it was and release the balancing's process group
+        (idempotent). Not collective; every rank that applied it should remove it."""
         if self._removed:
             return
-        if self._had_forward:
-            self.model.forward = self._old_forward
-        else:
-            self.model.__dict__.pop("forward", None)
-        self.model.__dict__.pop(_ATTR, None)
+        model = self.model
+        for name, had, old in (
+            ("forward", self._had_forward, self._old_forward),
+            ("generate", self._had_generate, self._old_generate),
+        ):
+            if had:
+                setattr(model, name, old)
+            else:
+                model.__dict__.pop(name, None)
+        model.__dict__.pop(_ATTR, None)
         self._removed = True
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
 
     def __enter__(self) -> EncoderBalanceHandle:
         return self
@@ -160,62 +194,77 @@ class EncoderBalanceHandle:
         return not self._removed
 
     def __repr__(self) -> str:
+        ranks = dist.get_world_size(self.group) if self.group is not None else "-"
         return (
             f"EncoderBalanceHandle({type(self.model).__name__}, encoders={list(self.adapters)}, "
-            f"ranks={dist.get_world_size(self.group)}, active={self.active})"
+            f"ranks={ranks}, active={self.active})"
         )
 
     # ------------------------------------------------------------------ the forward
     def __call__(self, *args, **kwargs):
-        if self.training_only and not self.model.training:
+        if (
+            self._removed
+            or (self.training_only and not self.model.training)
+            or getattr(self._generating, "depth", 0)
+        ):
             return self._forward(*args, **kwargs)
-        bound = self._signature.bind(*args, **kwargs)
+        bound = self.__signature__.bind(*args, **kwargs)
         call = dict(bound.arguments)
         extra = call.pop(
-            next((n for n, p in self._signature.parameters.items() if p.kind is p.VAR_KEYWORD), ""), {}
+            next((n for n, p in self.__signature__.parameters.items() if p.kind is p.VAR_KEYWORD), ""), {}
         )
         call.update(extra)
-        anchors: list[Tensor] = []
+        links: list[Tensor] = []
         for adapter in self.adapters.values():
-            call = self._balance(adapter, call, anchors)
-        output = self._forward(**call)
-        if anchors:
-            anchor = sum(a.sum() * 0.0 for a in anchors)
-            output = _attach(output, anchor)
-        return output
-
-    def _balance(self, adapter: EncoderAdapter, kwargs: dict, anchors: list[Tensor]) -> dict:
-        model, group = self.model, self.group
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        t0 = time.perf_counter()
-        problems, err, items = [], None, None
+            call = self._balance(adapter, call, links)
+        links = [t for t in links if t.requires_grad]
+        if not links:
+            return self._forward(**call)
+        anchor = _ZeroLink.apply(*links)
+        embeds = call.get("inputs_embeds")
+        if _floating(embeds):
+            call["inputs_embeds"] = embeds + anchor.to(embeds.dtype)
+        get_emb = getattr(self.model, "get_input_embeddings", None)
+        emb = get_emb() if callable(get_emb) else None
+        if not isinstance(emb, torch.nn.Module):
+            return _attach_to_outputs(self._forward(**call), anchor)
+        hook = emb.register_forward_hook(
+            lambda mod, inp, out: out + anchor.to(out.dtype) if _floating(out) else out
+        )
         try:
-            items = adapter.extract(model, kwargs)
-            if items is not None:
-                self._check_items(adapter, items)
-        except (TypeError, ValueError) as exc:
-            problems, err = [f"{adapter.encoder} inputs: {exc}"], exc
+            return self._forward(**call)
+        finally:
+            hook.remove()
+
+    def _balance(self, adapter: EncoderAdapter, kwargs: dict, links: list[Tensor]) -> dict:
+        model, group = self.model, self.group
+        rank, world = world_of(group)
+        t0 = time.perf_counter()
+        items, options, mat = None, {}, None
         n_meta = len(adapter.meta_columns)
-        mat = None
-        if not problems:
-            mat = np.zeros((0, 1 + n_meta), dtype=np.int64)
-            if items is not None and len(items):
-                mat = np.concatenate([items.rows[:, None], items.meta], axis=1)
-        table, src = gather_table(
-            mat,
-            group,
-            entry=f"apply_encoder_balance[{adapter.encoder}]",
-            problems=problems,
-            local_error=err,
-            fields={
+        with Entry(f"apply_encoder_balance[{adapter.encoder}]", group) as e:
+            e.fields = {
                 "adapter": type(adapter).__name__,
                 "training": bool(model.training),
+                "grad enabled": torch.is_grad_enabled(),
                 "cost": self.cost
                 if isinstance(self.cost, str)
                 else f"callable {getattr(self.cost, '__qualname__', '?')}",
                 "ranks_per_node": self.ranks_per_node,
-            },
-        )
+                "split_frames": bool(adapter.splits_frames),
+            }
+            options = adapter.call_options(model, kwargs)
+            e.fields["encoder options"] = repr(sorted(options.items()))
+            try:
+                items = adapter.extract(model, kwargs)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{adapter.encoder} inputs: {exc}") from exc
+            if items is not None:
+                self._check_items(adapter, items)
+            mat = np.zeros((0, 1 + n_meta), dtype=np.int64)
+            if items is not None and len(items):
+                mat = np.concatenate([items.rows[:, None], items.meta], axis=1)
+        table, src = gather_table(mat, group, entry=e)
         if table.shape[0] == 0:  # no rank has an item: the stock path, on every rank alike
             self.stats.pop(adapter.encoder, None)
             self.timings.pop(adapter.encoder, None)
@@ -226,31 +275,38 @@ class EncoderBalanceHandle:
             np.int64
         )
         plan = post_balance(units, world, "sum", src_ranks=src, ranks_per_node=self.ranks_per_node)
-        self.stats[adapter.encoder] = _stats(costs, src, plan.dst_rank, world)
+        self.stats[adapter.encoder] = {
+            "before": imbalance(np.bincount(src, weights=costs, minlength=world)),
+            "after": imbalance(np.bincount(plan.dst_rank, weights=costs, minlength=world)),
+            "moved": float(np.mean(src != plan.dst_rank)),
+        }
 
         # inputs to the encoder layout
         t1 = time.perf_counter()
         mine = items if items is not None and len(items) else None
         payload = mine.payload if mine is not None else adapter.empty_payload(model)
         in_rows = mine.rows if mine is not None else np.zeros(0, dtype=np.int64)
+        device = payload[0].device
         moved, _ = rebalance(
-            list(payload), _cu(in_rows, payload[0].device), plan.with_lengths(rows_all), group
+            list(payload), cu_seqlens_from_lengths(in_rows, device=device), plan.with_lengths(rows_all), group
         )
         recv = plan.recv_order(rank)
         t2 = time.perf_counter()
         if recv.size:
-            outputs = adapter.encode(model, moved, meta_all[recv])
+            outputs = adapter.encode(model, moved, meta_all[recv], **options)
         else:  # nothing to encode here: a tiny item keeps the encoder calls equal on every rank
             d_payload, d_meta = adapter.dummy(model)
-            dummy_out = adapter.encode(model, d_payload, d_meta)
-            anchors.extend(dummy_out)
+            dummy_out = adapter.encode(model, d_payload, d_meta, **options)
+            links.extend(dummy_out)
             outputs = [t[:0] for t in dummy_out]
         # outputs back to their items' ranks and order
         t3 = time.perf_counter()
-        out_rows_all = adapter.out_rows(model, meta_all)
+        out_rows_all = np.asarray(adapter.out_rows(model, meta_all, **options), dtype=np.int64)
         back_plan = plan.with_lengths(out_rows_all).inverse()
-        back, _ = rebalance(outputs, _cu(out_rows_all[recv], outputs[0].device), back_plan, group)
-        anchors.extend(back)
+        back, _ = rebalance(
+            outputs, cu_seqlens_from_lengths(out_rows_all[recv], device=outputs[0].device), back_plan, group
+        )
+        links.extend(back)
         t4 = time.perf_counter()
         self.timings[adapter.encoder] = {
             "plan_ms": 1e3 * (t1 - t0),
@@ -293,31 +349,21 @@ class EncoderBalanceHandle:
 def _own_group(base):
     """A process group with ``base``'s ranks used by the balancing alone: its all-to-alls (also
     those of the backward, which autograd schedules) then never interleave with DDP's or FSDP's
-    collectives on a shared communicator. ``new_group`` is collective over the world and needs the
-    same calls in the same order on every rank, so every rank learns every rank's group first and
-    all create all of them."""
-    mine = tuple(dist.get_process_group_ranks(base))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    collectives on a shared communicator. It takes ``base``'s timeout. ``new_group`` is collective
+    over the world and needs the same calls in the same order on every rank, so every rank learns
+    every rank's group first and all create all of them."""
+    every = gather_objects(tuple(dist.get_process_group_ranks(base)))
+    timeout = group_timeout(base)
     me, own = dist.get_rank(), None
     for ranks in sorted(set(every)):
-        g = dist.new_group(list(ranks))
+        g = (
+            dist.new_group(list(ranks), timeout=timeout)
+            if timeout is not None
+            else dist.new_group(list(ranks))
+        )
         if me in ranks:
             own = g
     return own
-
-
-def _cu(rows: np.ndarray, device) -> Tensor:
-    cu = np.zeros(rows.size + 1, dtype=np.int32)
-    np.cumsum(rows, out=cu[1:])
-    return torch.from_numpy(cu).to(device)
-
-
-def _stats(costs: np.ndarray, src: np.ndarray, dst: np.ndarray, world: int) -> dict[str, float]:
-    before = np.bincount(src, weights=costs, minlength=world)
-    after = np.bincount(dst, weights=costs, minlength=world)
-    ratio = lambda load: float(load.max() / load.mean()) if load.mean() > 0 else 1.0  # noqa: E731
-    return {"before": ratio(before), "after": ratio(after), "moved": float(np.mean(src != dst))}
 
 
 def apply_encoder_balance(
@@ -328,15 +374,17 @@ def apply_encoder_balance(
     ranks_per_node: int | None = None,
     adapters: Sequence[EncoderAdapter] | None = None,
     training_only: bool = True,
+    split_frames: bool = True,
 ) -> EncoderBalanceHandle:
-    """Balance the encoders of ``model`` over the ranks of ``group``, in every forward.
+    """Balance the encoders of ``model`` over the ranks of ``group``, in every training forward.
 
     Args:
-        model: the top-level Hugging Face model a training loop calls
-            (``Qwen2VLForConditionalGeneration``, ``LlavaForConditionalGeneration``, ...), or a
+        model: the Hugging Face model a training loop calls (``Qwen2VLForConditionalGeneration``,
+            ``LlavaForConditionalGeneration``, a base ``Qwen2VLModel`` ...), or a
             ``DistributedDataParallel`` around it. FSDP2 (``fully_shard``) modules work as they are.
         group: the data-parallel process group (default: the world). The balancing uses its own
-            copy of it (created here, collectively: every rank of ``group`` must call this).
+            copy of it, with the same timeout (created here, collectively: every rank of the world
+            must call this).
         cost: how an item's encoding cost is estimated: ``"auto"`` (the adapter's FLOP model:
             quadratic in the patches of an image or frame plus linear for Qwen-style ViTs, one unit
             per tile or fixed-length clip), ``"rows"`` (input rows), ``"items"`` (one per item),
@@ -344,8 +392,12 @@ def apply_encoder_balance(
         ranks_per_node: moved items prefer a destination on their own node (must divide the
             group size).
         adapters: adapters to use instead of the registered ones for ``type(model)``.
-        training_only: balance only while ``model.training`` (the default: evaluation and
-            ``generate`` then run the stock forward, whose call pattern may differ between ranks).
+        training_only: balance only while ``model.training`` (the default: evaluation forwards
+            run the stock forward, whose call pattern may differ between ranks). ``generate()``
+            always runs the stock forward.
+        split_frames: for encoders that attend within a frame (the Qwen ViTs), every frame of a
+            video is an item of its own (exact; one long video then no longer bounds the step).
+            ``False``: whole videos.
 
     Returns:
         An :class:`EncoderBalanceHandle`: ``handle.stats``, ``handle.remove()``; a context manager.
@@ -353,10 +405,9 @@ def apply_encoder_balance(
     Raises:
         ValueError: ``model``'s class has no adapter (the message lists the supported ones), the
             model is already balanced, or an argument is invalid.
+        RuntimeError: ``torch.distributed`` is not initialized.
         ImportError: transformers is not installed (``pip install "mmbalance[hf]"``).
     """
-    from . import adapters as _builtin  # noqa: F401 - registers the built-in adapters
-
     inner = _unwrap(model)
     if not isinstance(inner, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -364,25 +415,17 @@ def apply_encoder_balance(
         raise ValueError(
             f"{type(inner).__name__} already has encoder balancing applied; call handle.remove() first"
         )
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
+    base = group if group is not None else dist.group.WORLD
+    _, world = world_of(group)
     if not (cost in ("auto", "rows", "items") or callable(cost)):
         raise ValueError(f"cost must be 'auto', 'rows', 'items' or a callable, got {cost!r}")
-    base = group if group is not None else dist.group.WORLD
-    world = dist.get_world_size(base)
     if ranks_per_node is not None:
         if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be None or an int >= 1, got {ranks_per_node!r}")
         if world % ranks_per_node:
             raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the group size ({world})")
     if adapters is None:
-        chosen = [cls() for cls in _REGISTRY if cls().matches(inner)]
-        seen, unique = set(), []
-        for a in chosen:  # the most recently registered adapter per encoder wins
-            if a.encoder not in seen:
-                seen.add(a.encoder)
-                unique.append(a)
-        chosen = unique
+        chosen = adapters_for(inner)
     else:
         chosen = list(adapters)
         for a in chosen:
@@ -390,14 +433,32 @@ def apply_encoder_balance(
                 raise TypeError(f"adapters must be EncoderAdapter instances, got {type(a).__name__}")
     if not chosen:
         raise ValueError(
-            f"no encoder adapter for {type(inner).__name__}; supported: {', '.join(_supported())}. "
+            f"no encoder adapter for {type(inner).__name__}; supported: {', '.join(supported_classes())}. "
             "Write an EncoderAdapter for it (mmbalance.integrations.hf.EncoderAdapter) and register it."
         )
     names = [a.encoder for a in chosen]
     if len(set(names)) != len(names):
         raise ValueError(f"two adapters for the same encoder: {names}")
+    for a in chosen:
+        if not split_frames and a.splits_frames:
+            a.splits_frames = False  # on this instance only
     own = _own_group(base)
+    # One agreement on the new group before anything uses it: every rank has connected to it
+    # (so no rank can tear it down while a peer still connects), and every rank balances alike.
+    with Entry("apply_encoder_balance", own) as e:
+        e.fields = {
+            "model": type(inner).__name__,
+            "adapters": [type(a).__name__ for a in chosen],
+            "cost": cost if isinstance(cost, str) else "callable",
+            "ranks_per_node": ranks_per_node,
+            "training_only": bool(training_only),
+            "split_frames": bool(split_frames),
+        }
+    try:
+        e.agree()
+    except Exception:
+        dist.destroy_process_group(own)
+        raise
     handle = EncoderBalanceHandle(inner, chosen, own, cost, ranks_per_node, training_only)
-    inner.forward = handle
-    inner.__dict__[_ATTR] = handle
+    handle._install()
     return handle

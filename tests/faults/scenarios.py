@@ -436,11 +436,10 @@ def hf_faults(rank: int, world: int) -> dict:
     batch = Z.batch("qwen2_vl", model, spec, seed=rank)
     wrong = dict(batch, image_grid_thw=batch["image_grid_thw"] + 2) if bad else batch
     out["wrong lengths"] = attempt(lambda: model(**wrong).loss)
-    # a rank whose handle prices items differently would plan differently: refused before data moves
+    # a rank whose handle prices items differently would plan differently: refused on every rank
+    # already when the handles are made, before any forward
     handle.remove()
-    handle = apply_encoder_balance(model, cost="items" if bad else "rows")
-    out["different plan"] = attempt(lambda: model(**batch).loss)
-    handle.remove()
+    out["different plan"] = attempt(lambda: apply_encoder_balance(model, cost="items" if bad else "rows"))
     # pixel values in another dtype are cast to the tower's dtype: not a fault
     mixed = dict(batch, pixel_values=batch["pixel_values"].double()) if bad else batch
     handle = apply_encoder_balance(model)

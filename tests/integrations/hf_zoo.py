@@ -4,7 +4,8 @@ batches whose placeholder tokens match their encoder inputs.
 ``build(name, seed)`` returns the model; ``batch(name, model, spec, seed)`` a training batch for a
 per-rank ``spec``: a list of sequences, each a list of item sizes in the model's own terms (image
 sizes in patches for the Qwen ViTs, ``("video", t, h, w)`` for videos, tile counts for InternVL,
-original image sizes for LLaVA-NeXT, valid mel frames for audio clips). ``spec == []``: one
+original image sizes for LLaVA-NeXT, tile counts for Idefics3, valid mel frames for audio clips).
+``spec == []``: one
 text-only sequence.
 """
 
@@ -29,6 +30,8 @@ MODELS = (
     "internvl",
     "qwen2_audio",
     "qwen2_5_omni",
+    "qwen3_vl_moe",
+    "idefics3",
 )
 
 
@@ -97,6 +100,45 @@ def build(name: str, seed: int = 0):
             **ids,
         )
         model = tf.Qwen3VLForConditionalGeneration(cfg)
+    elif name == "qwen3_vl_moe":
+        cfg = tf.Qwen3VLMoeConfig(
+            text_config=_text(
+                num_hidden_layers=2,
+                head_dim=16,
+                rope_parameters=_qwen_rope([4, 2, 2], mrope_interleaved=True),
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                decoder_sparse_step=1,
+            ),  # fmt: skip
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                out_hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0, 1],
+                **qwen_vision,
+            ),  # fmt: skip
+            **ids,
+        )
+        model = tf.Qwen3VLMoeForConditionalGeneration(cfg)
+    elif name == "idefics3":
+        cfg = tf.Idefics3Config(
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=S,
+                patch_size=P,
+            ),  # fmt: skip
+            text_config=_text(model_type="llama"),
+            image_token_id=IMG,
+            scale_factor=2,
+        )
+        model = tf.Idefics3ForConditionalGeneration(cfg)
     elif name == "llava":
         cfg = tf.LlavaConfig(vision_config=clip, text_config=_text(model_type="llama"), image_token_index=IMG,
                              image_seq_length=(S // P) ** 2, vision_feature_layer=-2,
@@ -174,7 +216,7 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     spec = spec or [[]]
     rows, types = [], []
-    if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni"):
+    if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni"):
         row = 3 * TPATCH * PATCH * PATCH
         pix, grids, vpix, vgrids, feats = [], [], [], [], []
         img = IMG
@@ -184,7 +226,7 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
                 if isinstance(item, tuple) and item[0] == "video":
                     _, t, h, w = item
                     n = t * h * w // MERGE**2
-                    groups = [h * w // MERGE**2] * t if name == "qwen3_vl" else [n]
+                    groups = [h * w // MERGE**2] * t if name.startswith("qwen3_vl") else [n]
                     for k in groups:
                         ids += [TEXT + 2, VS] + [VID] * k + [VE]
                         tt += [0, 0] + [2] * k + [0]
@@ -270,6 +312,24 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
         out = _finish(rows)
         if n_tiles:
             out["pixel_values"] = torch.randn(n_tiles, 3, S, S, generator=g)
+        return out
+    if name == "idefics3":
+        per_tile = (S // P) ** 2 // 4  # scale factor 2
+        counts = []
+        for seq in spec:
+            ids = [TEXT] * 4
+            for k in seq:
+                ids += [IMG] * (k * per_tile) + [TEXT + 1]
+            counts.append(sum(seq))
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if any(counts):
+            pv = torch.zeros(len(rows), max(counts), 3, S, S)
+            mask = torch.zeros(len(rows), max(counts), S, S, dtype=torch.bool)
+            for i, k in enumerate(counts):
+                pv[i, :k] = torch.randn(k, 3, S, S, generator=g)
+                mask[i, :k] = True
+            out.update(pixel_values=pv, pixel_attention_mask=mask)
         return out
     if name == "qwen2_audio":
         frames = 2 * MSP

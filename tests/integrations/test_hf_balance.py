@@ -33,6 +33,8 @@ SPECS = {
     "internvl": [[[3, 1], [5]], [[1]], []],
     "qwen2_audio": [[[32, 20], [11]], [[7]], []],
     "qwen2_5_omni": [[[("audio", 30), (4, 4)], [("audio", 13)]], [[("audio", 21), (2, 4)]], []],
+    "qwen3_vl_moe": [[[(4, 4)], [("video", 3, 4, 4)]], [[(6, 4)]], []],
+    "idefics3": [[[3, 1], [2]], [[1]], []],
 }
 ENCODERS = {"qwen2_audio": {"audio"}, "qwen2_5_omni": {"audio", "vision"}}
 

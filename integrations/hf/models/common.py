@@ -1,0 +1,114 @@
+"""What the built-in adapters share: where a model keeps its towers, the ``mm_encoder_outputs``
+hook, the tile-tower base class and the audio placeholder scatter."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..encoder_adapter import EncoderAdapter, Items
+
+_TOWERS = ("visual", "vision_tower", "audio_tower", "vision_model")
+
+
+def core(model):
+    """The module holding the towers and ``get_*_features``: the inner ``...Model``
+    (``model.model``) where it has them, else the model itself (the base ``...Model`` classes, and
+    the Qwen2.5-Omni thinker before transformers 5.21, which keeps its towers on itself)."""
+    inner = getattr(model, "model", None)
+    if isinstance(inner, torch.nn.Module) and any(t in inner._modules for t in _TOWERS):
+        return inner
+    return model
+
+
+def mm_outputs(kwargs: dict) -> dict:
+    """A copy of the forward's ``mm_encoder_outputs`` dict (empty when none was given)."""
+    mm = kwargs.get("mm_encoder_outputs")
+    return dict(mm) if mm else {}
+
+
+def pooled(features, deepstack=None):
+    """Encoder outputs in the form ``mm_encoder_outputs`` takes them."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    if deepstack is None:
+        return BaseModelOutputWithPooling(pooler_output=features)
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    return BaseModelOutputWithDeepstackFeatures(pooler_output=features, deepstack_features=deepstack)
+
+
+def as_int(value) -> int:
+    """A config size that may be an int or a pair (``image_size``, ``patch_size``)."""
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+def dtype_device(module) -> tuple[torch.dtype, torch.device]:
+    """A module's parameter dtype and device, from metadata only: nothing is read or gathered, so it
+    is safe on FSDP2-sharded towers on a rank that is not running them."""
+    p = next(module.parameters())
+    return p.dtype, p.device
+
+
+class TileAdapter(EncoderAdapter):
+    """Fixed-resolution towers: one item per tile (a row of ``pixel_values [tiles, C, S, S]``),
+    all of equal cost."""
+
+    encoder = "vision"
+    meta_columns = ("tile",)
+
+    def _tower(self, model):
+        return core(model).vision_tower
+
+    def _tile_shape(self, model) -> tuple[int, int, int]:
+        cfg = self._tower(model).config
+        size = as_int(cfg.image_size)
+        return int(getattr(cfg, "num_channels", 3)), size, size
+
+    def empty_payload(self, model):
+        dtype, device = dtype_device(self._tower(model))
+        return [torch.empty(0, *self._tile_shape(model), dtype=dtype, device=device)]
+
+    def dummy(self, model):
+        dtype, device = dtype_device(self._tower(model))
+        return [torch.zeros(1, *self._tile_shape(model), dtype=dtype, device=device)], np.zeros(
+            (1, 1), dtype=np.int64
+        )
+
+    def cost(self, model, meta, rows):
+        return np.ones(rows.size)
+
+    def _tiles(self, model, kwargs, tiles: Tensor, context: dict | None = None) -> Items:
+        dtype, _ = dtype_device(self._tower(model))
+        kwargs["pixel_values"] = None
+        n = tiles.shape[0]
+        return Items(
+            [tiles.to(dtype)], np.ones(n, dtype=np.int64), np.zeros((n, 1), dtype=np.int64), context or {}
+        )
+
+
+# ---------------------------------------------------------------------------------- audio towers
+def audio_out_len(frames: np.ndarray) -> np.ndarray:
+    """Encoder outputs of a clip with ``frames`` valid mel frames (stride-2 conv, then stride-2 pooling)."""
+    after_conv = (frames - 1) // 2 + 1
+    return (after_conv - 2) // 2 + 1
+
+
+def scatter_audio(model, kwargs: dict, features: Tensor, token_id: int, keep_ids: bool) -> dict:
+    """Put audio features at their placeholder tokens of the input embeddings (audio towers have
+    no ``mm_encoder_outputs`` hook)."""
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        raise ValueError("audio balancing needs input_ids (its placeholder tokens locate the clips)")
+    embeds = model.get_input_embeddings()(ids)
+    mask = ids == token_id
+    if int(mask.sum()) != features.shape[0]:
+        raise ValueError(
+            f"input_ids holds {int(mask.sum())} audio tokens but the clips give {features.shape[0]} features "
+            "(expand the audio placeholders with the processor)"
+        )
+    kwargs["inputs_embeds"] = embeds.masked_scatter(mask.unsqueeze(-1), features.to(embeds.dtype))
+    if not keep_ids:
+        kwargs["input_ids"] = None
+    return kwargs

@@ -1,0 +1,130 @@
+"""LLaVA (1.5) and LLaVA-NeXT: fixed-resolution CLIP towers, one item per tile.
+
+The tower's feature layer and selection strategy come from the forward's ``vision_feature_layer`` /
+``vision_feature_select_strategy`` when given there, else from the config, as in the models
+themselves; every rank must pass the same ones (items of all ranks are encoded together).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..encoder_adapter import packed_rows, register_adapter
+from .common import TileAdapter, as_int, core, mm_outputs, pooled
+
+__all__ = ["LlavaAdapter", "LlavaNextAdapter"]
+
+
+class _ClipTiles(TileAdapter):
+    def call_options(self, model, kwargs):
+        cfg = model.config
+        layer = kwargs.get("vision_feature_layer")
+        strategy = kwargs.get("vision_feature_select_strategy")
+        layer = cfg.vision_feature_layer if layer is None else layer
+        strategy = cfg.vision_feature_select_strategy if strategy is None else strategy
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}")
+        return {
+            "vision_feature_layer": tuple(layer) if isinstance(layer, (list, tuple)) else int(layer),
+            "vision_feature_select_strategy": strategy,
+        }
+
+    def _selected(self, model, tiles, vision_feature_layer, vision_feature_select_strategy):
+        """The chosen hidden state(s) of the tower, CLS dropped for the "default" strategy."""
+        hs = self._tower(model)(tiles, output_hidden_states=True, return_dict=True).hidden_states
+        drop = vision_feature_select_strategy == "default"
+        if isinstance(vision_feature_layer, int):
+            feat = hs[vision_feature_layer]
+            return feat[:, 1:] if drop else feat
+        return torch.cat([hs[k][:, 1:] if drop else hs[k] for k in vision_feature_layer], dim=-1)
+
+    def _tokens_per_tile(self, model, vision_feature_select_strategy: str) -> int:
+        cfg = self._tower(model).config
+        side = as_int(cfg.image_size) // as_int(cfg.patch_size)
+        return side * side + (0 if vision_feature_select_strategy == "default" else 1)
+
+    def out_rows(self, model, meta, vision_feature_select_strategy=None, **options):
+        strategy = vision_feature_select_strategy or model.config.vision_feature_select_strategy
+        return np.full(meta.shape[0], self._tokens_per_tile(model, strategy), dtype=np.int64)
+
+    def encode(self, model, payload, meta, **options):
+        options = options or self.call_options(model, {})
+        feats = core(model).multi_modal_projector(self._selected(model, payload[0], **options))
+        return [feats.reshape(-1, feats.shape[-1])]
+
+
+@register_adapter
+class LlavaAdapter(_ClipTiles):
+    model_classes = ("LlavaForConditionalGeneration", "LlavaModel")
+
+    def extract(self, model, kwargs):
+        pix = kwargs.get("pixel_values")
+        if pix is None or mm_outputs(kwargs).get("image") is not None:
+            return None
+        if kwargs.get("image_sizes") is not None:
+            raise ValueError("image_sizes (variable-resolution backbones such as Pixtral) are not supported")
+        if pix.dim() != 4:
+            raise ValueError(f"pixel_values must be [images, C, H, W], got shape {tuple(pix.shape)}")
+        return self._tiles(model, kwargs, pix, {"options": self.call_options(model, kwargs)})
+
+    def restore(self, model, kwargs, items, outputs):
+        mm = mm_outputs(kwargs)
+        mm["image"] = pooled(
+            packed_rows(outputs[0], self.out_rows(model, items.meta, **items.context["options"]))
+        )
+        kwargs["mm_encoder_outputs"] = mm
+        return kwargs
+
+
+@register_adapter
+class LlavaNextAdapter(_ClipTiles):
+    """Items are the real tiles of every image (the base tile and the grid tiles that
+    ``image_sizes`` implies; padding tiles are dropped before anything moves). The tower, feature
+    selection and projector run per tile anywhere; unpadding and the newline tokens (which need
+    ``image_sizes``) run on the image's own rank."""
+
+    model_classes = ("LlavaNextForConditionalGeneration", "LlavaNextModel")
+
+    def extract(self, model, kwargs):
+        pix = kwargs.get("pixel_values")
+        if pix is None or mm_outputs(kwargs).get("image") is not None:
+            return None
+        sizes = kwargs.get("image_sizes")
+        if sizes is None:
+            raise ValueError("pixel_values is given without image_sizes")
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        cfg = model.config
+        ntiles = [
+            image_size_to_num_patches(
+                image_size=s, grid_pinpoints=cfg.image_grid_pinpoints, patch_size=cfg.vision_config.image_size
+            )  # fmt: skip
+            for s in torch.as_tensor(sizes).tolist()
+        ]
+        if pix.dim() == 5:
+            tiles = torch.cat([p[:n] for p, n in zip(pix, ntiles)])
+        elif pix.dim() == 4 and pix.shape[0] == sum(ntiles):
+            tiles = pix
+        else:
+            raise ValueError(
+                f"pixel_values of shape {tuple(pix.shape)} does not match image_sizes ({sum(ntiles)} tiles)"
+            )
+        context = {"ntiles": ntiles, "image_sizes": sizes, "options": self.call_options(model, kwargs)}
+        return self._tiles(model, kwargs, tiles, context)
+
+    def restore(self, model, kwargs, items, outputs):
+        c = core(model)
+        strategy = items.context["options"]["vision_feature_select_strategy"]
+        per_tile = self._tokens_per_tile(model, strategy)
+        feats = outputs[0].reshape(len(items), per_tile, outputs[0].shape[-1])
+        packed, _ = c.pack_image_features(
+            torch.split(feats, items.context["ntiles"]),
+            items.context["image_sizes"],
+            vision_feature_select_strategy=strategy,
+            image_newline=c.image_newline,
+        )
+        mm = mm_outputs(kwargs)
+        mm["image"] = pooled(packed)
+        kwargs["mm_encoder_outputs"] = mm
+        return kwargs

@@ -1,0 +1,154 @@
+"""The natural-resolution Qwen ViTs: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and the
+Qwen2.5-Omni thinker's vision tower.
+
+One item per image, and one per temporal frame of a video (``t`` frames of ``h x w`` patches): the
+towers attend within each frame only (``cu_seqlens`` restart at every frame; Qwen2.5's windows lie
+inside a frame too) and their position embeddings depend on ``h`` and ``w`` alone, so a frame
+encoded apart gives exactly the rows it gives inside its video. Each frame returns ``h*w / merge**2``
+rows (and as many per deepstack layer in Qwen3-VL); ``restore`` puts a video's frames back together.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..encoder_adapter import EncoderAdapter, Items, flops_linear, packed_rows, register_adapter
+from .common import as_int, core, dtype_device, mm_outputs, pooled
+
+__all__ = ["QwenVisionAdapter", "Qwen3VLMoeVisionAdapter"]
+
+
+@register_adapter
+class QwenVisionAdapter(EncoderAdapter):
+    """Items: images and video frames (a ``*_grid_thw`` row ``t x h x w`` is ``t`` items of ``1 x h
+    x w``; whole videos with ``splits_frames = False``). Images and frames of all ranks are encoded
+    together in one call of the tower."""
+
+    encoder = "vision"
+    meta_columns = ("video", "t", "h", "w")
+    splits_frames = True
+    model_classes = (
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2VLModel",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLModel",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLModel",
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+    )
+    _SOURCES = (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    )
+
+    def _visual(self, model):
+        return core(model).visual
+
+    def _row(self, model) -> int:
+        """Values per patch, from the config (reading a weight would gather it under FSDP2)."""
+        cfg = self._visual(model).config
+        return int(cfg.in_channels) * int(cfg.temporal_patch_size) * as_int(cfg.patch_size) ** 2
+
+    def _merge(self, model) -> int:
+        return int(self._visual(model).spatial_merge_size)
+
+    def extract(self, model, kwargs):
+        mm = mm_outputs(kwargs)
+        dtype, _ = dtype_device(self._visual(model))
+        parts, metas, frames = [], [], []
+        for kind, (name, pix_key, grid_key) in enumerate(self._SOURCES):
+            pix = kwargs.get(pix_key)
+            if pix is None or mm.get(name) is not None:
+                continue
+            grid = kwargs.get(grid_key)
+            if grid is None:
+                raise ValueError(f"{pix_key} is given without {grid_key}")
+            grid = torch.as_tensor(grid).reshape(-1, 3).cpu().numpy().astype(np.int64)
+            rows = grid.prod(-1)
+            if int(rows.sum()) != pix.shape[0]:
+                raise ValueError(
+                    f"{grid_key} describes {int(rows.sum())} patches but {pix_key} has {pix.shape[0]} rows"
+                )
+            parts.append(pix.reshape(pix.shape[0], -1).type(dtype))
+            if self.splits_frames:  # frame by frame: the rows of a video are frame-major
+                t = grid[:, 0]
+                per = np.repeat(np.concatenate([np.ones((len(grid), 1), np.int64), grid[:, 1:]], 1), t, 0)
+                metas.append(np.concatenate([np.full((per.shape[0], 1), kind), per], axis=1))
+                frames += [(kind, int(n)) for n in t]
+            else:
+                metas.append(np.concatenate([np.full((grid.shape[0], 1), kind), grid], axis=1))
+                frames += [(kind, 1)] * len(grid)
+            kwargs[pix_key] = None
+        if not parts:
+            return None
+        meta = np.concatenate(metas)
+        return Items([torch.cat(parts)], meta[:, 1:].prod(1), meta, {"frames": frames})
+
+    def empty_payload(self, model):
+        dtype, device = dtype_device(self._visual(model))
+        return [torch.empty(0, self._row(model), dtype=dtype, device=device)]
+
+    def encode(self, model, payload, meta):
+        grid = torch.as_tensor(meta[:, 1:4], dtype=torch.long, device=payload[0].device)
+        out = core(model).get_image_features(payload[0], grid, return_dict=True)
+        outs = [torch.cat(list(out.pooler_output))]
+        for layer in getattr(out, "deepstack_features", None) or []:
+            outs.append(torch.cat(list(layer)))
+        return outs
+
+    def out_rows(self, model, meta):
+        return meta[:, 1:4].prod(1) // self._merge(model) ** 2
+
+    def dummy(self, model):
+        m = self._merge(model)
+        dtype, device = dtype_device(self._visual(model))
+        x = torch.zeros(m * m, self._row(model), dtype=dtype, device=device)
+        return [x], np.array([[0, 1, m, m]], dtype=np.int64)
+
+    def restore(self, model, kwargs, items, outputs):
+        per_item = self.out_rows(model, items.meta)
+        feats = packed_rows(outputs[0], per_item)
+        deep = [packed_rows(t, per_item) for t in outputs[1:]]
+        # an image or video of the forward is `count` consecutive items (its frames)
+        groups: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+        start = 0
+        for kind, count in items.context["frames"]:
+            groups[kind].append((start, start + count))
+            start += count
+
+        def joined(pieces, a, b):
+            return pieces[a] if b - a == 1 else torch.cat(pieces[a:b])
+
+        mm = mm_outputs(kwargs)
+        for kind, name in enumerate(("image", "video")):
+            if not groups[kind]:
+                continue
+            features = tuple(joined(feats, a, b) for a, b in groups[kind])
+            layers = [tuple(joined(layer, a, b) for a, b in groups[kind]) for layer in deep] if deep else None
+            mm[name] = pooled(features, layers)
+        kwargs["mm_encoder_outputs"] = mm
+        return kwargs
+
+    def cost(self, model, meta, rows):
+        cfg = self._visual(model).config
+        depth = int(cfg.depth)
+        hidden = int(getattr(cfg, "embed_dim", None) or cfg.hidden_size)
+        ffn = int(getattr(cfg, "intermediate_size", 0) or hidden * getattr(cfg, "mlp_ratio", 4))
+        frame = (meta[:, 2] * meta[:, 3]).astype(np.float64)  # patches per frame
+        t = meta[:, 1].astype(np.float64)
+        full = depth
+        window = frame
+        if getattr(cfg, "window_size", None) and getattr(cfg, "fullatt_block_indexes", None) is not None:
+            full = len(cfg.fullatt_block_indexes)  # Qwen2.5: windowed attention in the other layers
+            side = int(cfg.window_size) // as_int(cfg.patch_size)
+            window = np.minimum(frame, float(side * side))
+        attention = 4.0 * hidden * t * frame * (full * frame + (depth - full) * window)
+        return depth * flops_linear(hidden, ffn) * t * frame + attention
+
+
+@register_adapter
+class Qwen3VLMoeVisionAdapter(QwenVisionAdapter):
+    """Qwen3-VL-MoE: the Qwen3-VL vision tower (the experts are in the language model only)."""
+
+    model_classes = ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel")
