@@ -14,113 +14,78 @@ largest per-rank send volume, the largest per-rank off-node volume, and the LLM 
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .harness import Row, base_parser, device_name, report
+from .harness import Row, base_parser, device_name, report, spawn
 
 PER_RANK = 60
 
 
-def _worker(rank, world, init, args, queue):
-    try:
-        torch.set_num_threads(1)
-        cuda = torch.cuda.is_available()
-        backend = "nccl" if cuda else "gloo"
-        if cuda:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend, init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-        )
-        from mmbalance.balancing import Plan, imbalance, node_wise_permutation, post_balance
-        from mmbalance.balancing.datasets import mixture
-        from mmbalance.collectives import gather_lengths, rebalance
+def _worker(rank, world, args):
+    cuda = dist.get_backend() == "nccl"
+    from mmbalance.balancing import Plan, imbalance, node_wise_permutation, post_balance
+    from mmbalance.balancing.datasets import mixture
+    from mmbalance.collectives import gather_lengths, rebalance
 
-        dev = torch.device("cuda") if cuda else torch.device("cpu")
-        dtype = torch.bfloat16 if cuda else torch.float32
-        rows = []
-        for step in range(args.steps):
-            local = mixture(PER_RANK, 1000 * step + rank).llm
-            if args.scale > 1:
-                local = np.maximum(1, local // args.scale)
-            lengths, src = gather_lengths(local)
-            x = torch.randn(int(local.sum()), args.hidden, device=dev, dtype=dtype)
-            cu = torch.zeros(local.size + 1, dtype=torch.int32, device=dev)
-            cu[1:] = torch.from_numpy(np.cumsum(local)).to(dev, torch.int32)
-            rpn = args.ranks_per_node
-            plans = {
-                # every example stays where it was sampled
-                "none": Plan.from_destinations(lengths, src, world, src),
-                "plain+alg3": node_wise_permutation(
-                    post_balance(lengths, world), rpn, src_ranks=src, method="fast"
-                ),
-                "located": post_balance(lengths, world, src_ranks=src, ranks_per_node=rpn),
-            }
-            for name, plan in plans.items():
-                rebalance(x, cu, plan)  # warm-up and plan check
-                times = []
-                for _ in range(args.reps):
-                    if cuda:
-                        torch.cuda.synchronize()
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    rebalance(x, cu, plan, check=False)
-                    if cuda:
-                        torch.cuda.synchronize()
-                    times.append((time.perf_counter() - t0) * 1e3)
-                t = torch.tensor([float(np.median(times))])
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                sent = plan.send_matrix()
-                np.fill_diagonal(sent, 0)
-                offn = plan.off_node_send(rpn) if plan.src_rank is not None else np.zeros(world)
-                loads = np.bincount(plan.dst_rank, weights=lengths, minlength=world)
-                elt = x.element_size() * args.hidden
-                rows.append(
-                    dict(
-                        step=step,
-                        plan=name,
-                        time_ms=float(t),
-                        max_send_MB=sent.sum(1).max() * elt / 1e6,
-                        max_offnode_MB=offn.max() * elt / 1e6,
-                        total_moved_MB=sent.sum() * elt / 1e6,
-                        llm_max_over_mean=imbalance(loads),
-                    )
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows = []
+    for step in range(args.steps):
+        local = mixture(PER_RANK, 1000 * step + rank).llm
+        if args.scale > 1:
+            local = np.maximum(1, local // args.scale)
+        lengths, src = gather_lengths(local)
+        x = torch.randn(int(local.sum()), args.hidden, device=dev, dtype=dtype)
+        cu = torch.zeros(local.size + 1, dtype=torch.int32, device=dev)
+        cu[1:] = torch.from_numpy(np.cumsum(local)).to(dev, torch.int32)
+        rpn = args.ranks_per_node
+        plans = {
+            # every example stays where it was sampled
+            "none": Plan.from_destinations(lengths, src, world, src),
+            "plain+alg3": node_wise_permutation(
+                post_balance(lengths, world), rpn, src_ranks=src, method="fast"
+            ),
+            "located": post_balance(lengths, world, src_ranks=src, ranks_per_node=rpn),
+        }
+        for name, plan in plans.items():
+            rebalance(x, cu, plan)  # warm-up and plan check
+            times = []
+            for _ in range(args.reps):
+                if cuda:
+                    torch.cuda.synchronize()
+                dist.barrier()
+                t0 = time.perf_counter()
+                rebalance(x, cu, plan, check=False)
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            t = torch.tensor([float(np.median(times))])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            sent = plan.send_matrix()
+            np.fill_diagonal(sent, 0)
+            offn = plan.off_node_send(rpn) if plan.src_rank is not None else np.zeros(world)
+            loads = np.bincount(plan.dst_rank, weights=lengths, minlength=world)
+            elt = x.element_size() * args.hidden
+            rows.append(
+                dict(
+                    step=step,
+                    plan=name,
+                    time_ms=float(t),
+                    max_send_MB=sent.sum(1).max() * elt / 1e6,
+                    max_offnode_MB=offn.max() * elt / 1e6,
+                    total_moved_MB=sent.sum() * elt / 1e6,
+                    llm_max_over_mean=imbalance(loads),
                 )
-        dist.destroy_process_group()
-        queue.put((rank, rows if rank == 0 else None, None))
-    except Exception as exc:  # noqa: BLE001
-        import traceback
-
-        queue.put((rank, None, traceback.format_exc()))
-        raise SystemExit(1) from exc
+            )
+    return rows if rank == 0 else None
 
 
 def run(args) -> list[Row]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "rdzv")
-        procs = [
-            ctx.Process(target=_worker, args=(r, args.world, init, args, queue)) for r in range(args.world)
-        ]
-        for p in procs:
-            p.start()
-        result = None
-        for _ in range(args.world):
-            rank, rows, err = queue.get(timeout=600)
-            if err:
-                raise RuntimeError(f"rank {rank} failed:\n{err}")
-            if rows is not None:
-                result = rows
-        for p in procs:
-            p.join(timeout=30)
+    result = spawn(_worker, args.world, args, pg_timeout=120.0)[0]
     dev = device_name("cuda" if torch.cuda.is_available() else "cpu")
     out = []
     for r in result:
