@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 import numpy as np
 
+_core: ModuleType | None
+_IMPORT_ERROR: ImportError | None
 try:
-    from mmbalance import _core
+    _core = importlib.import_module("mmbalance._core")
 except ImportError as exc:  # pragma: no cover - only without a build
     _core = None
     _IMPORT_ERROR = exc

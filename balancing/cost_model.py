@@ -117,7 +117,7 @@ class CostModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-            if not np.isfinite(v) or v < 0:
+            if not np.isfinite(float(v)) or v < 0:
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
         if self.mask not in MASKS:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
@@ -347,16 +347,16 @@ def _as_measurement(m, i: int) -> Measurement:
         degree = m[1] if len(m) == 3 else 1
     else:
         raise TypeError(f"measurements[{i}] must be a Measurement or (lengths, [degree,] seconds)")
-    lengths = as_lengths(lengths, f"measurements[{i}].lengths")
+    checked = as_lengths(lengths, f"measurements[{i}].lengths")
     degree = as_count(degree, f"measurements[{i}].degree")
     if (
         isinstance(seconds, bool)
         or not isinstance(seconds, numbers.Real)
-        or not np.isfinite(seconds)
+        or not np.isfinite(float(seconds))
         or seconds <= 0
     ):
         raise ValueError(f"measurements[{i}].seconds must be a positive number, got {seconds!r}")
-    return Measurement(tuple(int(x) for x in lengths), degree, float(seconds))
+    return Measurement(tuple(int(x) for x in checked), degree, float(seconds))
 
 
 def _nnls(A: np.ndarray, b: np.ndarray, max_iter: int = 100) -> np.ndarray:

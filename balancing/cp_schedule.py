@@ -320,7 +320,7 @@ def _as_time(t, d: int) -> float:
             f"cost(lengths, {d}) must return a number (the group's time) or, vectorized, an array "
             f"of one time per sequence; got {type(t).__name__}"
         )
-    if not np.isfinite(t) or t < 0:
+    if not np.isfinite(float(t)) or t < 0:
         raise ValueError(f"cost(lengths, {d}) must return a finite number >= 0, got {t!r}")
     return float(t)
 
@@ -329,7 +329,8 @@ class _GroupTimes:
     """A per-group callable's times; each (group, degree) is asked once."""
 
     def __init__(self, cost, lengths: np.ndarray):
-        self.cost, self.lengths, self.cache = cost, lengths, {}
+        self.cost, self.lengths = cost, lengths
+        self.cache: dict[tuple[bytes, int], float] = {}
 
     def __call__(self, members: np.ndarray, d: int) -> float:
         key = (members.tobytes(), d)

@@ -124,7 +124,11 @@ def _partition(fwd, act, num_stages, radius, top_k, comm_weight, evaluate, ours:
         raise ValueError(f"num_stages ({n}) must be <= the number of layers ({L})")
     radius = as_count(radius, "radius", minimum=0)
     top_k = as_count(top_k, "top_k")
-    if isinstance(comm_weight, bool) or not isinstance(comm_weight, numbers.Real) or not comm_weight >= 0:
+    if (
+        isinstance(comm_weight, bool)
+        or not isinstance(comm_weight, numbers.Real)
+        or not float(comm_weight) >= 0
+    ):
         raise ValueError(f"comm_weight must be a number >= 0, got {comm_weight!r}")
     w = float(comm_weight)
     prefix = np.concatenate([[0.0], np.cumsum(f)])
@@ -147,12 +151,12 @@ def _partition(fwd, act, num_stages, radius, top_k, comm_weight, evaluate, ours:
                 seen.add(key)
                 cuts.append(row)
                 source.append(name)
-    cuts = np.array(cuts, dtype=np.int64).reshape(len(cuts), n - 1)
-    stage, var, comm, score = _score(cuts, prefix, a, w)
+    cut_rows = np.array(cuts, dtype=np.int64).reshape(len(cuts), n - 1)
+    stage, var, comm, score = _score(cut_rows, prefix, a, w)
     order = np.lexsort((np.arange(score.size), score))[:top_k]
     cands = [
         PartitionCandidate(
-            boundaries=tuple(int(x) for x in cuts[i]) + (L,),
+            boundaries=tuple(int(x) for x in cut_rows[i]) + (L,),
             stage_times=tuple(float(x) for x in stage[i]),
             variance=float(var[i]),
             comm=float(comm[i]),
@@ -167,11 +171,11 @@ def _partition(fwd, act, num_stages, radius, top_k, comm_weight, evaluate, ours:
         timed = []
         for c in cands:
             t = evaluate(c.boundaries)
-            if isinstance(t, bool) or not isinstance(t, numbers.Real) or not np.isfinite(t):
+            if isinstance(t, bool) or not isinstance(t, numbers.Real) or not np.isfinite(float(t)):
                 raise ValueError(f"evaluate{c.boundaries} must return a finite time, got {t!r}")
             timed.append(_with_measured(c, float(t)))
         cands = timed
-        best = min(cands, key=lambda c: c.measured)
+        best = min(cands, key=lambda c: float("inf") if c.measured is None else c.measured)
     paper_cuts = np.concatenate([arr for name, arr in sets if name.startswith("paper")], axis=0)
     paper_score = float(_score(paper_cuts, prefix, a, w)[3].min())
     lines = [

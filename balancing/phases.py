@@ -174,7 +174,7 @@ class PhasePlans:
         for name, plan in {**self.encoder, "llm": self.llm}.items():
             if name == "llm" and k > 1:
                 groups = self.world // k
-                before = plan.batch_costs(plan.src_rank // k, groups)
+                before = plan.batch_costs(self.src_ranks // k, groups)
                 after = plan.costs[::k]
             else:
                 before = plan.source_costs()
@@ -222,7 +222,7 @@ def plan_step(
     n = sizes[TEXT].size
     src = as_ranks(src_ranks, n, world, "src_ranks")
     order_ids = np.zeros(n, dtype=np.int64) if order_ids is None else as_lengths(order_ids, "order_ids")
-    orders = [tuple(o) for o in (orders or [names])]
+    order_list: list[tuple[str, ...]] = [tuple(o) for o in (orders or [names])]
     k = as_count(llm_group_size, "llm_group_size")
     if world % k:
         raise ValueError(f"llm_group_size ({k}) must divide the world size ({world})")
@@ -250,7 +250,7 @@ def plan_step(
         src_ranks=src,
         sizes=sizes,
         llm_parts=llm_parts,
-        orders=orders,
+        orders=order_list,
         order_ids=order_ids,
         encoder=encoder,
         llm=llm_plan,

@@ -124,8 +124,8 @@ class Plan:
 
     def source_costs(self) -> np.ndarray:
         """float64 ``[num_ranks]``: each rank's batch cost before the move (requires a source)."""
-        self._need_source("source_costs")
-        return self.batch_costs(self.src_rank)
+        src_rank, src_slot = self._source("source_costs")
+        return self.batch_costs(src_rank)
 
     def imbalance(self, before: bool = False) -> float:
         """Max/mean batch cost over the ranks after the move (``before=True``: as sampled)."""
@@ -139,24 +139,24 @@ class Plan:
 
     def moved(self) -> np.ndarray:
         """Boolean ``[n]``: examples whose rank changes (requires a source)."""
-        self._need_source("moved")
-        return self.dst_rank != self.src_rank
+        src_rank, src_slot = self._source("moved")
+        return self.dst_rank != src_rank
 
     def moved_tokens(self) -> int:
         return int(self.lengths[self.moved()].sum())
 
     def send_matrix(self) -> np.ndarray:
         """Tokens sent from rank ``s`` to rank ``d``: int64 ``[num_ranks, num_ranks]``."""
-        self._need_source("send_matrix")
+        src_rank, src_slot = self._source("send_matrix")
         m = np.zeros(self.num_ranks * self.num_ranks, dtype=np.int64)
-        np.add.at(m, self.src_rank * self.num_ranks + self.dst_rank, self.lengths)
+        np.add.at(m, src_rank * self.num_ranks + self.dst_rank, self.lengths)
         return m.reshape(self.num_ranks, self.num_ranks)
 
     def off_node_send(self, ranks_per_node: int) -> np.ndarray:
         """Tokens each source rank sends to other nodes, int64 ``[num_ranks]`` (eq. 5 of OrchMLLM)."""
-        self._need_source("off_node_send")
-        off = (self.src_rank // ranks_per_node) != (self.dst_rank // ranks_per_node)
-        return np.bincount(self.src_rank[off], weights=self.lengths[off], minlength=self.num_ranks).astype(
+        src_rank, src_slot = self._source("off_node_send")
+        off = (src_rank // ranks_per_node) != (self.dst_rank // ranks_per_node)
+        return np.bincount(src_rank[off], weights=self.lengths[off], minlength=self.num_ranks).astype(
             np.int64
         )
 
@@ -171,15 +171,15 @@ class Plan:
     # ------------------------------------------------------------------ per-rank views
     def send_order(self, rank: int) -> np.ndarray:
         """Source slots of ``rank``'s examples in send order (by destination rank, then slot)."""
-        self._need_source("send_order")
-        idx = np.flatnonzero(self.src_rank == rank)
+        src_rank, src_slot = self._source("send_order")
+        idx = np.flatnonzero(src_rank == rank)
         key = np.lexsort((self.dst_slot[idx], self.dst_rank[idx]))
-        return self.src_slot[idx[key]]
+        return src_slot[idx[key]]
 
     def send_counts(self, rank: int) -> np.ndarray:
         """Examples ``rank`` sends to each rank, int64 ``[num_ranks]``."""
-        self._need_source("send_counts")
-        sel = self.src_rank == rank
+        src_rank, src_slot = self._source("send_counts")
+        sel = src_rank == rank
         return np.bincount(self.dst_rank[sel], minlength=self.num_ranks).astype(np.int64)
 
     def recv_order(self, rank: int) -> np.ndarray:
@@ -191,10 +191,10 @@ class Plan:
 
     def source_order(self, rank: int) -> np.ndarray:
         """Global ids of the examples on ``rank`` before the move, in source-slot order."""
-        self._need_source("source_order")
-        idx = np.flatnonzero(self.src_rank == rank)
+        src_rank, src_slot = self._source("source_order")
+        idx = np.flatnonzero(src_rank == rank)
         out = np.empty_like(idx)
-        out[self.src_slot[idx]] = idx
+        out[src_slot[idx]] = idx
         return out
 
     # ------------------------------------------------------------------ construction
@@ -240,11 +240,11 @@ class Plan:
     # ------------------------------------------------------------------ algebra
     def inverse(self) -> Plan:
         """The plan that moves every example back to where it came from."""
-        self._need_source("inverse")
+        src_rank, src_slot = self._source("inverse")
         return Plan(
-            dst_rank=self.src_rank.copy(),
-            dst_slot=self.src_slot.copy(),
-            costs=_costs_of(self.lengths, self.src_rank, self.num_ranks, self.policy, self.alpha, self.beta),
+            dst_rank=src_rank.copy(),
+            dst_slot=src_slot.copy(),
+            costs=_costs_of(self.lengths, src_rank, self.num_ranks, self.policy, self.alpha, self.beta),
             num_ranks=self.num_ranks,
             lengths=self.lengths,
             src_rank=self.dst_rank.copy(),
@@ -269,10 +269,8 @@ class Plan:
             raise ValueError(f"first has {first.num_ranks} ranks, this plan {self.num_ranks}")
         if first.num_examples != self.num_examples:
             raise ValueError(f"first has {first.num_examples} examples, this plan {self.num_examples}")
-        self._need_source("compose")
-        if not (
-            np.array_equal(first.dst_rank, self.src_rank) and np.array_equal(first.dst_slot, self.src_slot)
-        ):
+        src_rank, src_slot = self._source("compose")
+        if not (np.array_equal(first.dst_rank, src_rank) and np.array_equal(first.dst_slot, src_slot)):
             raise ValueError("first's destination layout is not this plan's source layout")
         return Plan(
             dst_rank=self.dst_rank.copy(),
@@ -307,9 +305,11 @@ class Plan:
             beta=self.beta,
         )
 
-    def _need_source(self, what: str) -> None:
-        if self.src_rank is None:
+    def _source(self, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(src_rank, src_slot)``, or a ``ValueError`` saying that ``what`` needs them."""
+        if self.src_rank is None or self.src_slot is None:
             raise ValueError(f"Plan.{what} needs the source layout: plan with src_ranks=...")
+        return self.src_rank, self.src_slot
 
     def __repr__(self) -> str:
         return (

@@ -61,7 +61,7 @@ def time_cpu(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 10, min_time
     """Median wall time of ``fn()`` in milliseconds (``time.perf_counter`` loop)."""
     for _ in range(warmup):
         fn()
-    times = []
+    times: list[float] = []
     start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - start) < min_time_s:
         t0 = time.perf_counter()

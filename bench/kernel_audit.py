@@ -79,9 +79,9 @@ def ptx_memory_widths(ptx: str) -> dict:
             if "global" in suffix and "bulk" not in suffix:
                 size = re.search(r",\s*(\d+)\s*(?:,|;)", line)
                 if size:
-                    bits = int(size.group(1)) * 8
-                    widest["ld"] = max(widest["ld"], bits)
-                    hist[f"cp.async.{bits}"] = hist.get(f"cp.async.{bits}", 0) + 1
+                    nbits = int(size.group(1)) * 8
+                    widest["ld"] = max(widest["ld"], nbits)
+                    hist[f"cp.async.{nbits}"] = hist.get(f"cp.async.{nbits}", 0) + 1
             elif "bulk" in suffix:
                 hist["tma"] = hist.get("tma", 0) + 1
             continue

@@ -308,7 +308,8 @@ def next_fit(lengths: np.ndarray, d: int, policy: str, alpha: float, beta: float
     idx = range(n + 1)
 
     def starts(cap: float) -> list[int] | None:
-        out, i = [], 0
+        out: list[int] = []
+        i = 0
         while i < n:
             if len(out) == d or a_l[i] + h_l[i] > cap:
                 return None
@@ -330,7 +331,10 @@ def next_fit(lengths: np.ndarray, d: int, policy: str, alpha: float, beta: float
             lo = mid
         else:
             hi = mid
-    bounds = starts(hi) + [n]
+    found = starts(hi)
+    if found is None:  # pragma: no cover - hi is feasible by construction
+        raise RuntimeError("next_fit: the bisection lost its feasible bound")
+    bounds = found + [n]
     dst = np.empty(n, dtype=np.int64)
     for rank in range(len(bounds) - 1):
         dst[order[bounds[rank] : bounds[rank + 1]]] = rank
@@ -378,10 +382,10 @@ def bench_real_path(ranks: list[int], policies: list[str], reps: int = 5) -> lis
             lb = lower_bound(lengths, d, policy, alpha=alpha, beta=beta)
             t_plain = None
             for mode in REAL_PATH_MODES:
-                kw = {} if mode == "plain" else {"src_ranks": src}
+                kw: dict[str, object] = {} if mode == "plain" else {"src_ranks": src}
                 if mode.endswith(f"rpn{RANKS_PER_NODE}"):
                     kw["ranks_per_node"] = RANKS_PER_NODE
-                call = lambda: post_balance(lengths, d, policy, alpha=alpha, beta=beta, **kw)
+                call = lambda: post_balance(lengths, d, policy, alpha=alpha, beta=beta, **kw)  # type: ignore[arg-type]
                 plan = call()  # the plan measured below, and the warm-up call
                 t = time_cpu(call, warmup=0, reps=reps)
                 t_plain = t if t_plain is None else t_plain
@@ -433,13 +437,13 @@ def plot(rows: list[Row], path: str) -> None:
     for k, op in enumerate(dict.fromkeys(r.op for r in real)):
         color = colors[k % len(colors)]
         for mode, style in ((REAL_PATH_MODES[-1], "-"), ("plain", "--")):
-            pts = sorted(
+            series = sorted(
                 (ranks_of(r), r.time_ms, r.metrics["makespan/lb"])
                 for r in real
                 if r.op == op and r.provider == mode
             )
-            if pts:
-                x, t, q = zip(*pts)
+            if series:
+                x, t, q = zip(*series)
                 label = op[len("real_path[") : -1] if style == "-" else None
                 ax_scale.plot(x, t, style, marker="o", color=color, label=label)
                 ax_quality.plot(x, q, style, marker="o", color=color, label=label)

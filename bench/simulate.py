@@ -133,7 +133,7 @@ def load_table(path: str) -> ExampleSizes:
     order: an unknown, missing or repeated column is an error, never a column of zeros. A UTF-8
     byte-order mark (as Excel writes it) is skipped. Values are integers in ``[0, 2**31)``.
     """
-    rows: list[tuple[int, object]] = []
+    rows: list[tuple[int, dict]] = []
     with open(path, encoding="utf-8-sig", newline="") as f:
         if path.endswith((".jsonl", ".json")):
             for lineno, line in enumerate(f, 1):
@@ -230,7 +230,7 @@ def plan_step(s: ExampleSizes, ranks: int, m: ModelConfig) -> dict[str, dict[str
         ("llm", llm, m.llm, ("quadratic",)),
     ):
         sel = np.flatnonzero(lengths > 0) if p != "llm" else np.arange(n)
-        best, best_t = None, np.inf
+        best, best_t = src.copy(), np.inf
         for pol in pols:
             dst = src.copy()
             dst[sel] = post_balance(
@@ -250,7 +250,9 @@ def simulate(
     rng = np.random.default_rng(seed)
     rows = []
     for ranks in ranks_list:
-        acc = {st: {"step_s": [], **{f"{p}_imb": [] for p in PHASES}} for st in STRATEGIES}
+        acc: dict[str, dict[str, list[float]]] = {
+            st: {"step_s": [], **{f"{p}_imb": [] for p in PHASES}} for st in STRATEGIES
+        }
         for _ in range(steps):
             idx = rng.integers(0, len(s_all), size=ranks * per_rank)
             s = s_all.take(idx)
@@ -269,7 +271,7 @@ def simulate(
                 acc[st]["step_s"].append(total)
         base = float(np.mean(acc["none"]["step_s"]))
         for st in STRATEGIES:
-            r = {"ranks": ranks, "strategy": st, "step_s": float(np.mean(acc[st]["step_s"]))}
+            r: dict = {"ranks": ranks, "strategy": st, "step_s": float(np.mean(acc[st]["step_s"]))}
             r.update({k: float(np.mean(v)) for k, v in acc[st].items() if k != "step_s"})
             r["speedup_vs_none"] = base / r["step_s"]
             rows.append(r)
@@ -374,8 +376,8 @@ def _check_args(args) -> tuple[list[int] | None, str | None]:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     ranks, msg = _check_args(args)
-    if msg:
-        return usage_error("mmbalance simulate", msg)
+    if msg or ranks is None:
+        return usage_error("mmbalance simulate", msg or "--ranks: nothing to simulate")
     try:
         sizes = load_table(args.data) if args.data else mixture(200_000, args.seed)
     except OSError as exc:

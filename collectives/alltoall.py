@@ -166,15 +166,14 @@ def route_of(plan: Plan, rank: int) -> Route:
     w = plan.num_ranks
     lengths = plan.lengths
     mine = plan.source_order(rank)  # global ids in local (source slot) order
+    src_rank, src_slot = plan._source("route_of")
     key = np.lexsort((plan.dst_slot[mine], plan.dst_rank[mine]))
     send_ids = mine[key]
-    send_order = plan.src_slot[send_ids]
+    send_order = src_slot[send_ids]
     send_tokens = np.bincount(plan.dst_rank[mine], weights=lengths[mine], minlength=w).astype(np.int64)
     incoming = np.flatnonzero(plan.dst_rank == rank)
-    recv_seq = incoming[np.lexsort((plan.dst_slot[incoming], plan.src_rank[incoming]))]
-    recv_tokens = np.bincount(plan.src_rank[incoming], weights=lengths[incoming], minlength=w).astype(
-        np.int64
-    )
+    recv_seq = incoming[np.lexsort((plan.dst_slot[incoming], src_rank[incoming]))]
+    recv_tokens = np.bincount(src_rank[incoming], weights=lengths[incoming], minlength=w).astype(np.int64)
     slots = plan.dst_slot[recv_seq]  # slot of the j-th received example
     recv_perm = None
     if not np.array_equal(slots, np.arange(slots.size)):
@@ -199,8 +198,8 @@ def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route, che
     problems = []
     n = route.in_lengths.size
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != n + 1:
-        got = cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else f"shape {tuple(cu_seqlens.shape)}"
-        problems.append(f"cu_seqlens describes {got} examples here, the plan {n}")
+        count = cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else f"shape {tuple(cu_seqlens.shape)}"
+        problems.append(f"cu_seqlens describes {count} examples here, the plan {n}")
     for k, t in enumerate(tensors):
         if t.dim() < 1 or t.shape[0] != route.in_tokens:
             problems.append(
@@ -255,12 +254,12 @@ def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, gr
     extra collective, every dtype moves bit-exactly, and dtypes a backend cannot reduce (gloo
     and NCCL have no int16, for example) move like any other.
     """
-    present = [k for k, t in enumerate(tensors) if t is not None]
+    present = [(k, t) for k, t in enumerate(tensors) if t is not None]
     outs: list[Tensor | None] = [None] * len(tensors)
     if not present:
         return outs
     device = cu_seqlens.device
-    raw = [_as_bytes(tensors[k]) for k in present]
+    raw = [_as_bytes(t) for _, t in present]
     widths = [r.shape[1] for r in raw]
     buf = raw[0] if len(raw) == 1 else torch.cat(raw, dim=1)
     order = torch.from_numpy(route.send_order).to(device)
@@ -282,8 +281,8 @@ def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, gr
             recv, cu_seqlens_from_lengths(seq_lengths, device=device), perm, route.out_tokens
         )
     parts = [recv] if len(raw) == 1 else torch.split(recv, widths, dim=1)
-    for k, part in zip(present, parts):
-        outs[k] = _from_bytes(part, tensors[k], route.out_tokens)
+    for (k, t), part in zip(present, parts):
+        outs[k] = _from_bytes(part, t, route.out_tokens)
     return outs
 
 
@@ -379,7 +378,7 @@ def rebalance(
     rank, world = world_of(group)
     grad_bits = 0
     many = isinstance(packed, (list, tuple))
-    tensors = list(packed) if many else [packed]
+    tensors: list[Tensor] = list(packed) if isinstance(packed, (list, tuple)) else [packed]
     with Entry("rebalance", group) as e:
         if not tensors or not all(isinstance(t, Tensor) for t in tensors):
             raise TypeError("packed must be a tensor or a non-empty list of tensors")

@@ -43,6 +43,8 @@ def group_timeout(group=None) -> timedelta | None:
     creates for the user's job takes too (``new_group`` alone would use torch's 30-minute default).
     ``None`` when the process group does not say (then torch's default applies)."""
     pg = dist.group.WORLD if group is None else group
+    if pg is None:
+        return None
     for device in (torch.device("cpu"), torch.device("cuda")):
         try:
             return pg._get_backend(device).options._timeout

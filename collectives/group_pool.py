@@ -57,13 +57,13 @@ class GroupPool:
             return dist.group.WORLD
         group = self._groups.get(key)
         if group is None:
-            kw = {}
+            kw: dict[str, object] = {}
             if self.backend is not None:
                 kw["backend"] = self.backend
             timeout = self.timeout if self.timeout is not None else group_timeout()
             if timeout is not None:
                 kw["timeout"] = timeout
-            group = dist.new_group(list(key), **kw)
+            group = dist.new_group(list(key), **kw)  # type: ignore[arg-type]
             self._groups[key] = group
             self.created += 1
         else:

@@ -38,7 +38,7 @@ _PARKED_LOCK = threading.Lock()
 
 def _held_elsewhere(aliases: list[torch.Tensor]) -> bool:
     # An alias is referenced by its Python object (1) and by the backend's work while it lives.
-    return any(a._use_count() > 1 for a in aliases)
+    return any(a._use_count() > 1 for a in aliases)  # type: ignore[attr-defined]
 
 
 def _release(aliases: list[torch.Tensor], timeout: float = _RELEASE_TIMEOUT_S) -> None:

@@ -132,7 +132,7 @@ class _Ring:
 
     plan: RingPlan
     rank: int
-    group: object
+    group: dist.ProcessGroup | None
     causal: bool
     softmax_scale: float
     backend: str
@@ -268,12 +268,12 @@ def ring_backward(ring: _Ring, dout, q, k, v, out, lse, dlse=None):
             dq += dq_s
         # the accumulator for src's keys arrived from the previous rank during this step's compute
         _wait(dkdv_reqs)
-        if step == 0:
+        if step == 0 or dk_in is None or dv_in is None:
             dk_acc = torch.zeros((tokens[src], *k.shape[1:]), dtype=acc, device=k.device)
             dv_acc = torch.zeros_like(dk_acc)
         else:
             dk_acc, dv_acc = dk_in, dv_in
-        if dk_s is not None:
+        if dk_s is not None and dv_s is not None:
             dk_acc += dk_s
             dv_acc += dv_s
         if d > 1:

@@ -90,11 +90,12 @@ def _master_linear(in_features: int, out_features: int, bias: bool, like: torch.
 def _check_master_rng(module: nn.Module, group) -> None:
     """Every tensor-parallel rank must draw the same master weights (Megatron's rule): compare the
     generator states in one small collective; differently seeded ranks raise on every rank."""
-    if module.weight.device.type == "meta":
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor) or weight.device.type == "meta":
         return
     with Entry(f"{type(module).__name__}.reset_parameters", group) as e:
-        e.fields["random state (seed every tensor-parallel rank alike)"] = _rng_digest(module.weight.device)
-        e.like = module.weight
+        e.fields["random state (seed every tensor-parallel rank alike)"] = _rng_digest(weight.device)
+        e.like = weight
     e.agree()
 
 

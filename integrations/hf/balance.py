@@ -96,7 +96,7 @@ def _attach_to_outputs(output, anchor: Tensor):
         return type(output)(t + anchor.to(t.dtype) if _floating(t) else t for t in output)
     for name in ("loss", "logits", "last_hidden_state"):
         t = getattr(output, name, None)
-        if _floating(t):
+        if isinstance(t, Tensor) and t.is_floating_point():
             setattr(output, name, t + anchor.to(t.dtype))
     return output
 
@@ -159,7 +159,7 @@ class EncoderBalanceHandle:
                 finally:
                     self._generating.depth = depth
 
-            generate.__wrapped__ = stock_generate
+            generate.__wrapped__ = stock_generate  # type: ignore[attr-defined]
             generate.__doc__ = stock_generate.__doc__
             model.generate = generate
 

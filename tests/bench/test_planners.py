@@ -167,7 +167,7 @@ def test_next_fit_is_a_valid_plan_between_the_bound_and_the_cost_of_one_batch(po
         lengths = np.where(rng.random(200) < 0.3, 0, rng.integers(1, 900, 200))
         dst = planners.next_fit(lengths, d, policy, 1.0, 1.0 / 64)
         assert dst.shape == lengths.shape and dst.min() >= 0 and dst.max() < d
-        got = float(planners.batch_costs(lengths, dst, d, policy, 1.0, 1.0 / 64).max())
+        got = float(post_balance(lengths, d, policy, alpha=1.0, beta=1.0 / 64).batch_costs(dst).max())
         assert got >= lower_bound(lengths, d, policy, alpha=1.0, beta=1.0 / 64) * (1 - 1e-12)
         if policy == "padded":  # contiguous next-fit is optimal there, as is post_balance
             assert got == post_balance(lengths, d, "padded").makespan

@@ -28,7 +28,7 @@ class QwenVisionAdapter(EncoderAdapter):
     encoder = "vision"
     meta_columns = ("video", "t", "h", "w")
     splits_frames = True
-    model_classes = (
+    model_classes: tuple[str, ...] = (
         "Qwen2VLForConditionalGeneration",
         "Qwen2VLModel",
         "Qwen2_5_VLForConditionalGeneration",
@@ -151,4 +151,4 @@ class QwenVisionAdapter(EncoderAdapter):
 class Qwen3VLMoeVisionAdapter(QwenVisionAdapter):
     """Qwen3-VL-MoE: the Qwen3-VL vision tower (the experts are in the language model only)."""
 
-    model_classes = ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel")
+    model_classes: tuple[str, ...] = ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel")
