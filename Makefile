@@ -35,7 +35,7 @@ $(PEERS):
 	  $(PEERS_VENV)/bin/pip install -q numpy packaging omegaconf 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11' ray; \
 	) > $(PEERS_LOG) 2>&1 || { tail -n 20 $(PEERS_LOG); echo "setting up $(PEERS_VENV) failed: see $(PEERS_LOG)"; exit 1; }
 	@$(PEERS_VENV)/bin/python -c "import verl.utils.seqlen_balancing" >> $(PEERS_LOG) 2>&1 || { tail -n 20 $(PEERS_LOG); echo "verl does not import in $(PEERS_VENV): see $(PEERS_LOG)"; exit 1; }
-	if [ -f $(VENV)/.peers ]; then $(PIP) uninstall -q -y verl && $(PIP) install -q -e ".[dev]" && rm -f $(VENV)/.peers; fi
+	@if [ -f $(VENV)/.peers ]; then $(PIP) uninstall -q -y verl && $(PIP) install -q -e ".[dev]" && rm -f $(VENV)/.peers; fi
 	@touch $(PEERS)
 
 peers: $(PEERS)
