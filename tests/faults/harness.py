@@ -25,7 +25,9 @@ import traceback
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 
-import torch.multiprocessing as mp
+import torch.multiprocessing as mp  # noqa: F401 - the workers' module resolves tensors through it
+
+from tests.dist_utils import end_like_a_program, worker_context
 
 
 @dataclasses.dataclass
@@ -102,6 +104,8 @@ def _worker(rank, world, init_file, fn, args, queue, pg_timeout):
         queue.put((rank, value, None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, None, traceback.format_exc()))
+        return
+    end_like_a_program()
     # no destroy_process_group: after a fault the group may be broken, and tearing it down can
     # block on peers that are gone; the process exits and the OS closes its sockets
 
@@ -112,7 +116,7 @@ def run_ranks(
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; every rank's :class:`Outcome`.
 
     After every rank reported, each process gets ``exit_grace`` seconds to exit on its own."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")

@@ -296,15 +296,16 @@ LOST = [(e, how) for e in ENTRIES for how in ("dies", "leaves")]
 
 @functools.lru_cache(maxsize=1)
 def lost_outcomes() -> dict[tuple[str, str], list[Outcome]]:
-    """Every (entry, dies/leaves) case in its own process group, four groups at a time."""
+    """Every (entry, dies/leaves) case in its own process group, six groups at a time (they mostly
+    wait for the timeout)."""
 
     def one(case):
         entry, how = case
         return run_ranks(
-            S.lost_rank, S.WORLD, entry, how, LOST_TIMEOUT + 8, pg_timeout=LOST_TIMEOUT, timeout=180
+            S.lost_rank, S.WORLD, entry, how, LOST_TIMEOUT + 4, pg_timeout=LOST_TIMEOUT, timeout=180
         )
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
         return dict(zip(LOST, pool.map(one, LOST)))
 
 
