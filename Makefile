@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench lint audit clean peers wheel-check
+.PHONY: run test bench lint typecheck audit clean peers wheel-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,7 @@ run: $(STAMP) $(PEERS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	$(VENV)/bin/mypy
 	$(PY) -m mmbalance.bench.kernel_audit --arch sm_90
 	PYTHON=$(PYTHON) .ci/check_wheel
 
@@ -55,6 +56,10 @@ bench: $(STAMP)
 # Build the wheel, install it into a fresh environment and run every command outside the tree.
 wheel-check:
 	PYTHON=$(PYTHON) .ci/check_wheel
+
+# the type check `make test` runs: mypy over the package, configured in pyproject.toml
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

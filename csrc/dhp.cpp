@@ -1,4 +1,4 @@
-// Dynamic context-parallel groups (dhp.txt section 4.3), and better.
+// Dynamic context-parallel groups (DHP section 4.3), and better.
 //
 // The paper: best-fit-decreasing (BFD) packs sequences into memory-full atomic groups, then a 2-D
 // DP gives each group a degree (O(g N^2)). Memory-full groups can be badly balanced in time, so we
@@ -430,7 +430,7 @@ std::vector<Index> paper_dp_degrees(const double* table, Index g, Index num_rank
     }
     before += dmin[k - 1];
   }
-  // dhp.txt algorithm 1 backtracks from DP[K'][N]: all ranks are used.
+  // DHP algorithm 1 backtracks from DP[K'][N]: all ranks are used.
   if (!std::isfinite(dp[g * w + num_ranks])) return {};
   std::vector<Index> degree(g);
   for (Index k = g, j = num_ranks; k >= 1; --k) {

@@ -1,4 +1,4 @@
-// ISF: iterative sampling and filtering into balanced mini-batches (omnibal.txt 4.1, algs. 1-2).
+// ISF: iterative sampling and filtering into balanced mini-batches (OmniBal section 4.1, algs. 1-2).
 //
 // Sampling walks a random permutation of the remaining samples and closes a group when the next
 // sample would push the vision total past Q_v or the text total past Q_t. Filtering keeps the

@@ -1,5 +1,5 @@
-// Balanced pipeline partition (omnibal.txt 4.2) and adaptive resource allocation (mmscale.txt 4.3,
-// disttrain.txt 5.1-5.2).
+// Balanced pipeline partition (OmniBal section 4.2) and adaptive resource allocation (MMScale section 4.3,
+// DistTrain section 5.1-5.2).
 //
 // Partition: the paper ranks jittered candidates around a greedy anchor by VAR(fwd) + SUM(comm)
 // (eqs. 4-5). The stage mean is fixed by the total, so VAR = sum S_i^2 - N mean^2 is additive over

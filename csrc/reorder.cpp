@@ -1,4 +1,4 @@
-// 1F1B pipeline simulation and microbatch reordering (disttrain.txt 6.1-6.2, mmscale.txt 5.1-5.2).
+// 1F1B pipeline simulation and microbatch reordering (DistTrain section 6.1-6.2, MMScale section 5.1-5.2).
 //
 // Intra-microbatch: the samples of a global batch are split over DP groups in equal-count blocks
 // (what a data loader does with the reordered batch). The paper's algorithm 2 sorts ascending and

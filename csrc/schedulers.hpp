@@ -15,7 +15,7 @@
 
 namespace mmb {
 
-// --- cost of one context-parallel group (dhp.txt eqs. 7-10) -----------------------------------
+// --- cost of one context-parallel group (DHP eqs. 7-10) -----------------------------------
 
 // Time of a group of packed sequences with s1 = sum l, s2 = sum l^2 on `d` ranks of a ring:
 //   fixed + linear * s1 / d + combine(attn * s2 / d, ring * s1 * (d-1)/d + ring_latency * (d-1))
@@ -55,7 +55,7 @@ struct CpResult {
 // Minimum degree of a sequence: ceil(l / mem), at least 1.
 Index min_degree(int64_t l, int64_t mem);
 
-// dhp.txt 4.3 stage 1: memory-aware best-fit-decreasing atomic groups. Returns group of each
+// DHP section 4.3 stage 1: memory-aware best-fit-decreasing atomic groups. Returns group of each
 // sequence; `dmin` receives each group's minimum degree.
 std::vector<Index> bfd_groups(const int64_t* lengths, Index n, int64_t mem, std::vector<Index>& dmin);
 
@@ -66,7 +66,7 @@ std::vector<Index> bfd_groups(const int64_t* lengths, Index n, int64_t mem, std:
 std::vector<Index> optimal_degrees(const double* table, Index g, Index num_ranks, const Index* dmin,
                                    double* makespan);
 
-// dhp.txt algorithm 1 (the 2-D DP, O(g N^2)), for reference and benchmarks.
+// DHP algorithm 1 (the 2-D DP, O(g N^2)), for reference and benchmarks.
 std::vector<Index> paper_dp_degrees(const double* table, Index g, Index num_ranks, const Index* dmin,
                                     double* makespan);
 
@@ -89,7 +89,7 @@ std::vector<Index> cp_static_groups(const int64_t* lengths, Index n, Index num_r
 void layout_ranks(const std::vector<Index>& degree, Index num_ranks, Index ranks_per_node,
                   std::vector<Index>& offset, std::vector<Index>& ranks);
 
-// --- 1F1B simulation and microbatch reordering (disttrain.txt 6.1-6.2) ------------------------
+// --- 1F1B simulation and microbatch reordering (DistTrain section 6.1-6.2) ------------------------
 
 // Makespan of a 1F1B pipeline: fwd/bwd are row-major [l][p] (microbatch, stage) in execution
 // order. Each op starts when the previous op on its stage and its dependency (the forward on the
@@ -102,11 +102,11 @@ double simulate_1f1b(const double* fwd, const double* bwd, Index l, Index p, dou
 // numpy.array_split: the first n % m groups hold one more). Returns the group of each sample.
 std::vector<Index> balanced_count_groups(const double* w, Index n, Index m, Index max_iters);
 
-// disttrain.txt algorithm 2 as written (ascending sort, least-loaded group, concatenated), then
+// DistTrain algorithm 2 as written (ascending sort, least-loaded group, concatenated), then
 // split into equal-count consecutive blocks as a data loader does. Returns the order.
 std::vector<Index> paper_intra_order(const double* w, Index n, Index m);
 
-// disttrain.txt algorithm 3 on microbatches with times fwd/bwd [l][p]: returns an order.
+// DistTrain algorithm 3 on microbatches with times fwd/bwd [l][p]: returns an order.
 std::vector<Index> paper_inter_order(const double* fwd, const double* bwd, Index l, Index p);
 
 // Our inter-microbatch order: the best of the original, the paper's and sorted seeds, improved by
@@ -127,7 +127,7 @@ std::vector<Index> reorder_blocks(const double* fwd, const double* bwd, Index p,
 std::vector<double> simulate_blocks(const double* fwd, const double* bwd, Index p, const Index* order,
                                     const Index* offsets, Index groups);
 
-// --- ISF mini-batches (omnibal.txt 4.1) -------------------------------------------------------
+// --- ISF mini-batches (OmniBal section 4.1) -------------------------------------------------------
 
 struct IsfParams {
   int64_t max_vision = 0;  // Q_v
@@ -146,7 +146,7 @@ std::vector<Index> isf_groups(const int64_t* vision, const int64_t* text, Index 
 // A seeded permutation (splitmix64 + Fisher-Yates), identical on every platform.
 std::vector<Index> permutation(Index n, uint64_t seed);
 
-// --- pipeline partition (omnibal.txt 4.2) and resource allocation (mmscale.txt 4.3) -----------
+// --- pipeline partition (OmniBal section 4.2) and resource allocation (MMScale section 4.3) -----------
 
 // Boundaries b[1..N-1] (stage i = layers [b[i-1], b[i])) of the partition minimizing
 //   sum_i (S_i - mean)^2 + comm_weight * sum_i act[b_i - 1]
@@ -157,10 +157,10 @@ std::vector<Index> partition_dp(const double* fwd, const double* act, Index L, I
 // The paper's greedy anchor: cut when the running sum reaches the next multiple of total / N.
 std::vector<Index> partition_greedy(const double* fwd, Index L, Index stages);
 
-// Smallest bottleneck partition (exact DP), the "profile-based" method of omnibal.txt table 6.
+// Smallest bottleneck partition (exact DP), the "profile-based" method of OmniBal table 6.
 std::vector<Index> partition_minmax(const double* fwd, Index L, Index stages);
 
-// mmscale.txt 4.3 / disttrain.txt 5.1-5.2: one module (encoder, LLM backbone, generator) of a
+// MMScale section 4.3 / DistTrain section 5.1-5.2: one module (encoder, LLM backbone, generator) of a
 // disaggregated multimodal model. time[t]: forward+backward time of the whole module for one sample
 // on tp_options[t] GPUs (inf: not allowed); memory terms in bytes (0: ignore memory).
 struct ModuleSpec {
@@ -179,7 +179,7 @@ struct AllocChoice {
 
 // Every TP (from tp_options) and DP (DP_llm | batch, DP_m | DP_llm) choice, each with the exact
 // integer PP sizes minimizing the bottleneck stage (greedy on the bottleneck, optimal for this
-// separable min-max), ranked by iteration time (warm-up + steady phase, disttrain.txt eqs. 1, 5).
+// separable min-max), ranked by iteration time (warm-up + steady phase, DistTrain eqs. 1, 5).
 // Module `llm` is the backbone. Returns the best `top_k`. `relaxed`: the paper's way instead,
 // continuous stage counts (the convex relaxation) rounded down.
 std::vector<AllocChoice> allocate(const std::vector<ModuleSpec>& modules, Index llm,

@@ -94,7 +94,7 @@ void bind_planners(py::module_& m) {
       },
       py::arg("lengths"), py::arg("num_ranks"), py::arg("memory_per_rank"), py::arg("linear"), py::arg("attn"),
       py::arg("ring"), py::arg("ring_latency"), py::arg("fixed"), py::arg("overlap"), py::arg("ranks_per_node"),
-      py::arg("max_rounds"), "Dynamic CP groups under the built-in cost model (dhp.txt 4.3 and better).");
+      py::arg("max_rounds"), "Dynamic CP groups under the built-in cost model (DHP section 4.3 and better).");
 
   m.def(
       "cp_schedule_table",
@@ -163,7 +163,7 @@ void bind_planners(py::module_& m) {
         auto g = mmb::bfd_groups(lengths.data(), lengths.shape(0), mem, dmin);
         return py::make_tuple(to_i64(g), to_i64(dmin));
       },
-      py::arg("lengths"), py::arg("memory_per_rank"), "Best-fit-decreasing atomic groups (dhp.txt 4.3 stage 1).");
+      py::arg("lengths"), py::arg("memory_per_rank"), "Best-fit-decreasing atomic groups (DHP section 4.3 stage 1).");
 
   auto degrees = [](bool paper) {
     return [paper](const F64& table, const I64& dmin, Index num_ranks) {
@@ -184,7 +184,7 @@ void bind_planners(py::module_& m) {
   m.def("optimal_degrees", degrees(false), py::arg("table"), py::arg("dmin"), py::arg("num_ranks"),
         "Exact min-max CP degrees for fixed groups (threshold search).");
   m.def("paper_dp_degrees", degrees(true), py::arg("table"), py::arg("dmin"), py::arg("num_ranks"),
-        "dhp.txt algorithm 1 (2-D DP, all ranks used).");
+        "DHP algorithm 1 (2-D DP, all ranks used).");
 
   m.def(
       "layout_ranks",
@@ -255,7 +255,7 @@ void bind_planners(py::module_& m) {
         return py::make_tuple(to_i64(out), to_f64(times));
       },
       py::arg("fwd"), py::arg("bwd"), py::arg("order"), py::arg("offsets"), py::arg("method"), py::arg("max_evals"),
-      "(order, block times): inter-microbatch order inside every block: 0 ours, 1 disttrain.txt algorithm 3, "
+      "(order, block times): inter-microbatch order inside every block: 0 ours, 1 DistTrain algorithm 3, "
       "2 ours without it.");
 
   m.def(
@@ -277,7 +277,7 @@ void bind_planners(py::module_& m) {
         if (groups < 1) throw std::invalid_argument("num_groups must be >= 1");
         return to_i64(mmb::paper_intra_order(w.data(), w.shape(0), groups));
       },
-      py::arg("weights"), py::arg("num_groups"), "disttrain.txt algorithm 2 as written.");
+      py::arg("weights"), py::arg("num_groups"), "DistTrain algorithm 2 as written.");
 
   // --- ISF -----------------------------------------------------------------------------------
   m.def(

@@ -1,6 +1,6 @@
 """mmbalance: load balancing for multimodal LLM training.
 
-The package is assembled from the repository's layer folders (see DESIGN.md): ``balancing``
+The package has one folder per layer (see DESIGN.md): ``balancing``
 (planners, numpy only), ``kernels`` (Triton), ``pyops`` (``torch.ops.mmbalance.*``),
 ``collectives`` (everything that talks between ranks), ``integrations`` (Hugging Face models, data
 samplers) and ``bench`` (benchmarks, demo, simulator). Importing ``mmbalance`` is cheap and does
@@ -10,16 +10,8 @@ not import torch, so ``mmbalance.balancing`` can be used in data-loader workers.
 from __future__ import annotations
 
 import importlib
-import os
 
 __version__ = "0.1.0"
-
-# In a source checkout the layer folders sit next to this package rather than inside it. Extending
-# ``__path__`` makes ``mmbalance.balancing`` resolve to ``<repo>/balancing`` there; an installed
-# wheel has them inside the package and this does nothing.
-_repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_repo, "pyproject.toml")) and os.path.isdir(os.path.join(_repo, "balancing")):
-    __path__.append(_repo)  # type: ignore[name-defined]  # noqa: F821
 
 _SUBMODULES = ("balancing", "kernels", "pyops", "collectives", "integrations", "bench")
 

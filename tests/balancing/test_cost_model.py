@@ -18,7 +18,7 @@ SETTINGS = settings(
 
 
 def plain_time(m: CostModel, lengths, d: int) -> float:
-    """dhp.txt eqs. 8-10 written out: compute + ring - min(attention compute, ring comm)."""
+    """DHP eqs. 8-10 written out: compute + ring - min(attention compute, ring comm)."""
     if len(lengths) == 0:
         return 0.0
     if m.padded:

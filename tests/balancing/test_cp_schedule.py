@@ -74,7 +74,7 @@ def static_makespan(lengths, num_ranks, mem, cost, c):
 
 
 def paper_makespan(lengths, num_ranks, mem, cost):
-    """dhp.txt 4.3: best-fit-decreasing atomic groups, then algorithm 1 (the 2-D DP over degrees)."""
+    """DHP section 4.3: best-fit-decreasing atomic groups, then algorithm 1 (the 2-D DP over degrees)."""
     bins = []  # [free tokens, dmin, members]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         fits = [b for b in bins if b[0] >= lengths[i]]

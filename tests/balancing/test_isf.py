@@ -1,4 +1,4 @@
-"""ISF mini-batches, Pad Ratio and Dist Ratio (omnibal.txt 4.1, eqs. 1-2)."""
+"""ISF mini-batches, Pad Ratio and Dist Ratio (OmniBal section 4.1, eqs. 1-2)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def ref_ratio(t):
 
 
 def ref_isf(v, t, qv, qt, mv, mt, iterations, seed):
-    """Algorithms 1-2 of omnibal.txt written plainly (the leftovers: one more sampling pass, as the
+    """Algorithms 1-2 of OmniBal written plainly (the leftovers: one more sampling pass, as the
     paper's code), with the library's seeded permutation as the only shared piece."""
     n = len(v)
     groups, pool = [], []

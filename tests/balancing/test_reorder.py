@@ -65,7 +65,7 @@ def ref_simulate(f, b):
 
 
 def ref_alg3(f, b):
-    """disttrain.txt algorithm 3: smallest first, p-1 smallest last, intervals filled by closest."""
+    """DistTrain algorithm 3: smallest first, p-1 smallest last, intervals filled by closest."""
     f, b = np.asarray(f, float), np.asarray(b, float)
     l, p = f.shape
     if l == 0 or p <= 1:
@@ -93,7 +93,7 @@ def ref_alg3(f, b):
 
 
 def ref_alg2(w, m):
-    """disttrain.txt algorithm 2 as written: ascending, least-loaded group, groups concatenated."""
+    """DistTrain algorithm 2 as written: ascending, least-loaded group, groups concatenated."""
     groups, load = [[] for _ in range(m)], [0.0] * m
     for i in sorted(range(len(w)), key=lambda i: (w[i], i)):
         k = min(range(m), key=lambda k: (load[k], k))

@@ -98,10 +98,10 @@ def test_no_peers_environment_in_a_source_tree_points_at_make_peers(tmp_path, mo
     monkeypatch.delenv(peers.PEERS_PYTHON_VAR, raising=False)
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "checkout"
-    (root / "bench").mkdir(parents=True)
+    (root / "mmbalance" / "bench").mkdir(parents=True)
     (root / "Makefile").write_text("peers:\n")
     (root / "pyproject.toml").write_text("")
-    monkeypatch.setattr(peers, "__file__", str(root / "bench" / "peers.py"))
+    monkeypatch.setattr(peers, "__file__", str(root / "mmbalance" / "bench" / "peers.py"))
     python, why = peers.peer_python()
     assert python is None and "make peers" in why
 

@@ -1,4 +1,4 @@
-"""The attention kernels in ``python -m bench.kernel_audit``: registered (bf16 at head dims 64 and
+"""The attention kernels in ``python -m mmbalance.bench.kernel_audit``: registered (bf16 at head dims 64 and
 128, float32 at 128), and tensor cores without spills when compiled for sm_90 at head dim 128 (the
 tightest register budget)."""
 

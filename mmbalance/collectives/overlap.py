@@ -2,7 +2,7 @@
 
 Tensor-parallel linears with sequence parallelism (Megatron-style) wait for an all-gather of the
 sequence-sharded activations before the column-parallel GEMM, and for a reduce-scatter after the
-row-parallel one. Following StepCCL (disttrain.txt section 7, mmscale.txt section 6) both are
+row-parallel one. Following StepCCL (DistTrain section 7, MMScale section 6) both are
 decomposed into ``chunks`` smaller communication/GEMM pairs: each slice's transfer runs while the
 previous slice's GEMM computes, so only one slice of communication stays on the critical path.
 Unlike StepCCL, slices are contiguous row ranges of the gathered tensor, so every GEMM writes its

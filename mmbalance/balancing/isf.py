@@ -1,4 +1,4 @@
-"""Balanced dynamic mini-batches by ISF (omnibal.txt 4.1), and the paper's Pad and Dist Ratios.
+"""Balanced dynamic mini-batches by ISF (OmniBal section 4.1), and the paper's Pad and Dist Ratios.
 
 Each training sample has a vision size (images or 448px tiles, or ViT tokens) and a text size (its
 LLM tokens). ISF packs samples into mini-batches whose vision total stays under ``Q_v`` and text
@@ -28,7 +28,7 @@ from .validate import as_count, as_lengths
 
 
 def pad_ratio(lengths_of_one_batch) -> float:
-    """omnibal.txt eq. 1: padding of one padded mini-batch, ``sum(t_max - t_i) / (t_max * B)``.
+    """OmniBal eq. 1: padding of one padded mini-batch, ``sum(t_max - t_i) / (t_max * B)``.
 
     Empty or all-zero batches: 0.
     """
@@ -39,7 +39,7 @@ def pad_ratio(lengths_of_one_batch) -> float:
 
 
 def dist_ratio(tokens_per_device) -> float:
-    """omnibal.txt eq. 2: idle share across devices in one step, ``sum(T_max - T_i) / (T_max * N)``.
+    """OmniBal eq. 2: idle share across devices in one step, ``sum(T_max - T_i) / (T_max * N)``.
 
     ``tokens_per_device``: the mini-batch tokens of each of the ``N`` devices. Empty or all-zero: 0.
     """
@@ -86,7 +86,7 @@ def isf_batches(
     pack_leftovers: bool = True,
     balance_steps: bool = True,
 ) -> Batches:
-    """Iterative sampling and filtering into balanced mini-batches (omnibal.txt 4.1, algs. 1-2).
+    """Iterative sampling and filtering into balanced mini-batches (OmniBal section 4.1, algs. 1-2).
 
     Args:
         vision, text: ``[n]`` per-sample sizes (e.g. 448px tiles and LLM tokens).
@@ -146,7 +146,7 @@ def isf_batches(
 
 @dataclass(frozen=True)
 class BatchStats:
-    """Balance of mini-batches consumed ``num_devices`` at a time (omnibal.txt table 5 columns).
+    """Balance of mini-batches consumed ``num_devices`` at a time (OmniBal table 5 columns).
 
     ``pad_ratio``: padding share over all mini-batches if each were padded to its longest text
     (0 for packed ISF batches when ``packed``); ``vision_dist_ratio`` / ``text_dist_ratio``: eq. 2
@@ -197,7 +197,7 @@ def isf_limits(
     iterations: int = 10,
     seed: int = 0,
 ) -> tuple[int, int]:
-    """The caps ``(Q_v, Q_t)`` from the data's statistics (omnibal.txt 5.1).
+    """The caps ``(Q_v, Q_t)`` from the data's statistics (OmniBal section 5.1).
 
     ``Q_t`` is the longest text (or ``max_text``) and ``Q_v`` the vision that goes with it at the
     data set's text-to-vision ratio. With ``target_batch_size``, as the paper's code: both move in

@@ -7,10 +7,10 @@ One form covers the papers' models (numpy only):
 
 for a group ``G`` of sequences with ``S1 = sum l`` and ``S2 = sum l^2`` on ``d`` context-parallel
 ranks. ``combine`` is ``max`` when ring attention hides its communication under the attention
-compute (dhp.txt eq. 10: ``T_cp + T_cm - min(T_cpa, T_cma)``) and ``+`` otherwise; ``eta`` is 0 for
+compute (DHP eq. 10: ``T_cp + T_cm - min(T_cpa, T_cma)``) and ``+`` otherwise; ``eta`` is 0 for
 a causal mask and 1 for a full one (eq. 8). With ``d = 1`` and no ring terms it is OrchMLLM's eq. 2
 ``alpha * L + beta * sum l^2``; ``padded=True`` gives its padded form ``alpha * b * l_max + beta *
-b * l_max^2``. Memory per rank is ``memory_per_token * S1 / d + memory_static`` (dhp.txt eq. 7).
+b * l_max^2``. Memory per rank is ``memory_per_token * S1 / d + memory_static`` (DHP eq. 7).
 
 :meth:`CostModel.fit` fits the coefficients to measurements (relative least squares, non-negative,
 with the overlap branch of each measurement chosen alternately) and reports the fit error; the
@@ -51,7 +51,7 @@ class Measurement:
 class FitReport:
     """Error of a cost model on measurements: ``|predicted - measured| / measured``.
 
-    ``mean_error`` is the mean relative error (dhp.txt table 3 reports it as a percentage),
+    ``mean_error`` is the mean relative error (DHP table 3 reports it as a percentage),
     ``max_error`` the largest; ``count`` measurements; ``iterations``: least-squares solves run.
     """
 
@@ -79,15 +79,15 @@ class CostModel:
     """Time and memory of one group of sequences (see the module docstring for the formula).
 
     Attributes:
-        linear: seconds per token on one rank (projections, MLP): ``alpha_2`` of dhp.txt eq. 8,
-            ``alpha`` of orchmllm.txt eq. 2.
+        linear: seconds per token on one rank (projections, MLP): ``alpha_2`` of DHP eq. 8,
+            ``alpha`` of OrchMLLM eq. 2.
         attention: seconds per token^2 of causal attention (``alpha_1``; ``beta`` of eq. 2).
         ring: seconds per token a rank exchanges in ring attention (``alpha_3 / v_p``, eq. 9).
         ring_latency: seconds per ring step (``beta_2`` per step).
         fixed: seconds per group (``beta_1``).
         mask: ``"causal"`` (``eta = 0``) or ``"full"`` (``eta = 1``, vision encoders).
         overlap: ring communication hidden under attention (eq. 10) or added to it.
-        padded: sequences padded to the longest (orchmllm.txt eq. 2, first case).
+        padded: sequences padded to the longest (OrchMLLM eq. 2, first case).
         memory_per_token, memory_static: bytes per token and per rank (eq. 7).
         fit_report: the error on the measurements the model was fitted to, if fitted.
     """
@@ -126,7 +126,7 @@ class CostModel:
 
     @property
     def eta(self) -> float:
-        """Extra attention cost of the mask over a causal one (dhp.txt eq. 8)."""
+        """Extra attention cost of the mask over a causal one (DHP eq. 8)."""
         return 1.0 if self.mask == "full" else 0.0
 
     def _time(self, s1: float, s2: float, count: int, d: int) -> float:
@@ -152,7 +152,7 @@ class CostModel:
     __call__ = time
 
     def memory(self, lengths, degree: int = 1) -> float:
-        """Bytes per rank of a group of sequences on ``degree`` CP ranks (dhp.txt eq. 7)."""
+        """Bytes per rank of a group of sequences on ``degree`` CP ranks (DHP eq. 7)."""
         lengths = as_lengths(lengths)
         degree = as_count(degree, "degree")
         s1, _, _ = _aggregates(lengths, self.padded)
@@ -173,7 +173,7 @@ class CostModel:
 
     @classmethod
     def orchmllm(cls, alpha: float, beta: float, *, padded: bool = False) -> CostModel:
-        """orchmllm.txt eq. 2: ``alpha * L + beta * sum l^2`` (or its padded form)."""
+        """OrchMLLM eq. 2: ``alpha * L + beta * sum l^2`` (or its padded form)."""
         return cls(linear=alpha, attention=beta, padded=padded)
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Microbatch reordering for pipelines (disttrain.txt 6.1-6.2, mmscale.txt 5.1-5.2), and better.
+"""Microbatch reordering for pipelines (DistTrain section 6.1-6.2, MMScale section 5.1-5.2), and better.
 
 A global batch of ``n`` samples (one sample per microbatch, as in DistTrain) is split over
 ``num_groups`` DP groups in equal-count consecutive blocks; each group runs its microbatches
@@ -108,7 +108,7 @@ def _block_loads(costs: np.ndarray, order: np.ndarray, offsets: np.ndarray) -> n
 
 
 def simulate_1f1b(stage_times, backward_times=None, *, return_schedule: bool = False):
-    """Makespan of microbatches run in row order through a 1F1B pipeline (disttrain.txt 6.2).
+    """Makespan of microbatches run in row order through a 1F1B pipeline (DistTrain section 6.2).
 
     Args:
         stage_times: ``[l, p]`` forward time of microbatch ``i`` on stage ``s`` (float, >= 0).
@@ -128,14 +128,14 @@ def simulate_1f1b(stage_times, backward_times=None, *, return_schedule: bool = F
 
 
 def paper_intra_reorder(costs, num_groups: int) -> np.ndarray:
-    """disttrain.txt algorithm 2 as written: an order whose equal blocks are the DP groups."""
+    """DistTrain algorithm 2 as written: an order whose equal blocks are the DP groups."""
     c = _as_costs(costs)
     m = as_count(num_groups, "num_groups")
     return core().paper_intra_order(c, m)
 
 
 def intra_reorder(costs, num_groups: int, *, max_iters: int | None = None) -> np.ndarray:
-    """An order of the samples whose equal-count blocks are balanced DP groups (disttrain.txt 6.1).
+    """An order of the samples whose equal-count blocks are balanced DP groups (DistTrain section 6.1).
 
     Longest first to the least-loaded group with a free slot, then swaps out of the largest group;
     the original order and :func:`paper_intra_reorder` are kept if they are better (never worse).
@@ -160,7 +160,7 @@ def intra_reorder(costs, num_groups: int, *, max_iters: int | None = None) -> np
 
 
 def paper_inter_reorder(stage_times, backward_times=None) -> np.ndarray:
-    """disttrain.txt algorithm 3: the order of one group's microbatches (indices of rows).
+    """DistTrain algorithm 3: the order of one group's microbatches (indices of rows).
 
     Smallest (first-stage forward) first, the ``p - 1`` next smallest last (smallest at the very
     end), and each pipeline interval, read from a simulation of the microbatches placed so far,
@@ -203,7 +203,7 @@ def _plan(f, b, order, offsets, method, evals):
 def reorder(
     stage_times, num_groups: int, backward_times=None, *, max_evals: int | None = None
 ) -> ReorderPlan:
-    """Intra- and inter-microbatch reordering of a global batch (disttrain.txt 6.1-6.2).
+    """Intra- and inter-microbatch reordering of a global batch (DistTrain section 6.1-6.2).
 
     Args:
         stage_times: ``[n, p]`` forward time of every sample (a microbatch) on every stage.

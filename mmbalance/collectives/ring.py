@@ -21,7 +21,7 @@ Triton kernels) and NCCL (CUDA; Triton or flash-attn blocks). Every rank of the 
 the same ``cu_seqlens``, layout, causal flag and dtypes, as for any collective.
 
 Where the idea comes from: ring attention (Liu et al., 2023; Brandon et al., 2023) as used by DHP
-(dhp.txt sections 3.2 and 4.1) for CP groups of any integer size; the zigzag layout balances causal
+(DHP sections 3.2 and 4.1) for CP groups of any integer size; the zigzag layout balances causal
 work (as in Megatron-LM's context parallelism and ring-flash-attn); merging in float32 avoids the
 repeated bf16 rounding of the running output of existing ring implementations.
 """

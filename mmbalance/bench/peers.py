@@ -57,7 +57,7 @@ def peer_python() -> tuple[str | None, str]:
         if os.path.isfile(named) and os.access(named, os.X_OK):
             return named, ""
         return None, f"{PEERS_PYTHON_VAR}={named} is not an executable file"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for base in dict.fromkeys((root, os.getcwd())):
         cand = os.path.join(base, PEERS_ENV, "bin", "python")
         if os.path.isfile(cand) and os.access(cand, os.X_OK):

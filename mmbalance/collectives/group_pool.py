@@ -1,4 +1,4 @@
-"""Process-group pool for dynamic context-parallel groups (dhp.txt section 5 (1)).
+"""Process-group pool for dynamic context-parallel groups (DHP section 5 (1)).
 
 ``torch.distributed.new_group`` is a collective over the whole world and costs milliseconds (tens
 on NCCL); dynamic CP scheduling (``mmbalance.balancing.cp_schedule``) picks a new set of groups every

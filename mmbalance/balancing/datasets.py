@@ -29,16 +29,13 @@ DEFAULT_WEIGHTS = {"image": 0.6, "video": 0.15, "speech_asr": 0.15, "speech_qa":
 
 
 def default_path() -> str:
-    return os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mmbalance", "data", "mm_sizes.npz"
-    )
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "mm_sizes.npz")
 
 
 def _shipped_path() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for cand in (os.path.join(os.path.dirname(here), "data", "mm_sizes.npz"), default_path()):
-        if os.path.isfile(cand):
-            return cand
+    path = default_path()
+    if os.path.isfile(path):
+        return path
     raise FileNotFoundError("the shipped size file mm_sizes.npz is missing from the installation")
 
 

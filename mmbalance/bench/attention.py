@@ -1,6 +1,6 @@
 """Attention blocks and ring attention: throughput and how much ring communication is hidden.
 
-    python -m bench.attention [--full] [--json FILE] [--device cpu|cuda] [--degree N] [--no-ring]
+    python -m mmbalance.bench.attention [--full] [--json FILE] [--device cpu|cuda] [--degree N] [--no-ring]
 
 Block ops (``attention_block`` forward, and forward + backward) against ``torch`` SDPA on the same
 packed batch (equal lengths, so SDPA runs batched with its fastest kernel) and, on GPUs with it

@@ -30,8 +30,8 @@ the payload, so there is no accumulation dtype: every dtype (float or integer) i
 Where the idea comes from: the packed layout is flash-attention's varlen convention
 (``cu_seqlens``); fusing flash-attn's ``bert_padding`` (``nonzero`` + ``index_select``) into one
 copy and regrouping examples by destination rank into one send buffer before the all-to-all
-follows OrchMLLM's All-to-All Batch Communicator (orchmllm.txt section 5.2.1, Figure 5); the same
-gather applies DistTrain's data reordering (disttrain.txt section 6) on device.
+follows OrchMLLM's All-to-All Batch Communicator (OrchMLLM section 5.2.1, Figure 5); the same
+gather applies DistTrain's data reordering (DistTrain section 6) on device.
 """
 
 from __future__ import annotations

@@ -22,7 +22,11 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Backend", "select_backend"]
+import torch
+
+__all__ = ["INTERPRET", "Backend", "select_backend", "triton_unsupported_reasons", "use_triton"]
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -81,3 +85,27 @@ def select_backend(
         why[backend.name] = reasons
     detail = "; ".join(f"{name}: {', '.join(r)}" for name, r in why.items())
     raise ValueError(f"{op}: no backend can run this call ({detail})")
+
+
+def triton_unsupported_reasons(t: torch.Tensor) -> list[str]:
+    """Why the Triton kernels cannot run on ``t`` (empty: they can)."""
+    if t.is_cuda or INTERPRET:
+        return []
+    return [
+        f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1, set before import), got {t.device}"
+    ]
+
+
+VARLEN_BACKENDS = (Backend("triton", triton_unsupported_reasons), Backend("reference", lambda t: []))
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernel (rather than the torch reference) should run on ``t``.
+
+    CUDA tensors take the kernel and CPU tensors the reference, except under the interpreter
+    (``TRITON_INTERPRET=1``), where CPU tensors take the kernel too. ``MMBALANCE_VARLEN_BACKEND``
+    forces the choice for the varlen ops (:func:`select_backend`):
+    ``reference`` (plain torch everywhere) or ``triton`` (the kernel; a ``ValueError`` says why
+    where it cannot run).
+    """
+    return select_backend("varlen ops", VARLEN_BACKENDS, None, t, env="MMBALANCE_VARLEN_BACKEND") == "triton"

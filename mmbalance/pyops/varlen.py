@@ -20,7 +20,7 @@ rearrangement; segments not in ``order`` receive zeros), so double backward work
 
 Where the idea comes from: flash-attention's ``bert_padding`` helpers (``unpad_input`` /
 ``pad_input``) without their ``nonzero`` and ``.item()`` syncs, and OrchMLLM's rearrangement of
-examples by destination rank around the all-to-all (orchmllm.txt section 5.2.1); the rearrangement
+examples by destination rank around the all-to-all (OrchMLLM section 5.2.1); the rearrangement
 is consequence-invariant (section 3.3), so gathering examples forward and scattering gradients back
 with the adjoint leaves the step's gradients unchanged.
 """
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from mmbalance.kernels import varlen as _kernels
-from mmbalance.kernels._launch import use_triton
+from mmbalance.kernels.dispatch import use_triton
 
 from . import varlen_ref as _ref
 from .checks import value_checks_enabled

@@ -1,6 +1,6 @@
 """Copy-engine transport for the sliced all-gather / reduce-scatter (GPU only, optional, CuPy).
 
-The key idea of StepCCL (disttrain.txt section 7, mmscale.txt section 6): NCCL's kernels occupy SMs
+The key idea of StepCCL (DistTrain section 7, MMScale section 6): NCCL's kernels occupy SMs
 and slow down the GEMM they are meant to overlap with, so move the data with the GPU's DMA (copy)
 engines instead, which use no SM at all. Here every rank of a single-node group owns a small
 *symmetric heap*: one ``cudaMalloc`` block, split in two regions (double buffering), whose CUDA IPC

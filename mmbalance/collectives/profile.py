@@ -1,4 +1,4 @@
-"""Profiler: time a user's torch module over a sweep of sequence lengths (dhp.txt 5 (3)).
+"""Profiler: time a user's torch module over a sweep of sequence lengths (DHP section 5 (3)).
 
 The measurements feed :meth:`mmbalance.balancing.CostModel.fit`, which fits the cost model the
 planners use and reports its error::

@@ -1,4 +1,4 @@
-"""Balanced pipeline partition (omnibal.txt 4.2) and adaptive resource allocation (mmscale.txt 4.3).
+"""Balanced pipeline partition (OmniBal section 4.2) and adaptive resource allocation (MMScale section 4.3).
 
 :func:`balanced_partition` splits the layers of a vision + language model (per-layer forward times
 and output activation sizes, in model order) into pipeline stages. The paper builds a greedy anchor,
@@ -10,7 +10,7 @@ paper's metric: the best is never worse than the paper's under that metric.
 
 :func:`allocate_resources` gives GPUs, TP, DP and PP sizes to the modules of a disaggregated
 multimodal model (encoder, LLM backbone, generator) minimizing the iteration time of
-disttrain.txt eqs. 1 and 5. The paper enumerates TP and DP sizes and solves a convex relaxation in
+DistTrain eqs. 1 and 5. The paper enumerates TP and DP sizes and solves a convex relaxation in
 the GPU counts; we solve the integer stage counts exactly for every TP/DP choice.
 
 >>> plan = balanced_partition([1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 1, 1], num_stages=2)
@@ -208,7 +208,7 @@ def balanced_partition(
     comm_weight: float = 1.0,
     evaluate: Callable[[tuple[int, ...]], float] | None = None,
 ) -> PartitionPlan:
-    """Pipeline stage boundaries for a model with per-layer costs (omnibal.txt 4.2, and better).
+    """Pipeline stage boundaries for a model with per-layer costs (OmniBal section 4.2, and better).
 
     Args:
         layer_times: ``[L]`` forward time of every layer in model order (ViT layers, projector, LLM
@@ -230,7 +230,7 @@ def balanced_partition(
 def paper_partition(
     layer_times, activations, num_stages: int, *, radius: int = 1, top_k: int = 5, comm_weight: float = 1.0
 ) -> PartitionPlan:
-    """omnibal.txt 4.2 as written: greedy anchor + jitter within ``radius``, ranked by the metric."""
+    """OmniBal section 4.2 as written: greedy anchor + jitter within ``radius``, ranked by the metric."""
     return _partition(layer_times, activations, num_stages, radius, top_k, comm_weight, None, ours=False)
 
 
@@ -239,7 +239,7 @@ def paper_partition(
 
 @dataclass(frozen=True)
 class ModuleCost:
-    """Cost of one module of a disaggregated model (disttrain.txt 5.1).
+    """Cost of one module of a disaggregated model (DistTrain section 5.1).
 
     ``time``: forward + backward seconds of the whole module for one sample on ``tp`` GPUs, as a
     callable ``time(tp)`` or a mapping ``{tp: seconds}`` (TP sizes missing from it are not used).
@@ -323,12 +323,12 @@ def allocate_resources(
     top_k: int = 5,
     relaxed: bool = False,
 ) -> Allocation:
-    """GPUs and TP/DP/PP sizes per module (mmscale.txt 4.3, disttrain.txt 5.1-5.2).
+    """GPUs and TP/DP/PP sizes per module (MMScale section 4.3, DistTrain section 5.1-5.2).
 
     Every TP size (from ``tp_options``) and DP size (``DP_llm`` divides ``global_batch``, every
     other module's DP divides ``DP_llm``) is tried; for each, the integer PP sizes that minimize the
     slowest stage within ``num_gpus`` (and the memory limit) are found exactly, and the iteration
-    time ``warmup + max_m T_m * (global_batch / DP_llm - 1)`` (disttrain.txt eqs. 1, 5) ranks them.
+    time ``warmup + max_m T_m * (global_batch / DP_llm - 1)`` (DistTrain eqs. 1, 5) ranks them.
     ``T_m = (DP_llm / DP_m) * C_m(TP_m) / PP_m``. ``relaxed=True`` uses the paper's continuous
     relaxation rounded down instead (for comparisons).
 

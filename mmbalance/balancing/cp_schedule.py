@@ -1,4 +1,4 @@
-"""Dynamic context-parallel groups of any degree (dhp.txt section 4.3, and better).
+"""Dynamic context-parallel groups of any degree (DHP section 4.3, and better).
 
 A micro-batch of sequences is split over ``num_ranks`` ranks (a rank is one model replica, TP x PP
 GPUs) into CP groups of any integer degree; each group runs ring attention over its packed
@@ -475,7 +475,7 @@ def _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds) -> CPSchedule
 
 
 def paper_cp_schedule(lengths, num_ranks: int, memory_per_rank: int, cost=None) -> CPSchedule:
-    """dhp.txt 4.3 as written: best-fit-decreasing atomic groups, then algorithm 1 (all ranks).
+    """DHP section 4.3 as written: best-fit-decreasing atomic groups, then algorithm 1 (all ranks).
 
     For comparisons; :func:`cp_schedule` is never worse.
     """

@@ -3,17 +3,17 @@
 (Also run from ``python -m mmbalance.bench.planners``.) Tables:
 
 1. cost model: a transformer layer profiled on this machine (``mmbalance.collectives.profile``), fitted
-   on half of a length sweep; error on the fit and on the held-out half (dhp.txt table 3: < 8%);
-2. dynamic CP groups (dhp.txt 4.3): time per plan for 512 real-data sequences on 64 ranks (target
+   on half of a length sweep; error on the fit and on the held-out half (DHP table 3: < 8%);
+2. dynamic CP groups (DHP section 4.3): time per plan for 512 real-data sequences on 64 ranks (target
    < 5 ms; the paper's solver 86 ms) and makespan over a lower bound, against the best static
    uniform degree and the paper's algorithm (best-fit decreasing + its 2-D DP) under the same cost;
-3. microbatch reordering (disttrain.txt 6.1-6.2): 1920 real-data samples on 120 DP groups, a 4-stage
+3. microbatch reordering (DistTrain section 6.1-6.2): 1920 real-data samples on 120 DP groups, a 4-stage
    1F1B pipeline (vision encoder + 3 LLM stages); time (target < 2 ms) and simulated makespan against
    the original order and the paper's algorithms 2 + 3;
-4. ISF (omnibal.txt 4.1): Pad and Dist Ratios on the OmniBal image sets, as the paper's code measures
+4. ISF (OmniBal section 4.1): Pad and Dist Ratios on the OmniBal image sets, as the paper's code measures
    them (8 devices, caps from the data's statistics), next to the paper's table 5;
-5. pipeline partition (omnibal.txt 4.2) of InternViT-6B + InternLM2-20B, and adaptive resource
-   allocation (mmscale.txt 4.3) of a ViT + LLM on 64-256 GPUs, against the paper's methods.
+5. pipeline partition (OmniBal section 4.2) of InternViT-6B + InternLM2-20B, and adaptive resource
+   allocation (MMScale section 4.3) of a ViT + LLM on 64-256 GPUs, against the paper's methods.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def _isf_row(name, t, st, paper, dev, extra) -> Row:
 
 def _internvl_layers():
     """InternViT-6B (45 layers) + MLP projector + InternLM2-20B (48 layers) at the balanced mini-batch
-    of omnibal.txt table 5 (9 tiles = 9216 ViT tokens, 4096 LLM tokens): forward ms and output MB."""
+    of OmniBal table 5 (9 tiles = 9216 ViT tokens, 4096 LLM tokens): forward ms and output MB."""
     vit = CostModel.transformer(hidden_size=3200, num_layers=1, kv_size=3200, ffn_size=12800, mask="full")
     llm = CostModel.transformer(hidden_size=6144, num_layers=1, kv_size=1024, ffn_size=16384)
     t_vit = vit.time([9216]) / 3 * 1e3
@@ -380,7 +380,7 @@ def run(full: bool, json_path: str | None) -> None:
     report(bench_cost_model(full), json_path, "1. cost model: profile + fit on this machine (held-out error)")
     report(bench_cp(full), json_path, "2. dynamic CP groups (512 real-data sequences, 64 ranks)")
     report(bench_reorder(full), json_path, "3. microbatch reordering (simulated 1F1B makespan)")
-    report(bench_isf(full), json_path, "4. ISF mini-batches: Pad/Dist Ratio vs omnibal.txt table 5")
+    report(bench_isf(full), json_path, "4. ISF mini-batches: Pad/Dist Ratio vs OmniBal table 5")
     report(bench_partition(full), json_path, "5a. balanced pipeline partition")
     report(bench_allocation(full), json_path, "5b. adaptive resource allocation")
 

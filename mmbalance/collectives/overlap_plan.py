@@ -6,7 +6,7 @@ the same sizes, on every rank of the group, or they mismatch. Only global quanti
 per-rank row counts, ``K``, ``N``, the world size, the dtype and the device type), never anything
 that differs between ranks.
 
-Slicing (StepCCL, disttrain.txt section 7 / mmscale.txt section 6, "decomposing the single GEMM
+Slicing (StepCCL, DistTrain section 7 / MMScale section 6, "decomposing the single GEMM
 and the corresponding communication into several smaller pairs"): the gathered rows ``[0, M)``
 are cut into ``chunks`` contiguous, near-equal row ranges. A chunk is computed by one GEMM whose
 result is written straight into rows ``[start, stop)`` of the output, so no layout remap is

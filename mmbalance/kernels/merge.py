@@ -17,7 +17,7 @@ implementations that merge in the activation dtype. Grid: (token blocks, H); one
 read before it is written by the same program).
 
 Where the idea comes from: the blockwise softmax rescaling of ring attention (Liu et al., 2023;
-dhp.txt section 3.2) and flash-attention's split-KV combine step.
+DHP section 3.2) and flash-attention's split-KV combine step.
 """
 
 from __future__ import annotations
