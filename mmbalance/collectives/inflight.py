@@ -11,7 +11,12 @@ a run whose results were fine.
 So every CPU collective of this package runs on *aliases* of its tensors (``t.detach()``: the same
 storage, a handle nobody else holds), waits for the work, and then waits until the backend has
 dropped its references to every alias, with the GIL released in between so the worker can finish.
-Only then are the aliases dropped, on the calling thread. The wait is a few microseconds in the
+"Dropped" takes two observations. While the backend holds a tensor whose Python object exists, the
+tensor keeps that object alive (one extra Python reference); when the backend lets go, the C++ count
+falls first and the Python reference is returned a moment later, under the GIL, on the worker
+thread. So a call waits until both the C++ use count and the Python reference count of every alias
+are back to what they were before the call. Only then are the aliases dropped, on the calling
+thread. The wait is a few microseconds in the
 common case. CUDA tensors (NCCL) are not treated this way: NCCL's watchdog keeps a work until the
 device has finished it, and waiting for that would turn every call into a device sync.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,16 +38,22 @@ __all__ = ["Inflight", "run", "gather_objects"]
 # How long a release may take before the aliases are parked (kept alive, released at exit) instead
 # of waited for: a worker this late is stuck elsewhere, and the caller must not hang on it.
 _RELEASE_TIMEOUT_S = 5.0
-_PARKED: list[torch.Tensor] = []
+_PARKED: list[tuple[torch.Tensor, int]] = []
 _PARKED_LOCK = threading.Lock()
 
 
-def _held_elsewhere(aliases: list[torch.Tensor]) -> bool:
-    # An alias is referenced by its Python object (1) and by the backend's work while it lives.
-    return any(a._use_count() > 1 for a in aliases)  # type: ignore[attr-defined]
+def _held_elsewhere(aliases: list[tuple[torch.Tensor, int]]) -> bool:
+    # An alias is referenced by its Python object (C++ use count 1) and by the backend's work while
+    # it lives; while it does, the tensor holds a Python reference of its own, returned after the
+    # use count has fallen (under the GIL, on the backend's thread).
+    for alias, refs in aliases:
+        # getrefcount counts this loop's variable and its own argument too: 2 more than the holders
+        if alias._use_count() > 1 or sys.getrefcount(alias) - 2 > refs:  # type: ignore[attr-defined]
+            return True
+    return False
 
 
-def _release(aliases: list[torch.Tensor], timeout: float = _RELEASE_TIMEOUT_S) -> None:
+def _release(aliases: list[tuple[torch.Tensor, int]], timeout: float = _RELEASE_TIMEOUT_S) -> None:
     """Wait until the backend holds none of ``aliases`` (GIL released while waiting), then drop them."""
     if not aliases:
         return
@@ -82,13 +94,14 @@ class Inflight:
 
     def __init__(self) -> None:
         self._works: list[dist.Work] = []
-        self._aliases: list[torch.Tensor] = []
+        self._aliases: list[tuple[torch.Tensor, int]] = []
 
     def alias(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_cuda:
             return t
         a = t.detach()
-        self._aliases.append(a)
+        # this list's reference: what the alias's Python object is held by once the call is over
+        self._aliases.append((a, 1))
         return a
 
     def add(self, work) -> None:
