@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "accum.hpp"
 #include "additive.hpp"
 #include "balance.hpp"
 #include "conv.hpp"
@@ -156,6 +157,30 @@ PYBIND11_MODULE(_core, m) {
       py::arg("lengths"), py::arg("num_ranks"), py::arg("policy"), py::arg("alpha"), py::arg("beta"),
       py::arg("src_ranks"), py::arg("ranks_per_node"), py::arg("tolerance"), py::arg("checked") = false,
       "Plan one phase: returns (dst_rank, dst_slot, costs, src_slot or None).");
+
+  m.def(
+      "plan_accum",
+      [](const I64& lengths, Index steps, Index n, Index d, Index g, int policy, double alpha, double beta,
+         bool padded) -> py::tuple {
+        check_common(lengths, d);
+        if (g < 1) throw std::invalid_argument("grad_accum must be >= 1");
+        if (steps < 0 || n < 0 || lengths.shape(0) != steps * n)
+          throw std::invalid_argument("lengths must hold steps * n entries");
+        const auto cm = model(policy, alpha, beta);
+        py::array_t<Index> rank_a(steps * n), micro_a(steps * n);
+        py::array_t<double> costs_a({steps, g, d});
+        Index* rp = rank_a.mutable_data();
+        Index* mp = micro_a.mutable_data();
+        double* cp = costs_a.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          mmb::plan_accum(lengths.data(), steps, n, d, g, cm, padded, rp, mp, cp);
+        }
+        return py::make_tuple(rank_a, micro_a, costs_a);
+      },
+      py::arg("lengths"), py::arg("steps"), py::arg("n"), py::arg("num_ranks"), py::arg("grad_accum"),
+      py::arg("policy"), py::arg("alpha"), py::arg("beta"), py::arg("padded"),
+      "Plan steps of n examples each into grad_accum micro-batches per rank: (rank, micro, costs[steps, g, d]).");
 
   m.def(
       "batch_costs",

@@ -2,9 +2,10 @@
 
 :class:`BalancedBatchSampler` is a drop-in batch sampler for any trainer's ``DataLoader``: every
 rank draws the same seeded shuffle (as ``DistributedSampler`` does), takes the next
-``batch_size * num_replicas`` examples each step, and splits them over the ranks with the
-post-balancing planner on their lengths. Every rank computes the same split independently, so
-nothing is exchanged; the examples are assigned before loading, so nothing moves either.
+``batch_size * num_replicas * grad_accum`` examples each optimizer step, and splits them into
+``grad_accum`` micro-batches per rank, balanced in cost slot by slot (ranks synchronize at every
+micro-batch). Every rank computes the same split independently, so nothing is exchanged; the
+examples are assigned before loading, so nothing moves either.
 """
 
 from __future__ import annotations
@@ -12,50 +13,103 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from mmbalance.balancing import CostModel, post_balance
-from mmbalance.balancing._validate import as_coefficient, as_count, as_lengths
+from mmbalance.balancing import CostModel
+from mmbalance.balancing._core_api import POLICY_IDS, core
+from mmbalance.balancing.plan import DEFAULT_BETA
+from mmbalance.balancing.post_balance import check_cost_range
+from mmbalance.balancing.validate import as_coefficient, as_count, as_lengths
 
-__all__ = ["BalancedBatchSampler"]
+__all__ = ["DEFAULT_BETA", "BalancedBatchSampler", "EpochPlan"]
 
-# "quadratic" default: attention FLOPs per token pair over linear FLOPs per token of a
-# 4096-wide transformer layer (4h / 24h^2): the attention term matters from ~25k tokens on.
-DEFAULT_BETA = 1.0 / (6 * 4096)
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """The plan of every rank for one epoch (what every rank's sampler computes).
+
+    Attributes:
+        indices: int64 ``[steps, n]``: the dataset indices of each optimizer step, in sampling order
+            (``n = batch_size * num_replicas * grad_accum``).
+        rank: int64 ``[steps, n]``: the rank each of them goes to.
+        micro: int64 ``[steps, n]``: the micro-batch (gradient-accumulation slot, ``0..G-1``) it is in.
+        costs: float64 ``[steps, G, num_replicas]``: the cost of every rank's micro-batch of every slot.
+    """
+
+    indices: np.ndarray
+    rank: np.ndarray
+    micro: np.ndarray
+    costs: np.ndarray
+
+    @property
+    def step_times(self) -> np.ndarray:
+        """float64 ``[steps]``: the modelled time of each step, the sum over its micro-batch slots of
+        the slowest rank's micro-batch (ranks wait for each other at every micro-batch)."""
+        return self.costs.max(axis=2).sum(axis=1)
 
 
 class BalancedBatchSampler(Sampler[list[int]]):
-    """Per-rank batches of dataset indices, balanced in the cost of what each rank processes.
+    """Per-rank micro-batches of dataset indices, balanced in the cost of what each rank processes.
 
     Args:
         lengths: tokens per example: a sequence of ints ``[n]``, or a 2-D array ``[n, phases]``
             with one column per phase (e.g. vision patches, audio frames, LLM tokens) and the LLM
             tokens last. The last column is balanced; :attr:`stats` reports every column.
-        batch_size: examples per rank per step *on average*: each step takes ``batch_size *
-            num_replicas`` examples and splits them by cost, so a rank may get more or fewer.
+        batch_size: examples per rank per micro-batch *on average*: each optimizer step takes
+            ``batch_size * num_replicas * grad_accum`` examples and splits them by cost, so a
+            micro-batch may hold more or fewer.
         num_replicas, rank: the data-parallel size and this rank (default: from
             ``torch.distributed``).
         cost: ``"sum"`` (tokens), ``"quadratic"`` (``alpha * l + beta * l**2``: linear layers
-            plus attention), or a fitted :class:`~mmbalance.balancing.CostModel`.
+            plus attention), or a fitted :class:`~mmbalance.balancing.CostModel` (a padded one
+            turns ``padding`` on).
         shuffle, seed: a permutation seeded by ``(seed, epoch)``, the same on every rank; call
             :meth:`set_epoch` at the start of every epoch.
-        drop_last: drop the tail that does not fill a whole step; otherwise pad it with examples
-            from the start of the permutation, as ``DistributedSampler`` does.
+        drop_last: drop the tail that does not fill a whole step (a dataset smaller than one step
+            is then an error, not an empty epoch); otherwise pad it with examples from the start
+            of the permutation, as ``DistributedSampler`` does.
         alpha, beta: coefficients of ``"quadratic"`` (default ``beta``: the attention-to-linear
-            FLOP ratio of a 4096-wide transformer).
+            FLOP ratio of a 4096-wide transformer, :data:`~mmbalance.balancing.DEFAULT_BETA`).
+        grad_accum: micro-batches per rank per optimizer step (``G``). Every micro-batch slot is
+            balanced across ranks (the k-th micro-batch of every rank costs about the same), and so
+            are the step's per-rank totals. ``len(sampler)`` counts micro-batches.
+        padding: the collator pads each micro-batch to its longest example, so a micro-batch costs
+            ``examples * h(longest)`` with ``h(l) = l`` (``"sum"``) or ``alpha * l + beta * l**2``
+            (``"quadratic"``); without it (packed, varlen attention) a micro-batch costs the sum of
+            its examples' costs.
+
+    How the split works (per step, from the longest examples down): while the longest example left
+    outweighs an even share of what is left, the next slot is filled on every rank up to that
+    example's cost; the rest is split into micro-batches of even cost (packed: LPT and a move/swap
+    search; padded: the exact min-max split of the length order), the costliest ``num_replicas``
+    of them forming one slot, and so on. In each slot the costliest micro-batch goes to the rank
+    with the least total so far. No micro-batch is empty when the step has at least
+    ``num_replicas * grad_accum`` examples. Planning costs microseconds for small steps and about
+    a millisecond for steps of thousands of examples, done for the whole epoch when iteration
+    starts.
+
+    Memory per micro-batch: a micro-batch never costs more than its slot's level, which is the
+    larger of an even share of the step's cost and the costliest single example of the step. So
+    the tokens a micro-batch holds (padded: ``examples * longest``, packed: the sum of lengths) stay
+    below that level over ``alpha``: a micro-batch of short examples may hold many more examples
+    than ``batch_size``, one with a long example fewer, but none holds much more than an even
+    share of the step's tokens unless one example alone is larger. Size activation memory for that
+    level, not for ``batch_size`` examples of the longest length.
 
     Per-rank batch sizes differ (that is the balancing). Normalize the loss by the *global* count
-    of loss tokens of the step (summed over ranks; in transformers' Trainer, ``num_items_in_batch``),
-    not by a per-rank mean: a per-rank mean would weight every token by the size of the batch it
-    landed in, and the result would depend on the split.
+    of loss tokens of the step (summed over ranks and micro-batches; in transformers' Trainer,
+    ``num_items_in_batch`` with ``average_tokens_across_devices=True``), not by a per-rank mean: a
+    per-rank mean would weight every token by the size of the batch it landed in, and the result
+    would depend on the split.
 
-    Every rank yields a list of indices per step, the same number of steps on every rank
-    (``len(sampler)``); over an epoch every example is yielded exactly once (plus the padding
-    repeats with ``drop_last=False``). Use it as ``DataLoader(dataset, batch_sampler=sampler,
-    collate_fn=...)``.
+    Every rank yields a list of indices per micro-batch, the same number on every rank
+    (``len(sampler)``), ``grad_accum`` consecutive ones per optimizer step; over an epoch every
+    example is yielded exactly once (plus the padding repeats with ``drop_last=False``). Use it as
+    ``DataLoader(dataset, batch_sampler=sampler, collate_fn=...)``.
     """
 
     def __init__(
@@ -71,6 +125,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         alpha: float = 1.0,
         beta: float = DEFAULT_BETA,
+        grad_accum: int = 1,
+        padding: bool = False,
     ) -> None:
         table = np.asarray(lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else lengths)
         if table.ndim == 2:
@@ -81,6 +137,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
         else:
             self.table = as_lengths(table, "lengths")[:, None]
         self.batch_size = as_count(batch_size, "batch_size")
+        self.grad_accum = as_count(grad_accum, "grad_accum")
+        if not isinstance(padding, (bool, np.bool_)):
+            raise TypeError(f"padding must be a bool, got {type(padding).__name__}")
         if num_replicas is None or rank is None:
             import torch.distributed as dist
 
@@ -90,7 +149,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
             rank = dist.get_rank() if rank is None else rank
         self.num_replicas = as_count(num_replicas, "num_replicas")
         self.rank = as_count(rank, "rank", minimum=0, maximum=self.num_replicas - 1)
-        self.policy, self.alpha, self.beta = self._cost(cost, alpha, beta)
+        self.policy, self.alpha, self.beta = self._cost(cost, alpha, beta, bool(padding))
+        self.padding = self.policy in ("padded", "padded_quadratic")
+        check_cost_range(self.table[:, -1], self.policy, self.alpha, self.beta)
         self.shuffle = bool(shuffle)
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
@@ -98,24 +159,39 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.drop_last = bool(drop_last)
         self.epoch = 0
         n = self.table.shape[0]
-        step = self.batch_size * self.num_replicas
+        step = self.step_size
+        if self.drop_last and n < step:
+            raise ValueError(
+                f"drop_last=True and the dataset ({n} examples) is smaller than one optimizer step "
+                f"(batch_size {self.batch_size} x num_replicas {self.num_replicas} x grad_accum "
+                f"{self.grad_accum} = {step}): the epoch would be empty"
+            )
         self.num_steps = n // step if self.drop_last else math.ceil(n / step)
         self.total_size = self.num_steps * step
         names = [f"phase{j}" for j in range(self.table.shape[1] - 1)] + ["llm"]
         self.columns = names
-        #: max/mean over ranks of each column's tokens (and of the balanced cost, ``"cost"``) in
-        #: the last step yielded
+        #: max/mean over ranks, in the last step yielded, of each column's tokens and of the cost of
+        #: the step (``"cost"``); ``"micro_cost"``: the largest max/mean over the step's micro-batch
+        #: slots
         self.stats: dict[str, float] = {}
+        self._cache: tuple[int, EpochPlan] | None = None
+
+    @property
+    def step_size(self) -> int:
+        """Examples per optimizer step, over all ranks and micro-batches."""
+        return self.batch_size * self.num_replicas * self.grad_accum
 
     @staticmethod
-    def _cost(cost, alpha, beta) -> tuple[str, float, float]:
+    def _cost(cost, alpha, beta, padding: bool) -> tuple[str, float, float]:
         if isinstance(cost, CostModel):
             weight = cost.attention * (1.0 + cost.eta)
-            return ("padded_quadratic" if cost.padded else "quadratic"), float(cost.linear), float(weight)
+            padded = padding or cost.padded
+            return ("padded_quadratic" if padded else "quadratic"), float(cost.linear), float(weight)
         if cost == "sum":
-            return "sum", 1.0, 0.0
+            return ("padded" if padding else "sum"), 1.0, 0.0
         if cost == "quadratic":
-            return "quadratic", as_coefficient(alpha, "alpha"), as_coefficient(beta, "beta")
+            policy = "padded_quadratic" if padding else "quadratic"
+            return policy, as_coefficient(alpha, "alpha"), as_coefficient(beta, "beta")
         raise ValueError(f"cost must be 'sum', 'quadratic' or a CostModel, got {cost!r}")
 
     def set_epoch(self, epoch: int) -> None:
@@ -125,7 +201,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
-        return self.num_steps
+        return self.num_steps * self.grad_accum
 
     def _order(self) -> np.ndarray:
         n = self.table.shape[0]
@@ -138,36 +214,80 @@ class BalancedBatchSampler(Sampler[list[int]]):
         reps = math.ceil((self.total_size - n) / max(n, 1))
         return np.concatenate([order, np.tile(order, reps)[: self.total_size - n]])
 
+    def plan_epoch(self) -> EpochPlan:
+        """The plan of every rank for the current epoch (computed once per epoch, then cached)."""
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        order = self._order().astype(np.int64)
+        steps, n = self.num_steps, self.step_size
+        lengths = np.ascontiguousarray(self.table[order, -1], dtype=np.int64)
+        rank, micro, costs = core().plan_accum(
+            lengths,
+            steps,
+            n,
+            self.num_replicas,
+            self.grad_accum,
+            POLICY_IDS[self.policy],
+            self.alpha,
+            self.beta,
+            self.padding,
+        )
+        plan = EpochPlan(
+            indices=order.reshape(steps, n),
+            rank=rank.reshape(steps, n),
+            micro=micro.reshape(steps, n),
+            costs=costs,
+        )
+        for a in (plan.indices, plan.rank, plan.micro, plan.costs):
+            a.setflags(write=False)
+        self._cache = (self.epoch, plan)
+        return plan
+
     def steps(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Every step of the epoch as ``(indices, rank of each, cost of each rank's batch)``: the
-        plan of all ranks (what every rank's sampler computes)."""
-        order = self._order()
-        step = self.batch_size * self.num_replicas
+        """Every step of the epoch as ``(indices, rank of each, cost of each rank's share of the
+        step)``: the plan of all ranks (what every rank's sampler computes). The micro-batch of
+        each index and the cost of every micro-batch are in :meth:`plan_epoch`."""
+        plan = self.plan_epoch()
+        totals = plan.costs.sum(axis=1)
         for s in range(self.num_steps):
-            idx = order[s * step : (s + 1) * step]
-            plan = post_balance(
-                self.table[idx, -1], self.num_replicas, self.policy, alpha=self.alpha, beta=self.beta
-            )
-            yield idx, plan.dst_rank, plan.costs
+            yield plan.indices[s], plan.rank[s], totals[s]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for idx, dst, costs in self.steps():
-            self.stats = self._stats(idx, dst, costs)
-            yield idx[dst == self.rank].tolist()
+        plan = self.plan_epoch()
+        steps, g = self.num_steps, self.grad_accum
+        mine = plan.rank.reshape(-1) == self.rank
+        keys = (np.repeat(np.arange(steps, dtype=np.int64) * g, self.step_size) + plan.micro.reshape(-1))[
+            mine
+        ]
+        pick = np.argsort(keys, kind="stable")
+        flat = plan.indices.reshape(-1)[mine][pick].tolist()
+        bounds = np.concatenate(([0], np.cumsum(np.bincount(keys, minlength=steps * g)))).tolist()
+        stats = self._all_stats(plan)
+        for s in range(steps):
+            self.stats = stats[s]
+            for k in range(s * g, (s + 1) * g):
+                yield flat[bounds[k] : bounds[k + 1]]
 
-    def _stats(self, idx: np.ndarray, dst: np.ndarray, costs: np.ndarray) -> dict[str, float]:
-        def ratio(load: np.ndarray) -> float:
-            return float(load.max() / load.mean()) if load.mean() > 0 else 1.0
+    def _all_stats(self, plan: EpochPlan) -> list[dict[str, float]]:
+        """:attr:`stats` of every step, computed for the whole epoch at once."""
+        steps, d = self.num_steps, self.num_replicas
+        key = (np.arange(steps, dtype=np.int64)[:, None] * d + plan.rank).reshape(-1)
 
-        out = {
-            name: ratio(np.bincount(dst, weights=self.table[idx, j], minlength=self.num_replicas))
-            for j, name in enumerate(self.columns)
-        }
-        out["cost"] = ratio(costs)
-        return out
+        def ratio(load: np.ndarray) -> np.ndarray:
+            mean = load.mean(axis=-1)
+            return np.where(mean > 0, load.max(axis=-1) / np.where(mean > 0, mean, 1.0), 1.0)
+
+        cols = {}
+        for j, name in enumerate(self.columns):
+            w = self.table[plan.indices.reshape(-1), j].astype(np.float64)
+            cols[name] = ratio(np.bincount(key, weights=w, minlength=steps * d).reshape(steps, d)).tolist()
+        cols["cost"] = ratio(plan.costs.sum(axis=1)).tolist()
+        cols["micro_cost"] = ratio(plan.costs).max(axis=1).tolist() if steps else []
+        return [{name: vals[s] for name, vals in cols.items()} for s in range(steps)]
 
     def __repr__(self) -> str:
         return (
             f"BalancedBatchSampler(n={self.table.shape[0]}, batch_size={self.batch_size}, "
-            f"num_replicas={self.num_replicas}, rank={self.rank}, policy={self.policy!r}, steps={self.num_steps})"
+            f"num_replicas={self.num_replicas}, rank={self.rank}, grad_accum={self.grad_accum}, "
+            f"policy={self.policy!r}, steps={self.num_steps})"
         )

@@ -33,6 +33,10 @@ def _all_ranks(lengths, batch_size, world, **kw):
 def test_every_example_once_per_epoch(drop_last, batch_size, world):
     lengths = _lengths()
     n = lengths.size
+    if drop_last and n < batch_size * world:
+        with pytest.raises(ValueError, match="smaller than one optimizer step"):
+            BalancedBatchSampler(lengths, batch_size, world, 0, drop_last=drop_last)
+        return
     samplers, steps = _all_ranks(lengths, batch_size, world, drop_last=drop_last)
     seen = Counter(i for step in steps for batch in step for i in batch)
     total = samplers[0].total_size
@@ -89,7 +93,7 @@ def test_two_dimensional_lengths_report_every_column():
     s = BalancedBatchSampler(table, 10, 4, 1, cost="sum")
     for _ in s:
         pass
-    assert set(s.stats) == {"phase0", "phase1", "llm", "cost"}
+    assert set(s.stats) == {"phase0", "phase1", "llm", "cost", "micro_cost"}
     assert s.stats["llm"] == pytest.approx(s.stats["cost"]) and s.stats["llm"] < 1.05
 
 
@@ -108,7 +112,7 @@ _SCRIPT = """
 import numpy as np
 from mmbalance.integrations.data import BalancedBatchSampler
 l = (np.random.default_rng(0).pareto(1.1, 500) * 100 + 1).astype(int)
-s = BalancedBatchSampler(l, 8, 4, 2, seed=9)
+s = BalancedBatchSampler(l, 8, 4, 2, seed=9, grad_accum=2, padding=True)
 s.set_epoch(3)
 print("|".join(",".join(map(str, b)) for b in s))
 """
@@ -139,8 +143,23 @@ def test_same_batches_in_every_process():
         (dict(lengths=[1, 2], batch_size=1, num_replicas=2, rank=0, seed=-1), "seed"),
         (dict(lengths=np.zeros((3, 0)), batch_size=1, num_replicas=2, rank=0), "column"),
         (dict(lengths=[1, 2], batch_size=1), "num_replicas and rank"),
+        (dict(lengths=[1, 2], batch_size=1, num_replicas=2, rank=0, grad_accum=0), "grad_accum"),
+        (dict(lengths=[1, 2], batch_size=1, num_replicas=2, rank=0, padding="yes"), "padding"),
+        (dict(lengths=[1, 2], batch_size=2, num_replicas=2, rank=0, drop_last=True), "smaller than one"),
     ],
-    ids=["negative", "batch0", "rank", "replicas", "cost", "seed", "no-columns", "no-dist"],
+    ids=[
+        "negative",
+        "batch0",
+        "rank",
+        "replicas",
+        "cost",
+        "seed",
+        "no-columns",
+        "no-dist",
+        "accum0",
+        "padding",
+        "tiny",
+    ],
 )
 def test_bad_input(kwargs, word):
     with pytest.raises((ValueError, TypeError), match=word):
