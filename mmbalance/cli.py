@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf")
+BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf", "sampler")
 
 
 class HelpFormatter(argparse.HelpFormatter):
