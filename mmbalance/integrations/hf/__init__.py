@@ -12,6 +12,11 @@
   (the built-in adapters are in ``models/``, one file per family).
 * :func:`register_attention`: a packed (padding-free) varlen attention backend for transformers'
   ``AttentionInterface``, named ``"mmbalance_varlen"``.
+* :func:`balance_trainer`: ``Trainer`` trains on balanced per-rank batches
+  (:class:`~mmbalance.integrations.data.BalancedBatchSampler`, gradient accumulation included)::
+
+      trainer = balance_trainer(Trainer(model=model, args=args, train_dataset=ds, data_collator=collate))
+      trainer.train()
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ _require_transformers()
 from .attention import ATTENTION_NAME, register_attention  # noqa: E402
 from .balance import EncoderBalanceHandle, apply_encoder_balance  # noqa: E402
 from .encoder_adapter import EncoderAdapter, Items, register_adapter, registered_adapters  # noqa: E402
+from .trainer import balance_trainer  # noqa: E402
 
 __all__ = [
     "ATTENTION_NAME",
@@ -49,6 +55,7 @@ __all__ = [
     "EncoderBalanceHandle",
     "Items",
     "apply_encoder_balance",
+    "balance_trainer",
     "register_adapter",
     "register_attention",
     "registered_adapters",

@@ -1,0 +1,209 @@
+"""Balanced batches in transformers' ``Trainer`` with one call: :func:`balance_trainer`.
+
+The trainer's training data loader is replaced by one whose batch sampler is a
+:class:`~mmbalance.integrations.data.BalancedBatchSampler` (per-rank micro-batches, every
+micro-batch slot balanced across ranks). Everything else about the loader is the trainer's own:
+its collator with unused columns removed, workers and their seeding, pinned memory, persistent
+workers, prefetching. The loader is prepared by accelerate as a one-process loader, so accelerate
+puts batches on the device but does not shard again what is already a per-rank batch (it would
+split every step's batches over the ranks a second time and keep only batches of exactly
+``batch_size`` examples). ``Trainer`` hands the epoch to the sampler (``set_epoch``), also when it
+resumes mid-epoch from a checkpoint and skips the batches already trained.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from functools import partial
+
+import numpy as np
+
+from mmbalance.integrations.data import BalancedBatchSampler
+
+__all__ = ["balance_trainer"]
+
+_FLAG = "_mmbalance_balanced"
+
+
+def _lengths_of(trainer, dataset) -> np.ndarray:
+    """``args.length_column_name`` of a ``datasets.Dataset``, else ``len(input_ids)`` of every item."""
+    column = trainer.args.length_column_name
+    names = getattr(dataset, "column_names", None)
+    if names is not None and column in names:
+        return np.asarray(dataset[column])
+    key = "input_ids"
+    processing = getattr(trainer, "processing_class", None)
+    if processing is not None and getattr(processing, "model_input_names", None):
+        key = processing.model_input_names[0]
+    if names is not None and key in names:
+        return np.asarray([len(x) for x in dataset[key]], dtype=np.int64)
+    out = np.empty(len(dataset), dtype=np.int64)
+    for i in range(len(dataset)):
+        item = dataset[i]
+        if not hasattr(item, "keys") or key not in item:
+            raise ValueError(
+                f"lengths: the dataset has no {column!r} column (args.length_column_name) and item {i} has no "
+                f"{key!r} to measure; pass lengths= (one per example)"
+            )
+        out[i] = len(item[key])
+    return out
+
+
+def _packed(trainer) -> bool:
+    """Whether the collator packs (no padding): transformers' DataCollatorWithFlattening or TRL's
+    ``padding_free`` / ``packing`` arguments."""
+    from transformers import DataCollatorWithFlattening
+
+    if isinstance(trainer.data_collator, DataCollatorWithFlattening):
+        return True
+    args = trainer.args
+    return bool(getattr(args, "padding_free", False) or getattr(args, "packing", False))
+
+
+def balance_trainer(trainer, lengths=None, *, cost="quadratic", padding=None):
+    """Make ``trainer.train()`` train on balanced batches; returns ``trainer``.
+
+    Args:
+        trainer: a ``transformers.Trainer`` instance (Trainer itself, a subclass such as TRL's
+            ``SFTTrainer``, or a user's own), with a sized ``train_dataset``.
+        lengths: tokens per example of ``trainer.train_dataset`` (``[n]``, or ``[n, phases]`` with
+            the LLM tokens last, as for :class:`~mmbalance.integrations.data.BalancedBatchSampler`).
+            Default: the dataset's ``args.length_column_name`` column, else ``len(input_ids)`` of
+            every item (the processing class's first model input name, if it has one).
+        cost: ``"sum"``, ``"quadratic"`` or a :class:`~mmbalance.balancing.CostModel`, as for the
+            sampler.
+        padding: whether the collator pads every micro-batch to its longest example (so a
+            micro-batch costs ``examples * h(longest)``). Default (``None``): packed when the
+            collator is transformers' ``DataCollatorWithFlattening`` or the arguments say
+            ``padding_free`` / ``packing`` (TRL), padded otherwise.
+
+    The sampler takes ``per_device_train_batch_size * world_size * gradient_accumulation_steps``
+    examples per optimizer step (seeded by ``args.data_seed`` or ``args.seed``, a new order each
+    epoch) and gives every rank ``gradient_accumulation_steps`` micro-batches of about equal cost
+    slot by slot; ``args.dataloader_drop_last`` drops the tail, otherwise it is padded with
+    repeats of the first examples. Per-rank batch sizes differ, so the loss must be normalized by
+    the global token count of the step: keep ``average_tokens_across_devices=True`` (the default;
+    a warning says when it is off on several ranks).
+
+    Raises:
+        ValueError: ``lengths`` of a different size than the dataset; a dataset smaller than one
+            step with ``dataloader_drop_last``; an unsized or missing ``train_dataset``; accelerate
+            set to split or dispatch batches (both assume one global batch per step).
+        TypeError: ``trainer`` is not a ``transformers.Trainer``.
+    """
+    from transformers import Trainer
+
+    if not isinstance(trainer, Trainer):
+        raise TypeError(
+            f"trainer must be a transformers.Trainer (or a subclass), got {type(trainer).__name__}"
+        )
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise ValueError("trainer.train_dataset is None: balance_trainer needs the training data")
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise ValueError(
+            "trainer.train_dataset has no length (an IterableDataset?): balanced batches need every "
+            "example's length up front"
+        ) from None
+    if padding is not None and not isinstance(padding, bool):
+        raise TypeError(f"padding must be a bool or None, got {type(padding).__name__}")
+    args = trainer.args
+    acc = trainer.accelerator
+    for name in ("split_batches", "dispatch_batches"):
+        if getattr(acc, name, False):
+            raise ValueError(
+                f"accelerate is set to {name}=True, which splits one global batch per step over the ranks; "
+                "balanced batches are already per rank: set it to False in args.accelerator_config"
+            )
+    if lengths is None:
+        lengths = _lengths_of(trainer, dataset)
+    count = len(lengths)
+    if count != n:
+        raise ValueError(f"lengths has {count} entries but trainer.train_dataset has {n} examples")
+    world = max(1, args.world_size)
+    if world > 1 and not args.average_tokens_across_devices:
+        warnings.warn(
+            "average_tokens_across_devices is off: with balanced batches the ranks' micro-batches hold "
+            "different numbers of tokens, so a per-rank loss normalization weights tokens by the batch they "
+            "landed in; set TrainingArguments(average_tokens_across_devices=True)",
+            stacklevel=2,
+        )
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    sampler = BalancedBatchSampler(
+        lengths,
+        trainer._train_batch_size,
+        world,
+        args.process_index if world > 1 else 0,
+        cost=cost,
+        seed=seed,
+        drop_last=args.dataloader_drop_last,
+        grad_accum=args.gradient_accumulation_steps,
+        padding=(not _packed(trainer)) if padding is None else padding,
+    )
+    trainer.balanced_sampler = sampler
+    trainer.get_train_dataloader = types.MethodType(_balanced_train_dataloader, trainer)
+    setattr(trainer, _FLAG, True)
+    return trainer
+
+
+def _balanced_train_dataloader(self):
+    """``Trainer.get_train_dataloader`` with the balanced batch sampler (bound to the instance)."""
+    import torch
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+    from transformers.trainer_utils import seed_worker
+    from transformers.utils import is_datasets_available
+
+    dataset = self.train_dataset
+    sampler: BalancedBatchSampler = self.balanced_sampler
+    if dataset is None or len(dataset) != sampler.table.shape[0]:
+        raise ValueError(
+            "trainer.train_dataset changed after balance_trainer (its size differs from the lengths the "
+            "sampler was built for): call balance_trainer again"
+        )
+    collator = self.data_collator
+    if is_datasets_available():
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+    else:
+        collator = self._get_collator_with_removed_columns(collator, description="Training")
+    args = self.args
+    params = {
+        "batch_sampler": sampler,
+        "collate_fn": collator,
+        "num_workers": args.dataloader_num_workers,
+        "pin_memory": args.dataloader_pin_memory,
+        "persistent_workers": args.dataloader_persistent_workers,
+        "multiprocessing_context": args.dataloader_multiprocessing_context,
+        "prefetch_factor": args.dataloader_prefetch_factor,
+        "in_order": args.dataloader_in_order,
+        "worker_init_fn": partial(
+            seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+        ),
+    }
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise ValueError("balanced batches need a map-style train_dataset, not an IterableDataset")
+    acc = self.accelerator
+    # One process's loader: accelerate places batches on the device and synchronizes the RNGs, but
+    # leaves the batches as they are (they are this rank's already).
+    loader = prepare_data_loader(
+        DataLoader(dataset, **params),
+        acc.device,
+        num_processes=1,
+        process_index=0,
+        split_batches=False,
+        put_on_device=acc.device_placement,
+        rng_types=list(acc.rng_types),
+        dispatch_batches=False,
+        even_batches=True,
+        non_blocking=getattr(acc, "non_blocking", False),
+        use_stateful_dataloader=getattr(acc, "use_stateful_dataloader", False),
+    )
+    return loader

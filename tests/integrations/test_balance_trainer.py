@@ -1,0 +1,174 @@
+"""``balance_trainer``: transformers' Trainer on balanced per-rank batches.
+
+On 2 CPU ranks (as torchrun starts them) a Trainer with gradient accumulation trains two epochs;
+its final weights equal a one-process replay of the micro-batches every rank logged (plain torch:
+per step, the token losses of all ranks' micro-batches over the step's token count, one SGD step);
+every example is trained once per epoch (3 padding repeats aside), in a new order each epoch, on
+exactly the micro-batches the sampler planned for that rank (accelerate does not shard them again);
+a second Trainer resumed from a mid-epoch checkpoint continues the same order to the same weights.
+Both runs exit with code 0. In one process: the loader keeps Trainer's settings, and bad input
+gets clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tempfile
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("accelerate")
+
+from mmbalance.integrations.data import BalancedBatchSampler  # noqa: E402
+from tests.dist_utils import launch  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("trainer_balanced_batches.py")
+_spec = importlib.util.spec_from_file_location("trainer_balanced_batches", SCRIPT)
+S = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(S)
+
+
+def _replay(batches_by_step: list[list[list[int]]]) -> dict:
+    """Final weights of plain SGD on the logged micro-batches: per step the summed token losses of
+    every micro-batch of every rank over the step's count of predicted tokens."""
+    model = S.build_model()
+    rows = [S.example(i, l) for i, l in enumerate(S.lengths())]
+    opt = torch.optim.SGD(model.parameters(), lr=S.LR)
+    for step in batches_by_step:
+        batches = [S.collate([rows[i] for i in mb]) for mb in step]
+        count = sum(int(b["labels"][:, 1:].ne(-100).sum()) for b in batches)
+        opt.zero_grad()
+        for b in batches:
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, S.VOCAB),
+                b["labels"][:, 1:].reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
+            (loss / count).backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_train_like_the_replay_and_resume_in_order():
+    with tempfile.TemporaryDirectory() as tmp:
+        launch(SCRIPT, nproc=2, timeout=600, env={"MMB_TMP": tmp})  # every rank must exit with code 0
+        logs = {(name, r): json.loads((Path(tmp) / f"{name}-rank{r}.json").read_text())
+                for name in ("full", "resumed") for r in (0, 1)}  # fmt: skip
+        full_w = torch.load(Path(tmp) / "full.pt")
+        resumed_w = torch.load(Path(tmp) / "resumed.pt")
+    g, world = S.ACCUM, 2
+    per_epoch = logs["full", 0]["per_epoch"]
+    steps_per_epoch = -(-S.N // (S.BATCH * world * g))
+    assert per_epoch == steps_per_epoch * g, "len(loader) counts this rank's micro-batches"
+    full = [logs["full", r]["batches"] for r in range(world)]
+    assert all(len(b) == S.EPOCHS * per_epoch for b in full)
+    assert all(mb for b in full for mb in b), "no empty micro-batch"
+    # exactly what the sampler plans for each rank, epoch by epoch: nothing sharded again
+    for r in range(world):
+        s = BalancedBatchSampler(S.lengths(), S.BATCH, world, r, grad_accum=g, seed=0, padding=True)
+        want = []
+        for e in range(S.EPOCHS):
+            s.set_epoch(e)
+            want += list(s)
+        assert full[r] == want
+    orders = []
+    for e in range(S.EPOCHS):
+        seen = Counter(
+            i for r in range(world) for mb in full[r][e * per_epoch : (e + 1) * per_epoch] for i in mb
+        )
+        assert set(seen) == set(range(S.N)) and sum(seen.values()) == steps_per_epoch * S.BATCH * world * g
+        orders.append([mb for r in range(world) for mb in full[r][e * per_epoch : (e + 1) * per_epoch]])
+    assert orders[0] != orders[1], "a new order each epoch"
+    # the replay: step s takes micro-batches s*g .. s*g+g-1 of every rank
+    steps = [
+        [mb for r in range(world) for mb in full[r][s * g : (s + 1) * g]] for s in range(len(full[0]) // g)
+    ]
+    replay = _replay(steps)
+    for k, v in full_w.items():
+        torch.testing.assert_close(v, replay[k], rtol=1e-6, atol=1e-6, msg=f"weights of {k}")
+    # resumed after 3 optimizer steps (mid-epoch): the same micro-batches from step 4 on, same weights
+    for r in range(world):
+        assert logs["resumed", r]["batches"] == full[r][3 * g :]
+    for k, v in full_w.items():
+        torch.testing.assert_close(resumed_w[k], v, rtol=1e-6, atol=1e-6, msg=f"resumed weights of {k}")
+
+
+def _trainer(tmp, **kw):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+                             disable_tqdm=True, **kw)  # fmt: skip
+    data = S.Logged()
+    return Trainer(model=S.build_model(), args=args, train_dataset=data, data_collator=S.collate)
+
+
+def test_loader_keeps_trainer_settings_and_lengths_default(tmp_path):
+    from transformers import Trainer
+
+    from mmbalance.integrations.hf import balance_trainer
+
+    class MyTrainer(Trainer):
+        pass
+
+    t = _trainer(str(tmp_path), dataloader_num_workers=1, dataloader_persistent_workers=True,
+                 dataloader_prefetch_factor=3, gradient_accumulation_steps=3, seed=5)  # fmt: skip
+    t.__class__ = MyTrainer  # any subclass
+    assert balance_trainer(t) is t
+    s = t.balanced_sampler
+    assert s.table[:, -1].tolist() == S.lengths(), "lengths from len(input_ids)"
+    assert (s.grad_accum, s.batch_size, s.num_replicas, s.seed, s.padding) == (3, 2, 1, 5, True)
+    loader = t.get_train_dataloader()
+    inner = loader.base_dataloader if hasattr(loader, "base_dataloader") else loader
+    assert loader.batch_sampler is s
+    assert (inner.num_workers, inner.persistent_workers, inner.prefetch_factor) == (1, True, 3)
+    assert inner.worker_init_fn is not None
+    assert len(loader) == len(s) == s.num_steps * 3
+    batches = [b["input_ids"].shape[0] for b in loader]
+    assert sum(batches) == s.total_size
+    # the trainer's own column removal wraps the collator
+    assert type(inner.collate_fn).__name__ == "RemoveColumnsCollator"
+    with pytest.raises(ValueError, match="lengths has 3 entries"):
+        balance_trainer(t, [1, 2, 3])
+    with pytest.raises(TypeError, match="trainer"):
+        balance_trainer(object())
+    with pytest.raises(TypeError, match="padding"):
+        balance_trainer(t, padding="yes")
+
+
+def test_clear_errors_for_tiny_datasets_and_flattening(tmp_path):
+    from transformers import DataCollatorWithFlattening
+
+    from mmbalance.integrations.hf import balance_trainer
+
+    t = _trainer(str(tmp_path), dataloader_drop_last=True, gradient_accumulation_steps=32)
+    with pytest.raises(ValueError, match="smaller than one optimizer step"):
+        balance_trainer(t)
+    t = _trainer(str(tmp_path))
+    t.data_collator = DataCollatorWithFlattening()
+    assert balance_trainer(t).balanced_sampler.padding is False, "a packing collator means packed costs"
+    t.train_dataset = list(range(5))
+    with pytest.raises(ValueError, match="changed after balance_trainer"):
+        t.get_train_dataloader()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        balance_trainer(_trainer(str(tmp_path)), np.ones(S.N, dtype=np.int64))  # one rank: no warning
+
+
+def test_warns_when_tokens_are_not_averaged_across_ranks(tmp_path, monkeypatch):
+    from mmbalance.integrations.hf import balance_trainer
+
+    t = _trainer(str(tmp_path), average_tokens_across_devices=False)
+    monkeypatch.setattr(type(t.args), "world_size", property(lambda self: 2))
+    with pytest.warns(UserWarning, match="average_tokens_across_devices"):
+        balance_trainer(t)
+    assert t.balanced_sampler.num_replicas == 2

@@ -1,0 +1,107 @@
+"""Launched by test_balance_trainer.py on 2 CPU ranks (the environment torchrun gives its workers):
+transformers' Trainer on a tiny Llama with ``balance_trainer``, gradient accumulation 2, two epochs,
+a checkpoint after 3 optimizer steps; then a second Trainer resumes from that checkpoint. Every rank
+logs the micro-batches its loader fetched (dataset indices, in order) to ``$MMB_TMP``; rank 0 saves
+the final weights of both runs there."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+N, VOCAB, BATCH, ACCUM, EPOCHS, LR = 37, 64, 2, 2, 2, 0.5
+
+
+def lengths() -> list[int]:
+    """Skewed lengths: mostly short, a few long."""
+    g = torch.Generator().manual_seed(7)
+    return [int(x) for x in (3 + (torch.rand(N, generator=g) ** 4) * 60).long()]
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def example(i: int, length: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + i)
+    ids = torch.randint(3, VOCAB, (length,), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": ids.clone()}
+
+
+def collate(rows: list[dict]) -> dict:
+    """Pads every micro-batch to its longest example."""
+    width = max(r["input_ids"].shape[0] for r in rows)
+    out = {}
+    for key, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
+        t = torch.full((len(rows), width), fill, dtype=torch.long)
+        for j, r in enumerate(rows):
+            t[j, : r[key].shape[0]] = r[key]
+        out[key] = t
+    return out
+
+
+class Logged(torch.utils.data.Dataset):
+    """The examples; every micro-batch the loader fetches is logged (its indices, in order)."""
+
+    def __init__(self):
+        self.rows = [example(i, l) for i, l in enumerate(lengths())]
+        self.log: list[list[int]] = []
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __getitems__(self, idx):
+        self.log.append([int(i) for i in idx])
+        return [self.rows[i] for i in idx]
+
+
+def train(name: str, resume: str | None = None):
+    from transformers import Trainer, TrainingArguments
+
+    from mmbalance.integrations.hf import balance_trainer
+
+    tmp = os.environ["MMB_TMP"]
+    args = TrainingArguments(
+        output_dir=os.path.join(tmp, "out"), num_train_epochs=EPOCHS, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM, learning_rate=LR, optim="sgd", lr_scheduler_type="constant",
+        max_grad_norm=0.0, weight_decay=0.0, logging_steps=1, report_to=[], save_strategy="steps", save_steps=3,
+        seed=0, use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    model = build_model()
+    data = Logged()
+    trainer = balance_trainer(Trainer(model=model, args=args, train_dataset=data, data_collator=collate))
+    trainer.train(resume_from_checkpoint=resume)
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
+        json.dump({"batches": data.log, "per_epoch": len(trainer.get_train_dataloader())}, f)
+    if rank == 0:
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")
+        )
+
+
+def main() -> None:
+    train("full")
+    train("resumed", resume=os.path.join(os.environ["MMB_TMP"], "out", "checkpoint-3"))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
