@@ -40,3 +40,16 @@ def test_hf_qwen2vl_balances_and_keeps_the_losses():
         assert "not balanced" in vp
     assert "median step time" in balanced and "(balanced)" in balanced
     assert "median step time" in plain and "(not balanced)" in plain
+
+
+def test_hf_trainer_balances_the_padded_micro_batches():
+    pytest.importorskip("transformers", minversion="5.18")
+    pytest.importorskip("accelerate")
+    pattern = re.compile(r"padded tokens per step \(slowest rank per micro-batch, summed\): ([0-9.]+)")
+    per_step = {}
+    for flag in ((), ("--no-balance",)):
+        out = _launch("hf_trainer.py", *flag)
+        assert "examples trained: 96 of 96 x 1 epoch(s)" in out
+        assert re.search(r"last loss: [0-9.]+", out)
+        per_step[bool(flag)] = float(pattern.search(out).group(1))
+    assert per_step[False] < 0.6 * per_step[True]
