@@ -172,3 +172,50 @@ def test_warns_when_tokens_are_not_averaged_across_ranks(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="average_tokens_across_devices"):
         balance_trainer(t)
     assert t.balanced_sampler.num_replicas == 2
+
+
+def test_datasets_length_column_and_unused_columns(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from transformers import Trainer, TrainingArguments
+
+    from mmbalance.integrations.hf import balance_trainer
+
+    rows = [S.example(i, l) for i, l in enumerate(S.lengths())]
+    claimed = [100 + i for i in range(S.N)]  # the column wins over len(input_ids)
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [r["input_ids"].tolist() for r in rows], "length": claimed, "note": ["x"] * S.N}
+    ).with_format("torch")
+    ds = ds.map(lambda r: {"attention_mask": torch.ones_like(r["input_ids"]), "labels": r["input_ids"]})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[], use_cpu=True
+    )
+    t = balance_trainer(Trainer(model=S.build_model(), args=args, train_dataset=ds, data_collator=S.collate))
+    assert t.balanced_sampler.table[:, -1].tolist() == claimed
+    batch = next(iter(t.get_train_dataloader()))
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}, "unused columns removed as Trainer does"
+
+
+def test_trl_sft_trainer(tmp_path):
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from mmbalance.integrations.hf import balance_trainer
+
+    vocab = {f"t{i}": i for i in range(S.VOCAB)}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")), pad_token="t0", eos_token="t2"
+    )
+    ids = [S.example(i, l)["input_ids"].tolist() for i, l in enumerate(S.lengths())]
+    cfg = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                    max_steps=3, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")  # fmt: skip
+    t = SFTTrainer(model=S.build_model(), args=cfg, train_dataset=datasets.Dataset.from_dict({"input_ids": ids}),
+                   processing_class=tok)  # fmt: skip
+    assert balance_trainer(t) is t
+    s = t.balanced_sampler
+    assert s.table[:, -1].tolist() == S.lengths() and s.padding and s.grad_accum == 2
+    assert t.get_train_dataloader().batch_sampler is s
+    t.train()
+    assert t.state.global_step == 3
