@@ -68,7 +68,8 @@ def micro_costs(lengths: np.ndarray, step, slot, rank, steps: int, g: int, d: in
     key = (np.asarray(step) * g + np.asarray(slot)) * d + np.asarray(rank)
     size = steps * g * d
     l = lengths.astype(np.float64)
-    count = np.bincount(key, minlength=size).astype(np.float64)
+    count: np.ndarray = np.bincount(key, minlength=size).astype(np.float64)
+    cost: np.ndarray
     if padded:
         longest = np.zeros(size)
         np.maximum.at(longest, key, l)
@@ -167,17 +168,17 @@ def iteration_seconds(provider, lengths, d, b, g, padded) -> tuple[float, bool]:
         from torch.utils.data import BatchSampler, DistributedSampler
 
         t = time.perf_counter()
-        ds = DistributedSampler(range(len(lengths)), d, 0, shuffle=True, seed=0)
-        for _ in BatchSampler(ds, b, drop_last=True):
+        shard: DistributedSampler = DistributedSampler(range(len(lengths)), d, 0, shuffle=True, seed=0)  # type: ignore[arg-type]
+        for _ in BatchSampler(shard, b, drop_last=True):
             pass
         return time.perf_counter() - t, False
     from transformers.trainer_pt_utils import BatchRebalanceSampler
 
     steps = len(lengths) // n
     timed = min(steps, HF_TIMED_STEPS)
-    s = BatchRebalanceSampler(lengths[: timed * n].tolist(), n, d, g, seed=0, rank=0, drop_last=True)
+    peer = BatchRebalanceSampler(lengths[: timed * n].tolist(), n, d, g, seed=0, rank=0, drop_last=True)
     t = time.perf_counter()
-    for _ in s:
+    for _ in peer:
         pass
     return (time.perf_counter() - t) * steps / max(timed, 1), timed < steps
 

@@ -155,9 +155,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.shuffle = bool(shuffle)
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        self.seed = int(seed)
+        self.seed: int = int(seed)
         self.drop_last = bool(drop_last)
-        self.epoch = 0
+        self.epoch: int = 0
         n = self.table.shape[0]
         step = self.step_size
         if self.drop_last and n < step:
@@ -166,10 +166,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
                 f"(batch_size {self.batch_size} x num_replicas {self.num_replicas} x grad_accum "
                 f"{self.grad_accum} = {step}): the epoch would be empty"
             )
-        self.num_steps = n // step if self.drop_last else math.ceil(n / step)
-        self.total_size = self.num_steps * step
+        self.num_steps: int = n // step if self.drop_last else math.ceil(n / step)
+        self.total_size: int = self.num_steps * step
         names = [f"phase{j}" for j in range(self.table.shape[1] - 1)] + ["llm"]
-        self.columns = names
+        self.columns: list[str] = names
         #: max/mean over ranks, in the last step yielded, of each column's tokens and of the cost of
         #: the step (``"cost"``); ``"micro_cost"``: the largest max/mean over the step's micro-batch
         #: slots
