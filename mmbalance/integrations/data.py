@@ -92,13 +92,15 @@ class BalancedBatchSampler(Sampler[list[int]]):
     a millisecond for steps of thousands of examples, done for the whole epoch when iteration
     starts.
 
-    Memory per micro-batch: a micro-batch never costs more than its slot's level, which is the
-    larger of an even share of the step's cost and the costliest single example of the step. So
-    the tokens a micro-batch holds (padded: ``examples * longest``, packed: the sum of lengths) stay
-    below that level over ``alpha``: a micro-batch of short examples may hold many more examples
-    than ``batch_size``, one with a long example fewer, but none holds much more than an even
-    share of the step's tokens unless one example alone is larger. Size activation memory for that
-    level, not for ``batch_size`` examples of the longest length.
+    Memory per micro-batch: micro-batches are sized by cost, not by count. Each stays near its
+    slot's level, an even share of the cost the step has left or the costliest remaining example
+    where that is larger (packed: at most that level plus one example's cost; padded: at most the
+    least that any split of those examples into that many micro-batches allows). The tokens a
+    micro-batch holds (padded: ``examples * longest``; packed: the sum of its lengths) are at most
+    its cost over ``alpha``. So a micro-batch of short examples may hold many more than
+    ``batch_size`` examples and one with a long example fewer; size activation memory for about the
+    step's tokens over ``num_replicas * grad_accum`` (or the longest example, where that is more),
+    not for ``batch_size`` examples of the longest length.
 
     Per-rank batch sizes differ (that is the balancing). Normalize the loss by the *global* count
     of loss tokens of the step (summed over ranks and micro-batches; in transformers' Trainer,

@@ -137,6 +137,8 @@ def test_loader_keeps_trainer_settings_and_lengths_default(tmp_path):
     assert sum(batches) == s.total_size
     # the trainer's own column removal wraps the collator
     assert type(inner.collate_fn).__name__ == "RemoveColumnsCollator"
+    t._train_batch_size = 1  # what auto_find_batch_size does after an out-of-memory error
+    assert t.get_train_dataloader().batch_sampler.batch_size == 1 and t.balanced_sampler.grad_accum == 3
     with pytest.raises(ValueError, match="lengths has 3 entries"):
         balance_trainer(t, [1, 2, 3])
     with pytest.raises(TypeError, match="trainer"):

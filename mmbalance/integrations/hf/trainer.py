@@ -16,14 +16,13 @@ from __future__ import annotations
 import types
 import warnings
 from functools import partial
+from typing import Any
 
 import numpy as np
 
 from mmbalance.integrations.data import BalancedBatchSampler
 
 __all__ = ["balance_trainer"]
-
-_FLAG = "_mmbalance_balanced"
 
 
 def _lengths_of(trainer, dataset) -> np.ndarray:
@@ -132,20 +131,18 @@ def balance_trainer(trainer, lengths=None, *, cost="quadratic", padding=None):
             stacklevel=2,
         )
     seed = args.data_seed if args.data_seed is not None else args.seed
-    sampler = BalancedBatchSampler(
-        lengths,
-        trainer._train_batch_size,
-        world,
-        args.process_index if world > 1 else 0,
+    options: dict[str, Any] = dict(
+        num_replicas=world,
+        rank=args.process_index if world > 1 else 0,
         cost=cost,
         seed=seed,
         drop_last=args.dataloader_drop_last,
         grad_accum=args.gradient_accumulation_steps,
         padding=(not _packed(trainer)) if padding is None else padding,
     )
-    trainer.balanced_sampler = sampler
+    trainer.balanced_sampler = BalancedBatchSampler(lengths, trainer._train_batch_size, **options)
+    trainer._mmbalance_options = options
     trainer.get_train_dataloader = types.MethodType(_balanced_train_dataloader, trainer)
-    setattr(trainer, _FLAG, True)
     return trainer
 
 
@@ -164,6 +161,9 @@ def _balanced_train_dataloader(self):
             "trainer.train_dataset changed after balance_trainer (its size differs from the lengths the "
             "sampler was built for): call balance_trainer again"
         )
+    if sampler.batch_size != self._train_batch_size:  # auto_find_batch_size lowered it: same lengths
+        sampler = BalancedBatchSampler(sampler.table, self._train_batch_size, **self._mmbalance_options)
+        self.balanced_sampler = sampler
     collator = self.data_collator
     if is_datasets_available():
         import datasets
