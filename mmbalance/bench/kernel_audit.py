@@ -24,7 +24,10 @@ entries are either a tuple ``(kernel, signature, constexprs, name)`` or a dict w
     expect           checks that fail the audit: "load_bits", "store_bits" (minimum widest
                      width), "spill_bytes" (maximum), "mma" (True: tensor-core instructions required)
 
-Adding a kernel to the audit is adding an entry there. The exit status is 1 when any expectation
+A module may instead define ``audit_configs(capability) -> list`` (same entries): the audit then
+calls it with the target's capability (90 for sm_90), so launch configurations chosen per
+architecture are audited as they launch there. Adding a kernel to the audit is adding an entry
+there. The exit status is 1 when any expectation
 fails or a kernel does not compile.
 """
 
@@ -184,8 +187,11 @@ def _normalise(entry, module: str) -> dict:
     return cfg
 
 
-def discover(only: str | None = None) -> tuple[list[dict], list[dict]]:
-    """All audit entries of ``kernels/*.py`` (private ``_*`` modules skipped), plus import errors."""
+def discover(only: str | None = None, capability: int = 90) -> tuple[list[dict], list[dict]]:
+    """All audit entries of ``kernels/*.py`` (private ``_*`` modules skipped), plus import errors.
+
+    ``capability`` is handed to a module's ``audit_configs`` (per-architecture launch choices).
+    """
     import mmbalance.kernels as pkg
 
     configs, errors = [], []
@@ -198,7 +204,9 @@ def discover(only: str | None = None) -> tuple[list[dict], list[dict]]:
         except Exception as e:  # noqa: BLE001 - report every broken module, keep auditing the rest
             errors.append({"name": module, "error": f"import failed: {e!r}"})
             continue
-        for entry in getattr(mod, "AUDIT_CONFIGS", []):
+        per_arch = getattr(mod, "audit_configs", None)
+        entries = per_arch(capability) if callable(per_arch) else getattr(mod, "AUDIT_CONFIGS", [])
+        for entry in entries:
             cfg = _normalise(entry, info.name)
             if only is None or only in cfg["name"]:
                 configs.append(cfg)
@@ -306,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     from .harness import git_sha
 
     capability, ptxas_arch = _arch(args.arch)
-    configs, rows = discover(args.only)
+    configs, rows = discover(args.only, capability)
     for cfg in configs:
         try:
             rows.append(audit_one(cfg, capability, ptxas_arch))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _count_at_most, _load_runs, _run_position
+from .attention import _count_at_most, _load_runs, _run_position, _tanh
 
 
 @triton.jit
@@ -30,6 +30,9 @@ def _attn_bwd_dkdv_inner(
     lo,
     hi,
     qk_scale,
+    window_left,
+    window_right,
+    softcap_log2e,
     offs_m,
     offs_d,
     HEAD_DIM: tl.constexpr,
@@ -37,11 +40,15 @@ def _attn_bwd_dkdv_inner(
     BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WIN_LEFT: tl.constexpr,
+    WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Accumulate ``dk`` (unscaled) and ``dv`` of one key block over query blocks ``[lo, hi)``.
 
     Rows past the sequence are loaded as ``q = dout = 0``, ``lse = +inf``, so their ``p`` is 0 with
-    no mask arithmetic; ``MASKED`` adds the element-wise causal mask of the diagonal band.
+    no mask arithmetic; ``MASKED`` adds the element-wise position mask (causal and/or window).
     """
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
@@ -55,13 +62,28 @@ def _attn_bwd_dkdv_inner(
         delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         kq = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            th = _tanh(kq)
+            kq = th * softcap_log2e
         pt = tl.math.exp2(kq - lse2[None, :])
         if MASKED:
             qpos = _run_position(rows, q_start0, q_len0, q_start1)
-            pt = tl.where(kpos[:, None] <= qpos[None, :], pt, 0.0)
+            if CAUSAL:
+                allowed = kpos[:, None] <= qpos[None, :]
+                if WIN_LEFT:
+                    allowed = allowed & (kpos[:, None] >= qpos[None, :] - window_left)
+            elif WIN_RIGHT:
+                allowed = kpos[:, None] <= qpos[None, :] + window_right
+                if WIN_LEFT:
+                    allowed = allowed & (kpos[:, None] >= qpos[None, :] - window_left)
+            else:
+                allowed = kpos[:, None] >= qpos[None, :] - window_left
+            pt = tl.where(allowed, pt, 0.0)
         dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:
+            dst = dst * (1.0 - th * th)
         dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -98,6 +120,9 @@ def _attn_bwd_dkdv_block(
     qk_scale,
     sm_scale,
     causal_offset,
+    window_left,
+    window_right,
+    softcap_log2e,
     pid_hk,
     pid_b,
     q_beg,
@@ -112,6 +137,9 @@ def _attn_bwd_dkdv_block(
     CAUSAL: tl.constexpr,
     HAS_RUNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WIN_LEFT: tl.constexpr,
+    WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -125,19 +153,32 @@ def _attn_bwd_dkdv_block(
         v_ptr + cols * stride_v_tok + pid_hk * stride_v_head + offs_d[None, :], mask=io_mask, other=0.0
     )
 
-    if CAUSAL:
+    if CAUSAL or WIN_LEFT or WIN_RIGHT:
         q_start0, q_len0, q_start1 = _load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
         k_start0, k_len0, k_start1 = _load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
         kpos = _run_position(offs_n, k_start0, k_len0, k_start1)
         k_first_pos = _run_position(n0, k_start0, k_len0, k_start1)
-        # rows before m_lo see no key of this block
-        m_lo = _count_at_most(k_first_pos - 1, seqlen_q, q_start0, q_len0, q_start1)
+        # rows before m_lo see no key of this block (row i sees key j only if pos_k(j) <= its
+        # upper bound: pos_q(i) when causal, pos_q(i) + window_right for a right window)
+        if CAUSAL:
+            m_lo = _count_at_most(k_first_pos - 1, seqlen_q, q_start0, q_len0, q_start1)
+        elif WIN_RIGHT:
+            m_lo = _count_at_most(k_first_pos - window_right - 1, seqlen_q, q_start0, q_len0, q_start1)
+        else:
+            m_lo = 0
+        if WIN_LEFT:
+            # rows from m_hi on have their window start past this block's last key
+            k_last_pos = _run_position(tl.minimum(n0 + BLOCK_N, seqlen_k) - 1, k_start0, k_len0, k_start1)
+            m_hi = _count_at_most(k_last_pos + window_left, seqlen_q, q_start0, q_len0, q_start1)
+        else:
+            m_hi = seqlen_q
     else:
         q_start0 = 0
         q_len0 = seqlen_q
         q_start1 = 0
         kpos = offs_n
         m_lo = 0
+        m_hi = seqlen_q
     # One loop per query head from the first block that sees a key of this block to the end. A
     # second loop without the causal mask for the fully visible blocks would save the compare but
     # costs enough registers to spill at head dim 128, so the mask is applied throughout.
@@ -153,8 +194,9 @@ def _attn_bwd_dkdv_block(
         delta_base = delta_ptr + pid_h.to(tl.int64) * stride_delta_head + q_beg
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, kpos, q_base, do_base, lse_base, delta_base, stride_q_tok, stride_do_tok,
-            seqlen_q, q_start0, q_len0, q_start1, lo, seqlen_q, qk_scale, offs_m, offs_d,
-            HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOT_PRECISION,
+            seqlen_q, q_start0, q_len0, q_start1, lo, m_hi, qk_scale, window_left, window_right,
+            softcap_log2e, offs_m, offs_d, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL or WIN_LEFT or WIN_RIGHT,
+            DOT_PRECISION, CAUSAL, WIN_LEFT, WIN_RIGHT, SOFTCAP,
         )  # fmt: skip
     tl.store(dk_ptr + (k_beg + offs_n).to(tl.int64)[:, None] * stride_dk_tok + pid_hk * stride_dk_head
              + offs_d[None, :], dk * sm_scale, mask=io_mask)  # fmt: skip
@@ -194,6 +236,9 @@ def _attn_bwd_dkdv_kernel(
     sm_scale,
     causal_offset,
     main_blocks,
+    window_left,
+    window_right,
+    softcap_log2e,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -203,6 +248,9 @@ def _attn_bwd_dkdv_kernel(
     HAS_RUNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     OVERFLOW: tl.constexpr,
+    WIN_LEFT: tl.constexpr,
+    WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_hk = tl.program_id(1).to(tl.int64)  # int64: head offsets can pass 2**31 elements
@@ -219,9 +267,9 @@ def _attn_bwd_dkdv_kernel(
                 cu_k_ptr, q_runs_ptr, k_runs_ptr, stride_q_tok, stride_q_head, stride_k_tok,
                 stride_k_head, stride_v_tok, stride_v_head, stride_do_tok, stride_do_head,
                 stride_dk_tok, stride_dk_head, stride_dv_tok, stride_dv_head, stride_lse_head,
-                stride_delta_head, qk_scale, sm_scale, causal_offset, pid_hk, pid_b, q_beg, seqlen_q,
-                k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS,
-                DOT_PRECISION,
+                stride_delta_head, qk_scale, sm_scale, causal_offset, window_left, window_right,
+                softcap_log2e, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D,
+                BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION, WIN_LEFT, WIN_RIGHT, SOFTCAP,
             )  # fmt: skip
     else:
         n0 = pid_n * BLOCK_N
@@ -231,7 +279,7 @@ def _attn_bwd_dkdv_kernel(
                 cu_k_ptr, q_runs_ptr, k_runs_ptr, stride_q_tok, stride_q_head, stride_k_tok,
                 stride_k_head, stride_v_tok, stride_v_head, stride_do_tok, stride_do_head,
                 stride_dk_tok, stride_dk_head, stride_dv_tok, stride_dv_head, stride_lse_head,
-                stride_delta_head, qk_scale, sm_scale, causal_offset, pid_hk, pid_b, q_beg, seqlen_q,
-                k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS,
-                DOT_PRECISION,
+                stride_delta_head, qk_scale, sm_scale, causal_offset, window_left, window_right,
+                softcap_log2e, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D,
+                BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION, WIN_LEFT, WIN_RIGHT, SOFTCAP,
             )  # fmt: skip

@@ -67,6 +67,13 @@ def _count_at_most(t, length, start0, len0, start1):
 
 
 @triton.jit
+def _tanh(x):
+    """``tanh(x)`` as ``2 / (1 + exp(-2x)) - 1``: one exp2 and one division, exact limits +-1 at
+    +-inf, absolute error of a few float32 ulps (the logits it feeds are compared absolutely)."""
+    return 2.0 / (1.0 + tl.math.exp2(x * -2.8853900817779268)) - 1.0
+
+
+@triton.jit
 def _load_runs(runs_ptr, b, length, default_start, HAS_RUNS: tl.constexpr):
     """``(start0, len0, start1)`` of sequence ``b``: from the run tensor, or one run at ``default_start``."""
     if HAS_RUNS:
@@ -87,6 +94,7 @@ def _attn_fwd_inner(
     m_i,
     q,
     qpos,
+    qlo,
     k_base,
     v_base,
     stride_k_tok,
@@ -98,6 +106,7 @@ def _attn_fwd_inner(
     lo,
     hi,
     qk_scale,
+    softcap_log2e,
     offs_n,
     offs_d,
     HEAD_DIM: tl.constexpr,
@@ -106,8 +115,16 @@ def _attn_fwd_inner(
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WIN_LEFT: tl.constexpr = False,
+    WIN_RIGHT: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
-    """Online-softmax update of ``(acc, l_i, m_i)`` with key blocks ``[lo, hi)``."""
+    """Online-softmax update of ``(acc, l_i, m_i)`` with key blocks ``[lo, hi)``.
+
+    ``qpos`` is each row's highest visible key position (its own position when causal, plus
+    ``window_right`` for a right window), ``qlo`` its lowest (``WIN_LEFT``); ``MASKED`` applies
+    them element-wise, together with the sequence end.
+    """
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -121,11 +138,17 @@ def _attn_fwd_inner(
         else:
             kt = tl.load(kt_ptrs)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            # qk_scale = scale / softcap here: s = softcap * tanh(scale * qk / softcap), base 2
+            qk = _tanh(qk) * softcap_log2e
         if MASKED:
             allowed = col_ok[None, :]
-            if CAUSAL:
+            if CAUSAL or WIN_RIGHT or WIN_LEFT:
                 kpos = _run_position(cols, k_start0, k_len0, k_start1)
-                allowed = allowed & (kpos[None, :] <= qpos[:, None])
+                if CAUSAL or WIN_RIGHT:
+                    allowed = allowed & (kpos[None, :] <= qpos[:, None])
+                if WIN_LEFT:
+                    allowed = allowed & (kpos[None, :] >= qlo[:, None])
             qk = tl.where(allowed, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         if MASKED:
@@ -148,6 +171,59 @@ def _attn_fwd_inner(
 
 
 @triton.jit
+def _row_bounds(
+    m0,
+    seqlen_q,
+    seqlen_k,
+    q_runs_ptr,
+    k_runs_ptr,
+    pid_b,
+    causal_offset,
+    window_left,
+    window_right,
+    offs_m,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_RUNS: tl.constexpr,
+    WIN_LEFT: tl.constexpr,
+    WIN_RIGHT: tl.constexpr,
+):
+    """Key bounds of query rows ``[m0, m0 + BLOCK_M)``: per row, the highest (``qhi``) and lowest
+    (``qlo``) visible key position; for the block, the key prefix counts ``n_full`` (keys below it
+    are under every row's upper bound), ``n_end`` (no row sees a key from it on), ``lo_first`` (no
+    row sees a key below it) and ``lo_last`` (every row's lower bound is at or below it), and the
+    key runs for the element-wise mask. Positions are increasing, so every bound is a closed-form
+    count (``_count_at_most``)."""
+    q_start0, q_len0, q_start1 = _load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
+    k_start0, k_len0, k_start1 = _load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
+    qpos = _run_position(offs_m, q_start0, q_len0, q_start1)
+    m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    q_first_pos = _run_position(m0, q_start0, q_len0, q_start1)
+    q_last_pos = _run_position(m_last, q_start0, q_len0, q_start1)
+    if CAUSAL:
+        qhi = qpos
+        n_full = _count_at_most(q_first_pos, seqlen_k, k_start0, k_len0, k_start1)
+        n_end = _count_at_most(q_last_pos, seqlen_k, k_start0, k_len0, k_start1)
+    elif WIN_RIGHT:
+        qhi = qpos + window_right
+        n_full = _count_at_most(q_first_pos + window_right, seqlen_k, k_start0, k_len0, k_start1)
+        n_end = _count_at_most(q_last_pos + window_right, seqlen_k, k_start0, k_len0, k_start1)
+    else:
+        qhi = qpos
+        n_full = seqlen_k
+        n_end = seqlen_k
+    if WIN_LEFT:
+        qlo = qpos - window_left
+        lo_first = _count_at_most(q_first_pos - window_left - 1, seqlen_k, k_start0, k_len0, k_start1)
+        lo_last = _count_at_most(q_last_pos - window_left - 1, seqlen_k, k_start0, k_len0, k_start1)
+    else:
+        qlo = qpos
+        lo_first = 0
+        lo_last = 0
+    return qhi, qlo, n_full, n_end, lo_first, lo_last, k_start0, k_len0, k_start1
+
+
+@triton.jit
 def _attn_fwd_block(
     m0,
     q_ptr,
@@ -157,6 +233,7 @@ def _attn_fwd_block(
     lse_ptr,
     q_runs_ptr,
     k_runs_ptr,
+    sinks_ptr,
     stride_q_tok,
     stride_q_head,
     stride_k_tok,
@@ -168,6 +245,9 @@ def _attn_fwd_block(
     stride_lse_head,
     qk_scale,
     causal_offset,
+    window_left,
+    window_right,
+    softcap_log2e,
     pid_h,
     pid_hk,
     pid_b,
@@ -182,6 +262,10 @@ def _attn_fwd_block(
     CAUSAL: tl.constexpr,
     HAS_RUNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WIN_LEFT: tl.constexpr,
+    WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Queries ``[m0, m0 + BLOCK_M)`` of sequence ``pid_b``, head ``pid_h``: out and lse."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -194,43 +278,64 @@ def _attn_fwd_block(
     k_base = k_ptr + k_beg.to(tl.int64) * stride_k_tok + pid_hk * stride_k_head
     v_base = v_ptr + k_beg.to(tl.int64) * stride_v_tok + pid_hk * stride_v_head
 
-    if CAUSAL:
-        q_start0, q_len0, q_start1 = _load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
-        k_start0, k_len0, k_start1 = _load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
-        qpos = _run_position(offs_m, q_start0, q_len0, q_start1)
-        m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
-        q_first_pos = _run_position(m0, q_start0, q_len0, q_start1)
-        q_last_pos = _run_position(m_last, q_start0, q_len0, q_start1)
-        n_full = _count_at_most(q_first_pos, seqlen_k, k_start0, k_len0, k_start1)
-        n_end = _count_at_most(q_last_pos, seqlen_k, k_start0, k_len0, k_start1)
+    if CAUSAL or WIN_LEFT or WIN_RIGHT:
+        qpos, qlo, n_full, n_end, lo_first, lo_last, k_start0, k_len0, k_start1 = _row_bounds(
+            m0, seqlen_q, seqlen_k, q_runs_ptr, k_runs_ptr, pid_b, causal_offset, window_left,
+            window_right, offs_m, BLOCK_M, CAUSAL, HAS_RUNS, WIN_LEFT, WIN_RIGHT,
+        )  # fmt: skip
     else:
         k_start0 = 0
         k_len0 = seqlen_k
         k_start1 = 0
         qpos = offs_m
+        qlo = offs_m
         n_full = seqlen_k
         n_end = seqlen_k
+        lo_first = 0
+        lo_last = 0
     n_split = (n_full // BLOCK_N) * BLOCK_N
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:
+        # the sink joins the denominator only: start from m = sink, l = exp(sink - m) = 1
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + pid_h) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    n_full_lo = 0
+    if WIN_LEFT:
+        # keys left of the window are never loaded; the band where some rows' windows start
+        # [lo_first, lo_last) is masked element-wise
+        n_full_lo = tl.cdiv(lo_last, BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, qpos, qlo, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+            k_start0, k_len0, k_start1, (lo_first // BLOCK_N) * BLOCK_N, n_full_lo, qk_scale,
+            softcap_log2e, offs_n, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION,
+            WIN_LEFT, WIN_RIGHT, SOFTCAP,
+        )  # fmt: skip
+        n_split = tl.maximum(n_split, n_full_lo)
     # keys every row of the block may see: no mask arithmetic
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, qpos, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
-        k_start0, k_len0, k_start1, 0, n_split, qk_scale, offs_n, offs_d,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT_PRECISION,
+        acc, l_i, m_i, q, qpos, qlo, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+        k_start0, k_len0, k_start1, n_full_lo, n_split, qk_scale, softcap_log2e, offs_n, offs_d,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT_PRECISION, WIN_LEFT, WIN_RIGHT, SOFTCAP,
     )  # fmt: skip
     # the diagonal band and the ragged tail of the sequence
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, qpos, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
-        k_start0, k_len0, k_start1, n_split, n_end, qk_scale, offs_n, offs_d,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION,
+        acc, l_i, m_i, q, qpos, qlo, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+        k_start0, k_len0, k_start1, n_split, n_end, qk_scale, softcap_log2e, offs_n, offs_d,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION, WIN_LEFT, WIN_RIGHT, SOFTCAP,
     )  # fmt: skip
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    if SINKS:
+        # l_i >= exp(sink - m_i) > 0 unless the sink is -inf; then an empty row has l = 1, m = -inf
+        out = acc / l_i[:, None]
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    else:
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_ptrs = out_ptr + (q_beg + offs_m).to(tl.int64)[:, None] * stride_o_tok + pid_h * stride_o_head
     tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + pid_h.to(tl.int64) * stride_lse_head + q_beg + offs_m, lse, mask=row_ok)
@@ -259,6 +364,10 @@ def _attn_fwd_kernel(
     qk_scale,
     causal_offset,
     main_blocks,
+    sinks_ptr,
+    window_left,
+    window_right,
+    softcap_log2e,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -268,6 +377,10 @@ def _attn_fwd_kernel(
     HAS_RUNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     OVERFLOW: tl.constexpr,
+    WIN_LEFT: tl.constexpr,
+    WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     # int64 head index: pid_h * stride_*_head can pass 2**31 elements on large batches
@@ -285,21 +398,23 @@ def _attn_fwd_kernel(
         # separate specialization, so the loop costs the main kernel no registers.
         for m0 in range((main_blocks + pid_m) * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
             _attn_fwd_block(
-                m0, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_runs_ptr, k_runs_ptr,
+                m0, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_runs_ptr, k_runs_ptr, sinks_ptr,
                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                stride_o_tok, stride_o_head, stride_lse_head, qk_scale, causal_offset,
-                pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k,
-                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+                stride_o_tok, stride_o_head, stride_lse_head, qk_scale, causal_offset, window_left,
+                window_right, softcap_log2e, pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k,
+                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION, WIN_LEFT,
+                WIN_RIGHT, SOFTCAP, SINKS,
             )  # fmt: skip
     else:
         m0 = pid_m * BLOCK_M
         if m0 < seqlen_q:
             _attn_fwd_block(
-                m0, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_runs_ptr, k_runs_ptr,
+                m0, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_runs_ptr, k_runs_ptr, sinks_ptr,
                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                stride_o_tok, stride_o_head, stride_lse_head, qk_scale, causal_offset,
-                pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k,
-                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+                stride_o_tok, stride_o_head, stride_lse_head, qk_scale, causal_offset, window_left,
+                window_right, softcap_log2e, pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k,
+                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION, WIN_LEFT,
+                WIN_RIGHT, SOFTCAP, SINKS,
             )  # fmt: skip
 
 
@@ -313,13 +428,32 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def fwd_config(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+def device_capability(device: torch.device) -> int:
+    """``major * 10 + minor`` of a CUDA device (90 for sm_90); 0 for anything else."""
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def fwd_config(
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    capability: int | None = None,
+    softcap: bool = False,
+) -> dict:
     """Tile sizes and warps of the forward kernel (chosen for zero spills on sm_80 and sm_90).
 
+    ``capability`` (``major * 10 + minor``; default: the device's) picks the per-architecture
+    choice the kernel audit holds to zero spills; ``softcap`` the variant with the tanh logits.
     float32 uses IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
     """
-    if INTERPRET or device.type != "cuda":
+    if INTERPRET or (device.type != "cuda" and capability is None):
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if capability is None:
+        capability = device_capability(device)
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
     if block_d(head_dim) <= 128:
@@ -343,12 +477,18 @@ def attn_fwd(
     config: dict | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel; returns ``out [Tq, H, D]`` (``out_dtype``, default q's) and ``lse [H, Tq]``.
 
     Inputs are assumed validated (``pyops.attention`` does it). ``out``/``lse`` may be passed
     preallocated (last dim contiguous; ``lse`` float32). Rows of sequences with no allowed key get
-    ``out = 0`` and ``lse = -inf``; an empty batch launches nothing.
+    ``out = 0`` and ``lse = -inf`` (``lse = sink`` with ``sinks``); an empty batch launches nothing.
+    ``window_left``/``window_right`` (negative: unbounded), ``softcap`` (``> 0``: on) and ``sinks``
+    (``[H]``, cast to float32) are described in the module docstring.
     """
     tq, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -359,8 +499,11 @@ def attn_fwd(
         lse = torch.empty((n_heads, tq), dtype=torch.float32, device=q.device)
     if tq == 0 or batch == 0:
         return out, lse
-    cfg = dict(config or fwd_config(head_dim, q.device, q.dtype))
+    feats = _features(causal, window_left, window_right, softcap, softmax_scale)
+    cfg = dict(config or fwd_config(head_dim, q.device, q.dtype, softcap=feats["SOFTCAP"]))
     has_runs = q_runs is not None
+    if sinks is not None:
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     main_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"])
     # The main grid covers max_seqlen_q; one program per (head, sequence) then covers whatever a
     # wrong max_seqlen_q left out (it exits at once when nothing was), so no row stays unwritten.
@@ -372,13 +515,42 @@ def attn_fwd(
             q_runs if has_runs else cu_seqlens_q, k_runs if has_runs else cu_seqlens_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            softmax_scale * LOG2E, causal_offset, main_blocks,
+            feats["qk_scale"], causal_offset, main_blocks, lse if sinks is None else sinks,
+            feats["window_left"], feats["window_right"], feats["softcap_log2e"],
             GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_RUNS=has_runs,
-            DOT_PRECISION=dot_precision(q.dtype), OVERFLOW=overflow, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            DOT_PRECISION=dot_precision(q.dtype), OVERFLOW=overflow, WIN_LEFT=feats["WIN_LEFT"],
+            WIN_RIGHT=feats["WIN_RIGHT"], SOFTCAP=feats["SOFTCAP"], SINKS=sinks is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
     return out, lse
+
+
+# Window sizes are clamped to this, so ``position +- window`` stays inside int32 for positions
+# within +-2**30 (a window that wide is unbounded for any sequence the kernels can hold).
+_WINDOW_MAX = 2**30
+
+
+def _features(causal: bool, window_left: int, window_right: int, softcap: float, softmax_scale: float) -> dict:
+    """Runtime arguments and constexpr switches of the optional features, shared by both passes.
+
+    A right window adds nothing to a causal mask (``window_right >= 0`` admits a superset of the
+    causal keys), so it is dropped there and the causal variant runs unchanged. With ``softcap``
+    the kernels compute ``tanh(qk * qk_scale) * softcap_log2e``, so ``qk_scale`` becomes
+    ``scale / softcap`` instead of ``scale * log2(e)``.
+    """
+    win_left = int(window_left) >= 0
+    win_right = int(window_right) >= 0 and not causal
+    use_softcap = float(softcap) > 0.0
+    return dict(
+        WIN_LEFT=win_left,
+        WIN_RIGHT=win_right,
+        SOFTCAP=use_softcap,
+        window_left=min(int(window_left), _WINDOW_MAX) if win_left else 0,
+        window_right=min(int(window_right), _WINDOW_MAX) if win_right else 0,
+        qk_scale=softmax_scale / softcap if use_softcap else softmax_scale * LOG2E,
+        softcap_log2e=float(softcap) * LOG2E if use_softcap else 0.0,
+    )
 
 
 def _audit_signature(kernel, ptr_dtype: str, overrides: dict[str, str]) -> dict[str, str]:
@@ -396,44 +568,80 @@ def _audit_signature(kernel, ptr_dtype: str, overrides: dict[str, str]) -> dict[
     return sig
 
 
-def _fwd_audit_configs() -> list[dict]:
-    configs = []
-    for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)):
-        cfg = fwd_config(head_dim, torch.device("cuda"), dtype)
-        short = "bf16" if dtype == torch.bfloat16 else "fp32"
-        configs.append(
-            dict(
-                name=f"attn_fwd_{short}_d{head_dim}_causal_runs",
-                kernel=_attn_fwd_kernel,
-                signature=_audit_signature(
-                    _attn_fwd_kernel,
-                    short,
-                    {
-                        "lse_ptr": "*fp32",
-                        "cu_q_ptr": "*i32",
-                        "cu_k_ptr": "*i32",
-                        "q_runs_ptr": "*i32",
-                        "k_runs_ptr": "*i32",
-                        "qk_scale": "fp32",
-                    },
-                ),
-                constexprs=dict(
-                    GROUP=1,
-                    HEAD_DIM=head_dim,
-                    BLOCK_D=block_d(head_dim),
-                    BLOCK_M=cfg["BLOCK_M"],
-                    BLOCK_N=cfg["BLOCK_N"],
-                    CAUSAL=True,
-                    HAS_RUNS=True,
-                    DOT_PRECISION=dot_precision(dtype),
-                    OVERFLOW=False,
-                ),
-                # float32 runs IEEE FMA products by design: no tensor cores expected there
-                expect={"spill_bytes": 0, "mma": dtype != torch.float32},
-                num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"],
-            )
-        )
+# Feature switches of the audited variants: the plain causal kernel, then each new feature alone
+# and all of them together (the overflow tail of each is audited too; it compiles separately).
+AUDIT_FEATURES: dict[str, dict] = {
+    "": dict(CAUSAL=True),
+    "_window": dict(CAUSAL=True, WIN_LEFT=True),
+    "_window2": dict(CAUSAL=False, WIN_LEFT=True, WIN_RIGHT=True),
+    "_softcap": dict(CAUSAL=True, SOFTCAP=True),
+    "_sinks": dict(CAUSAL=True, SINKS=True),
+    "_window_softcap_sinks": dict(CAUSAL=True, WIN_LEFT=True, SOFTCAP=True, SINKS=True),
+}
+
+
+def _feature_constexprs(features: dict) -> dict:
+    names = ("CAUSAL", "WIN_LEFT", "WIN_RIGHT", "SOFTCAP")
+    return {n: bool(features.get(n, False)) for n in names}
+
+
+def _fwd_audit_entry(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool) -> dict:
+    features = AUDIT_FEATURES[suffix]
+    cfg = fwd_config(head_dim, torch.device("cuda"), dtype, capability=capability,
+                     softcap=features.get("SOFTCAP", False))  # fmt: skip
+    short = "bf16" if dtype == torch.bfloat16 else "fp32"
+    mask = "causal" if features["CAUSAL"] else "full"
+    return dict(
+        name=f"attn_fwd_{short}_d{head_dim}_{mask}{suffix}_runs" + ("_overflow" if overflow else ""),
+        kernel=_attn_fwd_kernel,
+        signature=_audit_signature(
+            _attn_fwd_kernel,
+            short,
+            {
+                "lse_ptr": "*fp32",
+                "cu_q_ptr": "*i32",
+                "cu_k_ptr": "*i32",
+                "q_runs_ptr": "*i32",
+                "k_runs_ptr": "*i32",
+                "sinks_ptr": "*fp32",
+                "qk_scale": "fp32",
+                "softcap_log2e": "fp32",
+            },
+        ),
+        constexprs=dict(
+            GROUP=1,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d(head_dim),
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            HAS_RUNS=True,
+            DOT_PRECISION=dot_precision(dtype),
+            OVERFLOW=overflow,
+            SINKS=bool(features.get("SINKS", False)),
+            **_feature_constexprs(features),
+        ),
+        # float32 runs IEEE FMA products by design: no tensor cores expected there
+        expect={"spill_bytes": 0, "mma": dtype != torch.float32},
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def audit_configs(capability: int) -> list[dict]:
+    """The forward variants the kernel audit compiles for ``sm_<capability>``, each with the
+    launch configuration ``fwd_config`` picks on that architecture.
+
+    bfloat16 at head dims 64 and 128 and float32 at 128, causal with two-run positions; at head
+    dim 128 (the tightest register budget) every feature variant and its overflow tail.
+    """
+    configs = [
+        _fwd_audit_entry(dtype, head_dim, capability, "", False)
+        for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128))
+    ]
+    configs.append(_fwd_audit_entry(torch.bfloat16, 128, capability, "", True))
+    for suffix in AUDIT_FEATURES:
+        if suffix:
+            configs += [_fwd_audit_entry(torch.bfloat16, 128, capability, suffix, o) for o in (False, True)]
     return configs
 
 
@@ -448,6 +656,6 @@ def _overflow_variant(cfg: dict) -> dict:
     )
 
 
-# Read by ``bench/kernel_audit.py``: compiled ahead of time for sm_90 and sm_80.
-AUDIT_CONFIGS: list[dict] = _fwd_audit_configs()
-AUDIT_CONFIGS.append(_overflow_variant(AUDIT_CONFIGS[1]))
+# Read by ``bench/kernel_audit.py`` through ``audit_configs(capability)``; this list (sm_90) is
+# what the registry tests inspect.
+AUDIT_CONFIGS: list[dict] = audit_configs(90)

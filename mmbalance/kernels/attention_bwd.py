@@ -41,13 +41,15 @@ import triton.language as tl
 from ._attention_bwd_dkdv import _attn_bwd_dkdv_kernel
 from ._launch import INTERPRET, launchable
 from .attention import (
-    LOG2E,
     _audit_signature,
     _count_at_most,
     _load_runs,
-    _overflow_variant,
+    _features,
+    _row_bounds,
     _run_position,
+    _tanh,
     block_d,
+    device_capability,
     dot_precision,
 )
 
@@ -95,6 +97,7 @@ def _attn_bwd_dq_inner(
     lse2,
     delta,
     qpos,
+    qlo,
     k_base,
     v_base,
     stride_k_tok,
@@ -106,6 +109,7 @@ def _attn_bwd_dq_inner(
     lo,
     hi,
     qk_scale,
+    softcap_log2e,
     offs_n,
     offs_d,
     HEAD_DIM: tl.constexpr,
@@ -114,8 +118,12 @@ def _attn_bwd_dq_inner(
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WIN_LEFT: tl.constexpr,
+    WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Accumulate ``dq`` (unscaled) over key blocks ``[lo, hi)``."""
+    """Accumulate ``dq`` (unscaled) over key blocks ``[lo, hi)``; ``qpos``/``qlo`` are each row's
+    highest/lowest visible key position, as in the forward's ``_attn_fwd_inner``."""
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -132,15 +140,24 @@ def _attn_bwd_dq_inner(
             kt = tl.load(kt_ptrs)
             vt = tl.load(vt_ptrs)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            th = _tanh(qk)
+            qk = th * softcap_log2e
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
             allowed = col_ok[None, :]
-            if CAUSAL:
+            if CAUSAL or WIN_RIGHT or WIN_LEFT:
                 kpos = _run_position(cols, k_start0, k_len0, k_start1)
-                allowed = allowed & (kpos[None, :] <= qpos[:, None])
+                if CAUSAL or WIN_RIGHT:
+                    allowed = allowed & (kpos[None, :] <= qpos[:, None])
+                if WIN_LEFT:
+                    allowed = allowed & (kpos[None, :] >= qlo[:, None])
             p = tl.where(allowed, p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            # d softcap * tanh(x) / dx = 1 - tanh(x)^2 (with the 1/softcap of x cancelling softcap)
+            ds = ds * (1.0 - th * th)
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
     return dq
 
@@ -174,6 +191,9 @@ def _attn_bwd_dq_block(
     qk_scale,
     sm_scale,
     causal_offset,
+    window_left,
+    window_right,
+    softcap_log2e,
     pid_h,
     pid_hk,
     pid_b,
@@ -189,6 +209,9 @@ def _attn_bwd_dq_block(
     CAUSAL: tl.constexpr,
     HAS_RUNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WIN_LEFT: tl.constexpr,
+    WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -215,34 +238,45 @@ def _attn_bwd_dq_block(
     k_base = k_ptr + k_beg.to(tl.int64) * stride_k_tok + pid_hk * stride_k_head
     v_base = v_ptr + k_beg.to(tl.int64) * stride_v_tok + pid_hk * stride_v_head
 
-    if CAUSAL:
-        q_start0, q_len0, q_start1 = _load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
-        k_start0, k_len0, k_start1 = _load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
-        qpos = _run_position(offs_m, q_start0, q_len0, q_start1)
-        m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
-        q_first_pos = _run_position(m0, q_start0, q_len0, q_start1)
-        q_last_pos = _run_position(m_last, q_start0, q_len0, q_start1)
-        n_full = _count_at_most(q_first_pos, seqlen_k, k_start0, k_len0, k_start1)
-        n_end = _count_at_most(q_last_pos, seqlen_k, k_start0, k_len0, k_start1)
+    if CAUSAL or WIN_LEFT or WIN_RIGHT:
+        qpos, qlo, n_full, n_end, lo_first, lo_last, k_start0, k_len0, k_start1 = _row_bounds(
+            m0, seqlen_q, seqlen_k, q_runs_ptr, k_runs_ptr, pid_b, causal_offset, window_left,
+            window_right, offs_m, BLOCK_M, CAUSAL, HAS_RUNS, WIN_LEFT, WIN_RIGHT,
+        )  # fmt: skip
     else:
         k_start0 = 0
         k_len0 = seqlen_k
         k_start1 = 0
         qpos = offs_m
+        qlo = offs_m
         n_full = seqlen_k
         n_end = seqlen_k
+        lo_first = 0
+        lo_last = 0
     n_split = (n_full // BLOCK_N) * BLOCK_N
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    n_full_lo = 0
+    if WIN_LEFT:
+        # the forward's three ranges: where some rows' windows start (masked), the keys every row
+        # sees, the upper band and tail (masked); keys left of every window are never loaded
+        n_full_lo = tl.cdiv(lo_last, BLOCK_N) * BLOCK_N
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse2, delta, qpos, qlo, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+            k_start0, k_len0, k_start1, (lo_first // BLOCK_N) * BLOCK_N, n_full_lo, qk_scale,
+            softcap_log2e, offs_n, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION,
+            WIN_LEFT, WIN_RIGHT, SOFTCAP,
+        )  # fmt: skip
+        n_split = tl.maximum(n_split, n_full_lo)
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, qpos, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
-        k_start0, k_len0, k_start1, 0, n_split, qk_scale, offs_n, offs_d,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT_PRECISION,
+        dq, q, do, lse2, delta, qpos, qlo, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+        k_start0, k_len0, k_start1, n_full_lo, n_split, qk_scale, softcap_log2e, offs_n, offs_d,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT_PRECISION, WIN_LEFT, WIN_RIGHT, SOFTCAP,
     )  # fmt: skip
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, qpos, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
-        k_start0, k_len0, k_start1, n_split, n_end, qk_scale, offs_n, offs_d,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION,
+        dq, q, do, lse2, delta, qpos, qlo, k_base, v_base, stride_k_tok, stride_v_tok, seqlen_k,
+        k_start0, k_len0, k_start1, n_split, n_end, qk_scale, softcap_log2e, offs_n, offs_d,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION, WIN_LEFT, WIN_RIGHT, SOFTCAP,
     )  # fmt: skip
     dq_rows = (q_beg + offs_m).to(tl.int64)[:, None] * stride_dq_tok
     tl.store(dq_ptr + dq_rows + pid_h * stride_dq_head + offs_d[None, :], dq * sm_scale, mask=io_mask)
@@ -277,6 +311,9 @@ def _attn_bwd_dq_kernel(
     sm_scale,
     causal_offset,
     main_blocks,
+    window_left,
+    window_right,
+    softcap_log2e,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -286,6 +323,9 @@ def _attn_bwd_dq_kernel(
     HAS_RUNS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     OVERFLOW: tl.constexpr,
+    WIN_LEFT: tl.constexpr,
+    WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1).to(tl.int64)  # int64: head offsets can pass 2**31 elements
@@ -303,8 +343,9 @@ def _attn_bwd_dq_kernel(
                 q_runs_ptr, k_runs_ptr, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                 stride_v_tok, stride_v_head, stride_do_tok, stride_do_head, stride_dq_tok,
                 stride_dq_head, stride_lse_head, stride_delta_head, qk_scale, sm_scale, causal_offset,
-                pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D,
-                BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+                window_left, window_right, softcap_log2e, pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg,
+                seqlen_k, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+                WIN_LEFT, WIN_RIGHT, SOFTCAP,
             )  # fmt: skip
     else:
         m0 = pid_m * BLOCK_M
@@ -314,17 +355,27 @@ def _attn_bwd_dq_kernel(
                 q_runs_ptr, k_runs_ptr, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                 stride_v_tok, stride_v_head, stride_do_tok, stride_do_head, stride_dq_tok,
                 stride_dq_head, stride_lse_head, stride_delta_head, qk_scale, sm_scale, causal_offset,
-                pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg, seqlen_k, GROUP, HEAD_DIM, BLOCK_D,
-                BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+                window_left, window_right, softcap_log2e, pid_h, pid_hk, pid_b, q_beg, seqlen_q, k_beg,
+                seqlen_k, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_RUNS, DOT_PRECISION,
+                WIN_LEFT, WIN_RIGHT, SOFTCAP,
             )  # fmt: skip
 
 
-def bwd_config(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+def bwd_config(
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    capability: int | None = None,
+    softcap: bool = False,
+) -> dict:
     """Tiles of the dq kernel (``dq_*``) and the dk/dv kernel (``kv_*``), zero spills on sm_80/sm_90.
 
-    float32 uses IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
+    ``capability`` (``major * 10 + minor``; default: the device's) and ``softcap`` pick the
+    variant's configuration as ``fwd_config`` does. float32 uses IEEE products (FMA, not tensor
+    cores) on 4-byte tiles: small tiles, one stage.
     """
-    if INTERPRET or device.type != "cuda":
+    if INTERPRET or (device.type != "cuda" and capability is None):
         tiles = (16, 16, 4, 16, 16, 4, 1)
     elif dtype == torch.float32:
         tiles = (16, 32, 8, 16, 32, 8, 1)
@@ -357,13 +408,18 @@ def attn_bwd(
     dlse: torch.Tensor | None = None,
     config: dict | None = None,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch preprocess, dq and dk/dv kernels; returns float32 ``dq``, ``dk``, ``dv``.
 
     Inputs are assumed validated (``pyops.attention`` does it); ``dout`` and ``out`` are
     ``[Tq, H, D]``, ``lse`` (and ``dlse``) ``[H, Tq]`` float32. ``grads`` may pass preallocated
     float32 ``(dq, dk, dv)``. Keys no query can see get zero gradients; an empty batch launches
-    nothing.
+    nothing. ``window_left``/``window_right``/``softcap`` must be the forward's; attention sinks
+    need nothing here (``lse`` includes them; their own gradient is the caller's, see
+    ``kernels/attention.py``).
     """
     tq, n_heads, head_dim = q.shape
     tk, n_kv_heads = k.shape[0], k.shape[1]
@@ -379,7 +435,8 @@ def attn_bwd(
         dk.zero_()
         dv.zero_()
         return dq, dk, dv
-    cfg = dict(config or bwd_config(head_dim, dev, q.dtype))
+    feats = _features(causal, window_left, window_right, softcap, softmax_scale)
+    cfg = dict(config or bwd_config(head_dim, dev, q.dtype, softcap=feats["SOFTCAP"]))
     bd = block_d(head_dim)
     delta = torch.empty((n_heads, tq), dtype=torch.float32, device=dev)
     block_t = 16 if INTERPRET else 64
@@ -394,9 +451,11 @@ def attn_bwd(
     k_runs_arg = k_runs if has_runs else cu_seqlens_k
     common = dict(
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, HAS_RUNS=has_runs,
-        DOT_PRECISION=dot_precision(q.dtype), num_stages=cfg["stages"],
+        DOT_PRECISION=dot_precision(q.dtype), num_stages=cfg["stages"], WIN_LEFT=feats["WIN_LEFT"],
+        WIN_RIGHT=feats["WIN_RIGHT"], SOFTCAP=feats["SOFTCAP"],
     )  # fmt: skip
-    qk_scale = softmax_scale * LOG2E
+    qk_scale = feats["qk_scale"]
+    extra = (feats["window_left"], feats["window_right"], feats["softcap_log2e"])
     # Each kernel runs its main grid (from the host's max_seqlen) and then one program per (head,
     # sequence) for whatever a wrong max_seqlen left out (it exits at once when nothing was), so no
     # gradient row stays unwritten.
@@ -407,7 +466,7 @@ def attn_bwd(
                 q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), delta.stride(0),
-                qk_scale, softmax_scale, causal_offset, dq_blocks,
+                qk_scale, softmax_scale, causal_offset, dq_blocks, *extra,
                 BLOCK_M=cfg["dq_BLOCK_M"], BLOCK_N=cfg["dq_BLOCK_N"], num_warps=cfg["dq_warps"],
                 OVERFLOW=overflow, **common,
             )  # fmt: skip
@@ -418,57 +477,85 @@ def attn_bwd(
                 q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                lse.stride(0), delta.stride(0), qk_scale, softmax_scale, causal_offset, kv_blocks,
+                lse.stride(0), delta.stride(0), qk_scale, softmax_scale, causal_offset, kv_blocks, *extra,
                 BLOCK_M=cfg["kv_BLOCK_M"], BLOCK_N=cfg["kv_BLOCK_N"], num_warps=cfg["kv_warps"],
                 OVERFLOW=overflow, **common,
             )  # fmt: skip
     return dq, dk, dv
 
 
-def _bwd_audit_configs() -> list[dict]:
-    fp32_ptrs = ("lse_ptr", "delta_ptr", "dlse_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
-    types = {name: "*fp32" for name in fp32_ptrs}
-    types.update({name: "*i32" for name in ("cu_q_ptr", "cu_k_ptr", "q_runs_ptr", "k_runs_ptr")})
-    types.update(qk_scale="fp32", sm_scale="fp32")
+# Feature switches of the audited backward variants (sinks need nothing in the backward).
+AUDIT_FEATURES: dict[str, dict] = {
+    "": dict(CAUSAL=True),
+    "_window": dict(CAUSAL=True, WIN_LEFT=True),
+    "_window2": dict(CAUSAL=False, WIN_LEFT=True, WIN_RIGHT=True),
+    "_softcap": dict(CAUSAL=True, SOFTCAP=True),
+    "_window_softcap": dict(CAUSAL=True, WIN_LEFT=True, SOFTCAP=True),
+}
+
+_AUDIT_TYPES = {name: "*fp32" for name in ("lse_ptr", "delta_ptr", "dlse_ptr", "dq_ptr", "dk_ptr", "dv_ptr")}
+_AUDIT_TYPES.update({name: "*i32" for name in ("cu_q_ptr", "cu_k_ptr", "q_runs_ptr", "k_runs_ptr")})
+_AUDIT_TYPES.update(qk_scale="fp32", sm_scale="fp32", softcap_log2e="fp32")
+
+
+def _bwd_audit_entries(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool) -> list[dict]:
+    """The dq and dk/dv entries of one variant, with the configuration ``bwd_config`` picks."""
+    features = AUDIT_FEATURES[suffix]
+    cfg = bwd_config(head_dim, torch.device("cuda"), dtype, capability=capability,
+                     softcap=features.get("SOFTCAP", False))  # fmt: skip
+    short = "bf16" if dtype == torch.bfloat16 else "fp32"
+    mask = "causal" if features["CAUSAL"] else "full"
+    common = dict(
+        GROUP=2, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HAS_RUNS=True,
+        DOT_PRECISION=dot_precision(dtype), OVERFLOW=overflow,
+        **{n: bool(features.get(n, False)) for n in ("CAUSAL", "WIN_LEFT", "WIN_RIGHT", "SOFTCAP")},
+    )  # fmt: skip
+    entries = []
+    for kernel, prefix in ((_attn_bwd_dq_kernel, "dq"), (_attn_bwd_dkdv_kernel, "kv")):
+        entries.append(
+            dict(
+                name=f"attn_bwd_{prefix}_{short}_d{head_dim}_{mask}{suffix}_runs_gqa"
+                + ("_overflow" if overflow else ""),
+                kernel=kernel,
+                signature=_audit_signature(kernel, short, _AUDIT_TYPES),
+                constexprs=dict(common, BLOCK_M=cfg[f"{prefix}_BLOCK_M"], BLOCK_N=cfg[f"{prefix}_BLOCK_N"]),
+                num_warps=cfg[f"{prefix}_warps"],
+                num_stages=cfg["stages"],
+                # float32 runs IEEE FMA products by design: no tensor cores expected there
+                expect={"spill_bytes": 0, "mma": dtype != torch.float32},
+            )
+        )
+    return entries
+
+
+def audit_configs(capability: int) -> list[dict]:
+    """The backward variants the kernel audit compiles for ``sm_<capability>``, each with the
+    launch configuration ``bwd_config`` picks on that architecture: bfloat16 at head dims 64 and
+    128 and float32 at 128 (causal, two-run positions, GQA), the preprocess kernel, and at head
+    dim 128 every feature variant with its overflow tail."""
     configs = []
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)):
-        cfg = bwd_config(head_dim, torch.device("cuda"), dtype)
-        short = "bf16" if dtype == torch.bfloat16 else "fp32"
-        common = dict(GROUP=2, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), CAUSAL=True, HAS_RUNS=True)
-        common["DOT_PRECISION"] = dot_precision(dtype)
-        common["OVERFLOW"] = False  # the main grid (the overflow variant runs only when needed)
-        for kernel, prefix in ((_attn_bwd_dq_kernel, "dq"), (_attn_bwd_dkdv_kernel, "kv")):
-            configs.append(
-                dict(
-                    name=f"attn_bwd_{prefix}_{short}_d{head_dim}_causal_runs_gqa",
-                    kernel=kernel,
-                    signature=_audit_signature(kernel, short, types),
-                    constexprs=dict(
-                        common, BLOCK_M=cfg[f"{prefix}_BLOCK_M"], BLOCK_N=cfg[f"{prefix}_BLOCK_N"]
-                    ),
-                    num_warps=cfg[f"{prefix}_warps"],
-                    num_stages=cfg["stages"],
-                    # float32 runs IEEE FMA products by design: no tensor cores expected there
-                    expect={"spill_bytes": 0, "mma": dtype != torch.float32},
-                )
-            )
+        configs += _bwd_audit_entries(dtype, head_dim, capability, "", False)
         if dtype == torch.float32:
             continue
         configs.append(
             dict(
                 name=f"attn_bwd_preprocess_bf16_d{head_dim}",
                 kernel=_attn_bwd_preprocess_kernel,
-                signature=_audit_signature(_attn_bwd_preprocess_kernel, "bf16", types),
+                signature=_audit_signature(_attn_bwd_preprocess_kernel, "bf16", _AUDIT_TYPES),
                 constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=64, HAS_DLSE=False),
                 num_warps=4,
                 expect={"spill_bytes": 0},
             )
         )
+    configs += _bwd_audit_entries(torch.bfloat16, 128, capability, "", True)
+    for suffix in AUDIT_FEATURES:
+        if suffix:
+            for overflow in (False, True):
+                configs += _bwd_audit_entries(torch.bfloat16, 128, capability, suffix, overflow)
     return configs
 
 
-# Read by ``bench/kernel_audit.py``: compiled ahead of time for sm_90 and sm_80.
-AUDIT_CONFIGS: list[dict] = _bwd_audit_configs()
-AUDIT_CONFIGS += [
-    _overflow_variant(c) for c in AUDIT_CONFIGS if c["name"].endswith("bf16_d128_causal_runs_gqa")
-]
+# Read by ``bench/kernel_audit.py`` through ``audit_configs(capability)``; this list (sm_90) is
+# what the registry tests inspect.
+AUDIT_CONFIGS: list[dict] = audit_configs(90)
