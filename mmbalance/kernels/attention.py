@@ -442,12 +442,17 @@ def fwd_config(
     dtype: torch.dtype = torch.bfloat16,
     *,
     capability: int | None = None,
+    window: bool = False,
     softcap: bool = False,
 ) -> dict:
-    """Tile sizes and warps of the forward kernel (chosen for zero spills on sm_80 and sm_90).
+    """Tile sizes and warps of the forward kernel, chosen per architecture for zero spills.
 
-    ``capability`` (``major * 10 + minor``; default: the device's) picks the per-architecture
-    choice the kernel audit holds to zero spills; ``softcap`` the variant with the tanh logits.
+    ``capability`` is ``major * 10 + minor`` (default: the device's); the kernel audit calls this
+    with 80 and 90 and holds every variant it launches to zero spills. ``window``: a sliding-window
+    variant (a third key loop, more live registers); ``softcap``: the tanh-logit variant. The
+    ``overflow`` entry is the configuration of the tail launch that runs only when a host
+    ``max_seqlen_q`` understated a sequence (same ``BLOCK_M``, so it starts where the main grid
+    ends): one pipeline stage and narrow key tiles, so its extra loop never spills.
     float32 uses IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
     """
     if INTERPRET or (device.type != "cuda" and capability is None):
@@ -456,9 +461,17 @@ def fwd_config(
         capability = device_capability(device)
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
-    if block_d(head_dim) <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+    if block_d(head_dim) > 128:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+    cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    if window:
+        # sm_90: one stage fewer; sm_80 (no wgmma, fragments held in registers): narrower key tiles
+        if capability >= 90:
+            cfg["num_stages"] = 2
+        else:
+            cfg["BLOCK_N"] = 32
+    cfg["overflow"] = dict(BLOCK_N=32, num_warps=8, num_stages=1)
+    return cfg
 
 
 def attn_fwd(
@@ -500,7 +513,8 @@ def attn_fwd(
     if tq == 0 or batch == 0:
         return out, lse
     feats = _features(causal, window_left, window_right, softcap, softmax_scale)
-    cfg = dict(config or fwd_config(head_dim, q.device, q.dtype, softcap=feats["SOFTCAP"]))
+    window = feats["WIN_LEFT"] or feats["WIN_RIGHT"]
+    cfg = dict(config or fwd_config(head_dim, q.device, q.dtype, window=window, softcap=feats["SOFTCAP"]))
     has_runs = q_runs is not None
     if sinks is not None:
         sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
@@ -510,6 +524,7 @@ def attn_fwd(
     for overflow, m_grid in ((False, main_blocks), (True, 1)):
         if m_grid == 0:
             continue
+        launch = dict(cfg, **cfg.get("overflow", {})) if overflow else cfg
         launchable(_attn_fwd_kernel)[(m_grid, n_heads, batch)](
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
             q_runs if has_runs else cu_seqlens_q, k_runs if has_runs else cu_seqlens_k,
@@ -518,10 +533,10 @@ def attn_fwd(
             feats["qk_scale"], causal_offset, main_blocks, lse if sinks is None else sinks,
             feats["window_left"], feats["window_right"], feats["softcap_log2e"],
             GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, HAS_RUNS=has_runs,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=launch["BLOCK_N"], CAUSAL=causal, HAS_RUNS=has_runs,
             DOT_PRECISION=dot_precision(q.dtype), OVERFLOW=overflow, WIN_LEFT=feats["WIN_LEFT"],
             WIN_RIGHT=feats["WIN_RIGHT"], SOFTCAP=feats["SOFTCAP"], SINKS=sinks is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=launch["num_warps"], num_stages=launch["num_stages"],
         )  # fmt: skip
     return out, lse
 
@@ -587,8 +602,11 @@ def _feature_constexprs(features: dict) -> dict:
 
 def _fwd_audit_entry(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool) -> dict:
     features = AUDIT_FEATURES[suffix]
-    cfg = fwd_config(head_dim, torch.device("cuda"), dtype, capability=capability,
+    window = bool(features.get("WIN_LEFT") or features.get("WIN_RIGHT"))
+    cfg = fwd_config(head_dim, torch.device("cuda"), dtype, capability=capability, window=window,
                      softcap=features.get("SOFTCAP", False))  # fmt: skip
+    if overflow:
+        cfg = dict(cfg, **cfg.get("overflow", {}))  # the tail launch's own configuration
     short = "bf16" if dtype == torch.bfloat16 else "fp32"
     mask = "causal" if features["CAUSAL"] else "full"
     return dict(
@@ -643,17 +661,6 @@ def audit_configs(capability: int) -> list[dict]:
         if suffix:
             configs += [_fwd_audit_entry(torch.bfloat16, 128, capability, suffix, o) for o in (False, True)]
     return configs
-
-
-def _overflow_variant(cfg: dict) -> dict:
-    """The same entry with ``OVERFLOW=True``: the tail loop that runs only when a host
-    ``max_seqlen`` understated a sequence; held to the same audit (no spills, tensor cores)."""
-    return dict(
-        cfg,
-        name=cfg["name"] + "_overflow",
-        constexprs=dict(cfg["constexprs"], OVERFLOW=True),
-        expect=dict(cfg["expect"]),
-    )
 
 
 # Read by ``bench/kernel_audit.py`` through ``audit_configs(capability)``; this list (sm_90) is

@@ -49,7 +49,6 @@ from .attention import (
     _run_position,
     _tanh,
     block_d,
-    device_capability,
     dot_precision,
 )
 
@@ -367,13 +366,15 @@ def bwd_config(
     dtype: torch.dtype = torch.bfloat16,
     *,
     capability: int | None = None,
-    softcap: bool = False,
 ) -> dict:
     """Tiles of the dq kernel (``dq_*``) and the dk/dv kernel (``kv_*``), zero spills on sm_80/sm_90.
 
-    ``capability`` (``major * 10 + minor``; default: the device's) and ``softcap`` pick the
-    variant's configuration as ``fwd_config`` does. float32 uses IEEE products (FMA, not tensor
-    cores) on 4-byte tiles: small tiles, one stage.
+    ``capability`` is ``major * 10 + minor`` (default: the device's); the kernel audit calls this
+    with 80 and 90 and holds every variant (window, softcap) to zero spills with it: today one
+    table serves both architectures and every variant. ``overflow`` overrides entries for the tail launches that run only when a host
+    ``max_seqlen`` understated a sequence: the dq tail keeps ``dq_BLOCK_M`` (it starts where the
+    main grid ends) but takes narrower key tiles, so its extra loop never spills. float32 uses
+    IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
     """
     if INTERPRET or (device.type != "cuda" and capability is None):
         tiles = (16, 16, 4, 16, 16, 4, 1)
@@ -386,7 +387,10 @@ def bwd_config(
     else:
         tiles = (32, 32, 8, 16, 32, 8, 1)
     names = ("dq_BLOCK_M", "dq_BLOCK_N", "dq_warps", "kv_BLOCK_M", "kv_BLOCK_N", "kv_warps", "stages")
-    return dict(zip(names, tiles))
+    cfg = dict(zip(names, tiles))
+    if cfg["dq_BLOCK_N"] > 32:
+        cfg["overflow"] = dict(dq_BLOCK_N=32)
+    return cfg
 
 
 def attn_bwd(
@@ -436,7 +440,7 @@ def attn_bwd(
         dv.zero_()
         return dq, dk, dv
     feats = _features(causal, window_left, window_right, softcap, softmax_scale)
-    cfg = dict(config or bwd_config(head_dim, dev, q.dtype, softcap=feats["SOFTCAP"]))
+    cfg = dict(config or bwd_config(head_dim, dev, q.dtype))
     bd = block_d(head_dim)
     delta = torch.empty((n_heads, tq), dtype=torch.float32, device=dev)
     block_t = 16 if INTERPRET else 64
@@ -461,24 +465,26 @@ def attn_bwd(
     # gradient row stays unwritten.
     dq_blocks = triton.cdiv(max_seqlen_q, cfg["dq_BLOCK_M"])
     for overflow, m_grid in ((False, dq_blocks), (True, 1)):
+        launch = dict(cfg, **cfg.get("overflow", {})) if overflow else cfg
         if m_grid:
             launchable(_attn_bwd_dq_kernel)[(m_grid, n_heads, batch)](
                 q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), delta.stride(0),
                 qk_scale, softmax_scale, causal_offset, dq_blocks, *extra,
-                BLOCK_M=cfg["dq_BLOCK_M"], BLOCK_N=cfg["dq_BLOCK_N"], num_warps=cfg["dq_warps"],
+                BLOCK_M=cfg["dq_BLOCK_M"], BLOCK_N=launch["dq_BLOCK_N"], num_warps=launch["dq_warps"],
                 OVERFLOW=overflow, **common,
             )  # fmt: skip
     kv_blocks = triton.cdiv(max_seqlen_k, cfg["kv_BLOCK_N"])
     for overflow, n_grid in ((False, kv_blocks), (True, 1)):
+        launch = dict(cfg, **cfg.get("overflow", {})) if overflow else cfg
         if n_grid:
             launchable(_attn_bwd_dkdv_kernel)[(n_grid, n_kv_heads, batch)](
                 q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 lse.stride(0), delta.stride(0), qk_scale, softmax_scale, causal_offset, kv_blocks, *extra,
-                BLOCK_M=cfg["kv_BLOCK_M"], BLOCK_N=cfg["kv_BLOCK_N"], num_warps=cfg["kv_warps"],
+                BLOCK_M=launch["kv_BLOCK_M"], BLOCK_N=cfg["kv_BLOCK_N"], num_warps=launch["kv_warps"],
                 OVERFLOW=overflow, **common,
             )  # fmt: skip
     return dq, dk, dv
@@ -501,8 +507,9 @@ _AUDIT_TYPES.update(qk_scale="fp32", sm_scale="fp32", softcap_log2e="fp32")
 def _bwd_audit_entries(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool) -> list[dict]:
     """The dq and dk/dv entries of one variant, with the configuration ``bwd_config`` picks."""
     features = AUDIT_FEATURES[suffix]
-    cfg = bwd_config(head_dim, torch.device("cuda"), dtype, capability=capability,
-                     softcap=features.get("SOFTCAP", False))  # fmt: skip
+    cfg = bwd_config(head_dim, torch.device("cuda"), dtype, capability=capability)
+    if overflow:
+        cfg = dict(cfg, **cfg.get("overflow", {}))  # the tail launches' own configuration
     short = "bf16" if dtype == torch.bfloat16 else "fp32"
     mask = "causal" if features["CAUSAL"] else "full"
     common = dict(

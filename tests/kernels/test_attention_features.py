@@ -266,15 +266,17 @@ def test_bottom_right_alignment_per_sequence(window_left):
 
 
 # ------------------------------------------------------------------------------------ loop bounds
-@pytest.mark.parametrize("window", [0, 1, 15, 16, 17], ids=lambda w: f"wl={w}")
-def test_window_at_tile_edges(window):
-    """Windows next to the 16-wide interpreter tiles, with offsets that move the window's start
-    across a tile edge (an off-by-one in a loop bound shows only there)."""
-    offsets = [-17, -1, 0, 1, 16]
+@pytest.mark.parametrize("window", [0, 1, 16, 17], ids=lambda w: f"w={w}")
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_window_at_tile_edges(side, window):
+    """Windows next to the 16-wide interpreter tiles, with offsets that move a window's edge
+    across a tile edge (an off-by-one in a loop bound shows only there): a causal left window, and
+    a right window without causality (its key-side loop bound is a different formula)."""
+    offsets = [-17, -16, -15, -1, 0, 1, 16]
     n = len(offsets)
     q, k, v, cu_q, cu_k, _ = _batch([33] * n, [35] * n, 1, 1, 16, torch.float32, seed=20 + window)
-    spec = dict(causal=True, window_left=window, q_runs=[[o, 33, o + 33] for o in offsets],
-                k_runs=[[0, 35, 35]] * n)  # fmt: skip
+    spec = dict(q_runs=[[o, 33, o + 33] for o in offsets], k_runs=[[0, 35, 35]] * n)
+    spec.update(dict(causal=True, window_left=window) if side == "left" else dict(window_right=window))
     _check_all(q, k, v, cu_q, cu_k, 0.5, spec, None, seed=21)
 
 

@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
     _launch.INTERPRET or torch.cuda.is_available(),
     reason="the kernel tests run in this process (TRITON_INTERPRET=1 or CUDA)",
 )
-@pytest.mark.parametrize("kernel_tests", ["test_varlen_kernels.py", "test_attention_kernels.py"])
+@pytest.mark.parametrize(
+    "kernel_tests", ["test_varlen_kernels.py", "test_attention_kernels.py", "test_attention_features.py"]
+)
 def test_kernels_under_interpreter(kernel_tests):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
     cmd = [
