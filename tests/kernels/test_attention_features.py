@@ -266,7 +266,7 @@ def test_bottom_right_alignment_per_sequence(window_left):
 
 
 # ------------------------------------------------------------------------------------ loop bounds
-@pytest.mark.parametrize("window", [0, 1, 16, 17], ids=lambda w: f"w={w}")
+@pytest.mark.parametrize("window", [0, 15], ids=lambda w: f"w={w}")
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_window_at_tile_edges(side, window):
     """Windows next to the 16-wide interpreter tiles, with offsets that move a window's edge
