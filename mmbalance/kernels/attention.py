@@ -335,7 +335,9 @@ def _attn_fwd_block(
     else:
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        lse = tl.where(
+            empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
+        )
     o_ptrs = out_ptr + (q_beg + offs_m).to(tl.int64)[:, None] * stride_o_tok + pid_h * stride_o_head
     tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + pid_h.to(tl.int64) * stride_lse_head + q_beg + offs_m, lse, mask=row_ok)
@@ -546,7 +548,9 @@ def attn_fwd(
 _WINDOW_MAX = 2**30
 
 
-def _features(causal: bool, window_left: int, window_right: int, softcap: float, softmax_scale: float) -> dict:
+def _features(
+    causal: bool, window_left: int, window_right: int, softcap: float, softmax_scale: float
+) -> dict:
     """Runtime arguments and constexpr switches of the optional features, shared by both passes.
 
     A right window adds nothing to a causal mask (``window_right >= 0`` admits a superset of the

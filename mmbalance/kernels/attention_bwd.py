@@ -42,8 +42,6 @@ from ._attention_bwd_dkdv import _attn_bwd_dkdv_kernel
 from ._launch import INTERPRET, launchable
 from .attention import (
     _audit_signature,
-    _count_at_most,
-    _load_runs,
     _features,
     _row_bounds,
     _run_position,
@@ -504,7 +502,9 @@ _AUDIT_TYPES.update({name: "*i32" for name in ("cu_q_ptr", "cu_k_ptr", "q_runs_p
 _AUDIT_TYPES.update(qk_scale="fp32", sm_scale="fp32", softcap_log2e="fp32")
 
 
-def _bwd_audit_entries(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool) -> list[dict]:
+def _bwd_audit_entries(
+    dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool
+) -> list[dict]:
     """The dq and dk/dv entries of one variant, with the configuration ``bwd_config`` picks."""
     features = AUDIT_FEATURES[suffix]
     cfg = bwd_config(head_dim, torch.device("cuda"), dtype, capability=capability)

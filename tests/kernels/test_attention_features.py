@@ -163,7 +163,9 @@ def _check_lse(lse, want):
     torch.testing.assert_close(lse[finite], want[finite], atol=3e-5, rtol=1e-5)
 
 
-def _check_all(q, k, v, cu_q, cu_k, scale, spec, sinks, seed, mask_fn=_position_mask, config=None, bwd_config=None):
+def _check_all(
+    q, k, v, cu_q, cu_k, scale, spec, sinks, seed, mask_fn=_position_mask, config=None, bwd_config=None
+):
     g = torch.Generator().manual_seed(seed)
     dout = torch.randn(q.shape, generator=g).to(q.dtype)
     dlse = torch.randn((q.shape[1], q.shape[0]), generator=g)
@@ -179,12 +181,16 @@ def _check_all(q, k, v, cu_q, cu_k, scale, spec, sinks, seed, mask_fn=_position_
     else:
         # PyTorch's own error: the same reference evaluated in the input dtype
         lowp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out_lp, _ = reference(*lowp, cu_q, cu_k, scale, spec, None if sinks is None else sinks.to(q.dtype), mask_fn)
+        out_lp, _ = reference(
+            *lowp, cu_q, cu_k, scale, spec, None if sinks is None else sinks.to(q.dtype), mask_fn
+        )
         assert_close_lowp(out, want_out, out_lp, atol=1e-3)
         theirs = torch.autograd.grad((out_lp * dout).sum(), lowp, allow_unused=True, materialize_grads=True)
         # the LSE part of the loss, in float64 on both sides (as test_attention_kernels.py does)
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        _, lse64 = reference(*leaves, cu_q, cu_k, scale, spec, None if sinks is None else sinks.double(), mask_fn)
+        _, lse64 = reference(
+            *leaves, cu_q, cu_k, scale, spec, None if sinks is None else sinks.double(), mask_fn
+        )
         lse_part = torch.autograd.grad((lse64.nan_to_num(0.0, 0.0, 0.0) * dlse.double()).sum(), leaves,
                                        allow_unused=True, materialize_grads=True)  # fmt: skip
         for got, want, their, extra in zip(grads, want_grads, theirs, lse_part):
@@ -193,7 +199,9 @@ def _check_all(q, k, v, cu_q, cu_k, scale, spec, sinks, seed, mask_fn=_position_
         # the sink gradient the op layer computes from the kernel's outputs (the interface's formula)
         delta = (dout.double() * out.double()).sum(-1).T  # [H, Tq]
         d_sinks = (torch.exp(sinks.double()[:, None] - lse.double()) * (dlse.double() - delta)).sum(1)
-        torch.testing.assert_close(d_sinks, want_grads[3], atol=2e-3 if q.dtype != torch.float32 else 1e-5, rtol=1e-3)
+        torch.testing.assert_close(
+            d_sinks, want_grads[3], atol=2e-3 if q.dtype != torch.float32 else 1e-5, rtol=1e-3
+        )
     return out, lse, grads
 
 
@@ -205,7 +213,12 @@ CASES = {
     "window-bidir": (torch.float32, (2, 2, 16), dict(window_left=3, window_right=6, causal_offset=2), False),
     "window-right-only": (torch.float32, (2, 1, 16), dict(window_right=4, runs=True), False),
     "window-left-only-offset": (torch.float32, (2, 1, 16), dict(window_left=2, causal_offset=-4), False),
-    "window-causal+right": (torch.float32, (2, 1, 16), dict(causal=True, window_left=4, window_right=3), False),
+    "window-causal+right": (
+        torch.float32,
+        (2, 1, 16),
+        dict(causal=True, window_left=4, window_right=3),
+        False,
+    ),
     "softcap": (torch.float32, (4, 2, 80), dict(causal=True, softcap=2.5), False),
     "softcap-full-f16": (torch.float16, (2, 1, 16), dict(softcap=3.0), False),
     "sinks": (torch.float32, (4, 2, 24), dict(causal=True, causal_offset=-6), True),
@@ -262,7 +275,10 @@ def test_bottom_right_alignment_per_sequence(window_left):
     out, lse, _ = _check_all(q, k, v, cu_q, cu_k, 0.25, spec, None, seed=12, mask_fn=_bottom_right)
     # Lq > Lk: the first Lq - Lk rows see nothing (out = 0, lse = -inf), as in flash-attn
     first = int(cu_q[4])
-    assert torch.equal(out[first : first + 13], torch.zeros(13, 2, 32)) and torch.isinf(lse[:, first : first + 13]).all()
+    assert (
+        torch.equal(out[first : first + 13], torch.zeros(13, 2, 32))
+        and torch.isinf(lse[:, first : first + 13]).all()
+    )
 
 
 # ------------------------------------------------------------------------------------ loop bounds
@@ -281,7 +297,9 @@ def test_window_at_tile_edges(side, window):
 
 
 TILE16 = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-TILE16_BWD = dict(dq_BLOCK_M=16, dq_BLOCK_N=16, dq_warps=4, kv_BLOCK_M=16, kv_BLOCK_N=16, kv_warps=4, stages=1)
+TILE16_BWD = dict(
+    dq_BLOCK_M=16, dq_BLOCK_N=16, dq_warps=4, kv_BLOCK_M=16, kv_BLOCK_N=16, kv_warps=4, stages=1
+)
 
 
 def test_blocks_outside_the_window_are_never_loaded():
@@ -299,7 +317,8 @@ def test_blocks_outside_the_window_are_never_loaded():
     dout, dlse = torch.randn(q.shape, generator=g), torch.randn((1, length), generator=g)
     out, lse, (dq, dk, dv) = _run(q, k, v, cu_q, cu_k, 0.5, spec, None, dout, dlse, TILE16, TILE16_BWD)
     want_out, want_lse, (wq, wk, wv) = _expected(*clean, cu_q, cu_k, 0.5, spec, None, dout, dlse)
-    rows, keys = slice(48, 96), slice(48, 80)  # query blocks starting at >= 32 + 16; key blocks whose rows end < 96
+    # query blocks that start at >= 32 + 16; key blocks whose rows (key + 15 + wl) end before 96
+    rows, keys = slice(48, 96), slice(48, 80)
     torch.testing.assert_close(out[rows].double(), want_out[rows], **tol(torch.float32, wl))
     torch.testing.assert_close(lse[:, rows].double(), want_lse[:, rows], atol=3e-5, rtol=1e-5)
     torch.testing.assert_close(dq[rows].double(), wq[rows], **tol(torch.float32, 2 * wl))
