@@ -3,27 +3,59 @@
 Math. For sequence ``b``, query row ``i`` and head ``h`` (kv head ``h // (H / Hkv)``, GQA):
 
     s_ij   = scale * <q_i, k_j>                        j allowed by the mask
-    lse_i  = log sum_j exp(s_ij)                        (-inf when no key is allowed)
-    out_i  = sum_j exp(s_ij - lse_i) v_j                (0 when no key is allowed)
+           = softcap * tanh(scale * <q_i, k_j> / softcap)   with logit softcapping (softcap > 0)
+    lse_i  = log (exp(sink_h) + sum_j exp(s_ij))        the sink term only with attention sinks
+    out_i  = sum_j exp(s_ij - lse_i) v_j
 
-computed block by block with the online softmax of flash-attention: a running row maximum ``m``
-and row sum ``l`` in base 2 (``exp2`` with the scale folded into ``scale * log2(e)``), the
-accumulator rescaled by ``exp2(m_old - m_new)`` when the maximum grows. A row whose keys are all
-masked so far keeps ``m = -inf``; the update then uses 0 in place of ``m`` so no ``-inf - -inf``
-NaN appears.
+A row with no allowed key has ``out = 0`` and ``lse = -inf``, or ``lse = sink_h`` with sinks.
+Logit softcapping is Gemma 2's (the logits stay inside ``(-softcap, softcap)``); the kernel takes
+``tanh`` as ``2 / (1 + exp(-2x)) - 1``. An attention sink (gpt-oss's per-head ``s_aux``) is one
+extra logit per head with no value vector: it joins the softmax denominator only, so the returned
+``lse`` includes it and the backward, which recomputes ``p`` from ``lse``, needs nothing new. Its
+own gradient, ``d sink_h = sum_i exp(sink_h - lse_hi) (dlse_hi - rowsum(dout_i * out_i))``, is
+left to the caller.
 
-Masks. Non-causal: every key of the sequence. Causal: key ``j`` is allowed for query ``i`` iff
-``pos_k(j) <= pos_q(i)`` with absolute positions. The positions of one sequence are at most two
-runs of consecutive integers, ``(start0, len0, start1)``: token ``t`` sits at ``start0 + t`` for
-``t < len0`` and at ``start1 + (t - len0)`` after, with ``start1 >= start0 + len0``. Without run
-tensors, queries sit at ``causal_offset + i`` and keys at ``j`` (query ``i`` sees ``j <= i +
-causal_offset``, top-left aligned; ``causal_offset = Lk - Lq`` is flash-attn's bottom-right).
+Computed block by block with the online softmax of flash-attention: a running row maximum ``m``
+and row sum ``l`` in base 2 (``exp2`` with the scale folded into ``scale * log2(e)``; with a
+softcap, ``tanh(scale / softcap * qk) * softcap * log2(e)``), the accumulator rescaled by
+``exp2(m_old - m_new)`` when the maximum grows. A row whose keys are all masked so far keeps
+``m = -inf``; the update then uses 0 in place of ``m`` so no ``-inf - -inf`` NaN appears. With a
+sink the row starts at ``m = sink, l = 1`` instead of ``m = -inf, l = 0``.
+
+Masks. Key ``j`` is allowed for query ``i`` iff, with absolute positions ``pq = pos_q(i)`` and
+``pk = pos_k(j)``,
+
+    (not causal or pk <= pq) and (window_left < 0 or pk >= pq - window_left)
+                             and (window_right < 0 or pk <= pq + window_right)
+
+flash-attn's sliding window (negative: unbounded on that side; inclusive bounds, so ``(4, 0)`` is
+the query and the 4 keys before it). transformers' flash path passes ``sliding_window = W`` as
+``(W - 1, W - 1)``, i.e. ``window_left = W - 1`` for a causal decoder (a right window never adds
+to a causal mask, so the kernels drop it there). Windows apply without causality too (an encoder's
+symmetric window). The positions of one sequence are at most two runs of consecutive integers,
+``(start0, len0, start1)``: token ``t`` sits at ``start0 + t`` for ``t < len0`` and at ``start1 +
+(t - len0)`` after, with ``start1 >= start0 + len0``. Without run tensors, queries sit at
+``causal_offset + i`` and keys at ``j`` (query ``i`` sees ``j <= i + causal_offset``, top-left
+aligned; ``causal_offset = Lk - Lq`` is flash-attn's bottom-right). ``causal_offset`` is one
+number for the batch; bottom-right alignment per sequence (a KV cache, chunked prefill, each
+sequence with its own ``Lq``, ``Lk``) is the query run ``(Lk - Lq, Lq, Lk)`` against the key run
+``(0, Lk, Lk)``; with ``Lq > Lk`` the first ``Lq - Lk`` rows see no key, as in flash-attn.
 Two runs are what ring attention needs: a zigzag shard holds chunks ``r`` and ``2d - 1 - r`` of
-every sequence, so any (query shard, key shard) pair of a ring step is one launch. Because the
-positions are increasing, "keys with position <= t" is a prefix whose length is closed-form, so
-every program computes its loop bounds without a search: keys ``[0, n_full)`` are visible to
-every row of the block (no mask arithmetic), keys ``[n_full, n_end)`` are masked element-wise,
-keys past ``n_end`` are never loaded.
+every sequence, so any (query shard, key shard) pair of a ring step is one launch.
+
+Loop bounds. Because the positions are increasing, "keys with position <= t" is a prefix whose
+length is closed-form (``_count_at_most``), so every program computes its loop bounds without a
+search, and every row's allowed keys are one contiguous range ``[lo_i, hi_i)``. For a block of
+rows: keys ``[n_full_lo, n_full)`` are visible to every row (no mask arithmetic), keys
+``[n_full, n_end)`` (the diagonal band, the right window edge, the ragged tail) and, with a left
+window, ``[lo_first, n_full_lo)`` (where the rows' windows start) are masked element-wise, and
+keys outside ``[lo_first, n_end)`` are never loaded: with a window ``W`` a long sequence costs
+``O(L * W)``, not ``O(L^2)``. Without a window ``n_full_lo = lo_first = 0``.
+
+Specialisation. Causality, each window side, the softcap and the sinks are ``tl.constexpr``
+switches (``CAUSAL``, ``WIN_LEFT``, ``WIN_RIGHT``, ``SOFTCAP``, ``SINKS``): a variant that does
+not use a feature compiles to the same code as before the feature existed (the PTX of the plain
+variants is unchanged by the features' code), and each feature adds only its own instructions.
 
 Layout. ``q [Tq, H, D]``, ``k``/``v [Tk, Hkv, D]`` with the last dimension contiguous (other
 strides are arguments); ``cu_seqlens_q``/``cu_seqlens_k`` int32 ``[B + 1]``; ``out [Tq, H, D]``;
@@ -35,12 +67,15 @@ in float32; ``p`` is rounded to the value dtype for the second product as in fla
 float32 inputs use IEEE products (no TF32) so they can serve as a reference.
 
 Where the idea comes from: FlashAttention-2 (Dao, 2023) forward with the LSE output, which ring
-attention (Liu et al., 2023; Brandon et al., 2023, cited in dhp.txt section 3.2) needs to merge
-partial results; DHP (dhp.txt section 4.1) runs ring CP of any degree, hence arbitrary chunk
-pairs and uneven lengths.
+attention (Liu et al., 2023; Brandon et al., 2023, cited in DHP section 3.2) needs to merge
+partial results; DHP (section 4.1) runs ring CP of any degree, hence arbitrary chunk pairs and
+uneven lengths. Sliding windows, softcapping and sinks follow flash-attn's and transformers'
+definitions (Mistral's sliding window, Gemma 2's logit softcapping, gpt-oss's sinks).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -465,7 +500,7 @@ def fwd_config(
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
     if block_d(head_dim) > 128:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
-    cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    cfg: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     if window:
         # sm_90: one stage fewer; sm_80 (no wgmma, fragments held in registers): narrower key tiles
         if capability >= 90:

@@ -7,6 +7,12 @@ Math. With ``p_ij = exp(s_ij - lse_i)`` recomputed from ``q``, ``k`` and the sav
     ds_ij   = p_ij * (dout_i . v_j - delta_i)
     dq_i    = scale * sum_j ds_ij k_j          dk_j = scale * sum_i ds_ij q_i
 
+With logit softcapping (``s = softcap * tanh(x)``, ``x = scale * <q, k> / softcap``) the chain
+rule adds one factor: ``ds_ij <- ds_ij * (1 - tanh(x_ij)^2)`` before the two products (the
+``1 / softcap`` of ``x`` cancels the ``softcap`` in front). Attention sinks need nothing here: the
+forward's ``lse`` includes them, so ``p`` recomputed from it is already the sink-aware share. A
+sliding window changes only the mask and the loop bounds (below).
+
 Because ``lse`` may be the *merged* LSE of several blocks (ring attention), the same kernels give
 each block's share of the gradient of the merged output: ``p`` is then the block's part of the
 global softmax. Rows with ``lse = -inf`` (no key anywhere) have ``p = 0``: the kernels read them
@@ -18,8 +24,11 @@ owns a block of query rows of one head and walks the key blocks; ``_attn_bwd_dkd
 block of keys of one kv head, walks the ``H / Hkv`` query heads that share it (GQA) and their query
 blocks. Both reuse the forward's loop bounds: positions of a sequence are increasing (one or two
 runs, see ``kernels/attention.py``), so the rows and keys a block can see are closed-form prefix
-counts and blocks nobody sees are never loaded. The dq kernel runs fully visible key blocks
-without mask arithmetic; the dk/dv kernel keeps the (cheap) causal compare in its single loop,
+counts and blocks nobody sees are never loaded. With a window the dq kernel walks the forward's
+three key ranges, and a dk/dv program walks only the query rows whose windows reach its keys
+(from the first row whose upper bound reaches the block to the last whose lower bound does), so
+a window ``W`` costs ``O(L * W)`` here too. The dq kernel runs fully visible key blocks
+without mask arithmetic; the dk/dv kernel keeps the (cheap) position compare in its single loop,
 because a second, unmasked loop raised register pressure into spills at head dim 128. Rows past
 a sequence's end are loaded as ``q = dout = 0``, ``lse = +inf``, so their ``p`` is 0.
 
@@ -29,10 +38,12 @@ and ``ds`` are rounded to the input dtype for the tensor-core products, as in fl
 
 Where the idea comes from: FlashAttention-2 backward (Dao, 2023; the Triton tutorial's split into
 a dk/dv pass and a dq pass), ring-attention backward (Liu et al., 2023) that circulates dk/dv with
-the key/value blocks (dhp.txt section 3.2).
+the key/value blocks (DHP section 3.2).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -385,7 +396,7 @@ def bwd_config(
     else:
         tiles = (32, 32, 8, 16, 32, 8, 1)
     names = ("dq_BLOCK_M", "dq_BLOCK_N", "dq_warps", "kv_BLOCK_M", "kv_BLOCK_N", "kv_warps", "stages")
-    cfg = dict(zip(names, tiles))
+    cfg: dict[str, Any] = dict(zip(names, tiles))
     if cfg["dq_BLOCK_N"] > 32:
         cfg["overflow"] = dict(dq_BLOCK_N=32)
     return cfg
@@ -429,9 +440,10 @@ def attn_bwd(
     dev = q.device
     # every row of every sequence is written by exactly one program (cu_seqlens cover all tokens)
     if grads is None:
-        grads = tuple(torch.empty((n, h, head_dim), dtype=torch.float32, device=dev)
+        dq, dk, dv = (torch.empty((n, h, head_dim), dtype=torch.float32, device=dev)
                       for n, h in ((tq, n_heads), (tk, n_kv_heads), (tk, n_kv_heads)))  # fmt: skip
-    dq, dk, dv = grads
+    else:
+        dq, dk, dv = grads
     if batch == 0 or tq == 0 or tk == 0:
         dq.zero_()
         dk.zero_()
