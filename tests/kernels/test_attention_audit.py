@@ -1,6 +1,6 @@
 """The attention kernels in ``python -m mmbalance.bench.kernel_audit``: registered (bf16 at head dims 64 and
-128, float32 at 128), and tensor cores without spills when compiled for sm_90 at head dim 128 (the
-tightest register budget)."""
+128, float32 at 128, and at 128 the window, softcap and sinks variants), and tensor cores without
+spills when compiled for sm_90 and sm_80 at head dim 128 (the tightest register budget)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmbalance.bench import kernel_audit
 from mmbalance.kernels import _attention_bwd_dkdv, attention, attention_bwd, merge
@@ -46,7 +47,17 @@ def test_every_attention_kernel_is_registered_at_both_head_dims():
 
 @pytest.mark.slow
 @pytest.mark.skipif(kernel_audit._ptxas(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
-def test_attention_kernels_use_tensor_cores_without_spills(tmp_path):
+@pytest.mark.parametrize(
+    "arch,only",
+    # the plain causal variants with their overflow tails on both architectures (the tail once
+    # spilled on sm_80), and the variant with every feature (window, softcap; sinks in the forward)
+    [
+        ("sm_90", "bf16_d128_causal_runs"),
+        ("sm_80", "bf16_d128_causal_runs"),
+        ("sm_90", "d128_causal_window_softcap"),
+    ],
+)
+def test_attention_kernels_use_tensor_cores_without_spills(tmp_path, arch, only):
     """A fresh process (the audit needs compilable, not interpreted, kernels)."""
     out = tmp_path / "audit.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -55,9 +66,9 @@ def test_attention_kernels_use_tensor_cores_without_spills(tmp_path):
         "-m",
         "mmbalance.bench.kernel_audit",
         "--arch",
-        "sm_90",
+        arch,
         "--only",
-        "bf16_d128_causal",
+        only,
         "--json",
         str(out),
     ]
@@ -65,5 +76,35 @@ def test_attention_kernels_use_tensor_cores_without_spills(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["kernels"]
     assert {r["kernel"] for r in rows} == {"_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"}
+    assert any(r["name"].endswith("_overflow") for r in rows) and len(rows) >= 6
     for r in rows:
         assert r["tensor_cores"] in ("wgmma", "mma") and r["spill_bytes"] == 0 and r["local_bytes"] == 0, r
+
+
+def test_feature_variants_are_audited_per_architecture():
+    """Windows (causal and two-sided), softcap and sinks are in the audit with their overflow
+    tails, and each architecture's entries carry the configuration the launcher picks there."""
+    for module, features in ((attention, ("window", "window2", "softcap", "sinks")),
+                             (attention_bwd, ("window", "window2", "softcap"))):  # fmt: skip
+        names = {cfg["name"] for cfg in module.AUDIT_CONFIGS}
+        for feature in features:
+            assert any(f"_{feature}_runs" in n and not n.endswith("_overflow") for n in names), (
+                module,
+                feature,
+            )
+            assert any(f"_{feature}_runs" in n and n.endswith("_overflow") for n in names), (module, feature)
+    sm80 = {c["name"]: c for c in attention.audit_configs(80)}
+    sm90 = {c["name"]: c for c in attention.audit_configs(90)}
+    assert sm80.keys() == sm90.keys()
+    window = "attn_fwd_bf16_d128_causal_window_runs"
+    cuda = torch.device("cuda")
+    for arch, table in ((80, sm80), (90, sm90)):
+        want = attention.fwd_config(128, cuda, torch.bfloat16, capability=arch, window=True)
+        got = table[window]
+        assert (got["constexprs"]["BLOCK_N"], got["num_stages"]) == (want["BLOCK_N"], want["num_stages"])
+        tail = table[window + "_overflow"]
+        assert tail["constexprs"]["BLOCK_M"] == want["BLOCK_M"]  # the tail starts where the main grid ends
+        assert (tail["constexprs"]["BLOCK_N"], tail["num_stages"]) == (
+            want["overflow"]["BLOCK_N"],
+            want["overflow"]["num_stages"],
+        )
