@@ -578,6 +578,21 @@ def attn_fwd(
     return out, lse
 
 
+def bottom_right_runs(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_runs, k_runs)`` int32 ``[B, 3]`` that align every sequence bottom-right (flash-attn's
+    causal convention for ``Lq != Lk``: the last query sits with the last key; a KV cache, chunked
+    prefill): query run ``(Lk - Lq, Lq, Lk)``, key run ``(0, Lk, Lk)``, from each sequence's own
+    lengths. With ``Lq > Lk`` the first ``Lq - Lk`` queries see no key. Tensor ops only (no host
+    sync), on ``cu_seqlens_q``'s device."""
+    lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
+    lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32).to(lq.device)
+    q_runs = torch.stack([lk - lq, lq, lk], 1)
+    k_runs = torch.stack([torch.zeros_like(lk), lk, lk], 1)
+    return q_runs.contiguous(), k_runs.contiguous()
+
+
 # Window sizes are clamped to this, so ``position +- window`` stays inside int32 for positions
 # within +-2**30 (a window that wide is unbounded for any sequence the kernels can hold).
 _WINDOW_MAX = 2**30

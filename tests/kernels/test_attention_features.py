@@ -265,13 +265,14 @@ def _bottom_right(b, lq, lk, spec):
 
 @pytest.mark.parametrize("window_left", [-1, 4], ids=["causal", "causal-window"])
 def test_bottom_right_alignment_per_sequence(window_left):
-    """Per-sequence bottom-right alignment (KV cache, chunked prefill) through the two-run positions:
-    query run ``(Lk - Lq, Lq, Lk)`` against keys ``(0, Lk, Lk)``, one row per sequence."""
+    """Per-sequence bottom-right alignment (KV cache, chunked prefill) through the two-run positions
+    ``bottom_right_runs`` builds (query run ``(Lk - Lq, Lq, Lk)`` against keys ``(0, Lk, Lk)``),
+    against flash-attn's mask built from the lengths alone."""
     lq = [3, 17, 0, 9, 20, 1]
     lk = [19, 17, 6, 0, 7, 1]  # decode-like, square, empty queries, empty keys, Lq > Lk, single token
     q, k, v, cu_q, cu_k, _ = _batch(lq, lk, 2, 1, 32, torch.float32, seed=11)
-    spec = dict(causal=True, window_left=window_left,
-                q_runs=[[b - a, a, b] for a, b in zip(lq, lk)], k_runs=[[0, b, b] for b in lk])  # fmt: skip
+    q_runs, k_runs = KF.bottom_right_runs(cu_q, cu_k)
+    spec = dict(causal=True, window_left=window_left, q_runs=q_runs.tolist(), k_runs=k_runs.tolist())
     out, lse, _ = _check_all(q, k, v, cu_q, cu_k, 0.25, spec, None, seed=12, mask_fn=_bottom_right)
     # Lq > Lk: the first Lq - Lk rows see nothing (out = 0, lse = -inf), as in flash-attn
     first = int(cu_q[4])
