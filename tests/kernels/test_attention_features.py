@@ -337,3 +337,15 @@ def test_feature_switches_off_are_the_plain_kernel():
     right = KF.attn_fwd(*args, window_right=3)
     for a, b in ((plain, off), (plain, right)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("lengths", [[], [0, 0]], ids=["no-sequences", "empty-sequences"])
+def test_empty_batches_with_every_feature(lengths):
+    q, k, v, cu_q, cu_k, sinks = (
+        t.to(DEVICE) for t in _batch(lengths, lengths, 2, 1, 16, torch.float32, seed=50)
+    )
+    feats = dict(window_left=3, window_right=1, softcap=5.0)
+    out, lse = KF.attn_fwd(q, k, v, cu_q, cu_k, 0, 0.5, False, sinks=sinks, **feats)
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+    grads = KB.attn_bwd(q, q, k, v, out, lse, cu_q, cu_k, 0, 0, 0.5, False, **feats)
+    assert [tuple(g.shape) for g in grads] == [(0, 2, 16), (0, 1, 16), (0, 1, 16)]
