@@ -349,3 +349,15 @@ def test_empty_batches_with_every_feature(lengths):
     assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
     grads = KB.attn_bwd(q, q, k, v, out, lse, cu_q, cu_k, 0, 0, 0.5, False, **feats)
     assert [tuple(g.shape) for g in grads] == [(0, 2, 16), (0, 1, 16), (0, 1, 16)]
+
+
+@pytest.mark.parametrize("spec", [dict(causal=True, window_left=9), dict(window_left=4, window_right=11)],
+                         ids=["causal-window", "two-sided"])  # fmt: skip
+def test_windows_with_unequal_tiles(spec):
+    """The GPU configurations use query tiles wider than key tiles (128 x 64, 128 x 32) and the
+    dk/dv pass the reverse: the loop bounds must not assume square tiles."""
+    q, k, v, cu_q, cu_k, sinks = _batch(LQ, LK, 2, 1, 16, torch.float32, seed=60)
+    spec = dict(spec, q_runs=Q_RUNS, k_runs=K_RUNS, softcap=3.0)
+    fwd = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    bwd = dict(dq_BLOCK_M=32, dq_BLOCK_N=16, dq_warps=4, kv_BLOCK_M=16, kv_BLOCK_N=32, kv_warps=4, stages=1)
+    _check_all(q, k, v, cu_q, cu_k, 0.3, spec, sinks, seed=61, config=fwd, bwd_config=bwd)
