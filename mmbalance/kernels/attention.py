@@ -497,7 +497,8 @@ def fwd_config(
     if capability is None:
         capability = device_capability(device)
     if dtype == torch.float32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
+        # the FMA products of a window or softcap variant need narrower key tiles on both archs
+        return dict(BLOCK_M=32, BLOCK_N=16 if window or softcap else 32, num_warps=8, num_stages=1)
     if block_d(head_dim) > 128:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     cfg: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -704,7 +705,8 @@ def audit_configs(capability: int) -> list[dict]:
     launch configuration ``fwd_config`` picks on that architecture.
 
     bfloat16 at head dims 64 and 128 and float32 at 128, causal with two-run positions; at head
-    dim 128 (the tightest register budget) every feature variant and its overflow tail.
+    dim 128 (the tightest register budget) every feature variant and its overflow tail, and the
+    float32 variant with every feature.
     """
     configs = [
         _fwd_audit_entry(dtype, head_dim, capability, "", False)
@@ -714,6 +716,10 @@ def audit_configs(capability: int) -> list[dict]:
     for suffix in AUDIT_FEATURES:
         if suffix:
             configs += [_fwd_audit_entry(torch.bfloat16, 128, capability, suffix, o) for o in (False, True)]
+    # float32 (IEEE FMA products) with every feature, the heaviest float32 variant
+    configs += [
+        _fwd_audit_entry(torch.float32, 128, capability, "_window_softcap_sinks", o) for o in (False, True)
+    ]
     return configs
 
 

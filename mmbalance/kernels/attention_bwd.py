@@ -58,6 +58,7 @@ from .attention import (
     _run_position,
     _tanh,
     block_d,
+    device_capability,
     dot_precision,
 )
 
@@ -375,18 +376,25 @@ def bwd_config(
     dtype: torch.dtype = torch.bfloat16,
     *,
     capability: int | None = None,
+    window: bool = False,
+    softcap: bool = False,
 ) -> dict:
     """Tiles of the dq kernel (``dq_*``) and the dk/dv kernel (``kv_*``), zero spills on sm_80/sm_90.
 
     ``capability`` is ``major * 10 + minor`` (default: the device's); the kernel audit calls this
-    with 80 and 90 and holds every variant (window, softcap) to zero spills with it: today one
-    table serves both architectures and every variant. ``overflow`` overrides entries for the tail launches that run only when a host
+    with 80 and 90 and holds every variant it lists to zero spills with it. 16-bit inputs: one
+    table serves both architectures and every variant. float32 with a window or softcap (IEEE FMA
+    products, whose register allocation is fragile) takes narrower tiles, per architecture. ``overflow`` overrides entries for the tail launches that run only when a host
     ``max_seqlen`` understated a sequence: the dq tail keeps ``dq_BLOCK_M`` (it starts where the
     main grid ends) but takes narrower key tiles, so its extra loop never spills. float32 uses
     IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
     """
     if INTERPRET or (device.type != "cuda" and capability is None):
         tiles = (16, 16, 4, 16, 16, 4, 1)
+    elif dtype == torch.float32 and (window or softcap):
+        if capability is None:
+            capability = device_capability(device)
+        tiles = (16, 16, 8, 32, 16, 8, 1) if capability >= 90 else (16, 16, 8, 16, 32, 8, 1)
     elif dtype == torch.float32:
         tiles = (16, 32, 8, 16, 32, 8, 1)
     elif block_d(head_dim) <= 64:
@@ -450,7 +458,8 @@ def attn_bwd(
         dv.zero_()
         return dq, dk, dv
     feats = _features(causal, window_left, window_right, softcap, softmax_scale)
-    cfg = dict(config or bwd_config(head_dim, dev, q.dtype))
+    window = feats["WIN_LEFT"] or feats["WIN_RIGHT"]
+    cfg = dict(config or bwd_config(head_dim, dev, q.dtype, window=window, softcap=feats["SOFTCAP"]))
     bd = block_d(head_dim)
     delta = torch.empty((n_heads, tq), dtype=torch.float32, device=dev)
     block_t = 16 if INTERPRET else 64
@@ -519,7 +528,9 @@ def _bwd_audit_entries(
 ) -> list[dict]:
     """The dq and dk/dv entries of one variant, with the configuration ``bwd_config`` picks."""
     features = AUDIT_FEATURES[suffix]
-    cfg = bwd_config(head_dim, torch.device("cuda"), dtype, capability=capability)
+    window = bool(features.get("WIN_LEFT") or features.get("WIN_RIGHT"))
+    cfg = bwd_config(head_dim, torch.device("cuda"), dtype, capability=capability, window=window,
+                     softcap=features.get("SOFTCAP", False))  # fmt: skip
     if overflow:
         cfg = dict(cfg, **cfg.get("overflow", {}))  # the tail launches' own configuration
     short = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -551,7 +562,7 @@ def audit_configs(capability: int) -> list[dict]:
     """The backward variants the kernel audit compiles for ``sm_<capability>``, each with the
     launch configuration ``bwd_config`` picks on that architecture: bfloat16 at head dims 64 and
     128 and float32 at 128 (causal, two-run positions, GQA), the preprocess kernel, and at head
-    dim 128 every feature variant with its overflow tail."""
+    dim 128 every feature variant with its overflow tail (bfloat16; float32 with every feature)."""
     configs = []
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)):
         configs += _bwd_audit_entries(dtype, head_dim, capability, "", False)
@@ -572,6 +583,9 @@ def audit_configs(capability: int) -> list[dict]:
         if suffix:
             for overflow in (False, True):
                 configs += _bwd_audit_entries(torch.bfloat16, 128, capability, suffix, overflow)
+    # float32 (IEEE FMA products) with every feature, the heaviest float32 variant
+    for overflow in (False, True):
+        configs += _bwd_audit_entries(torch.float32, 128, capability, "_window_softcap", overflow)
     return configs
 
 
