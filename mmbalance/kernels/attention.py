@@ -713,6 +713,7 @@ def audit_configs(capability: int) -> list[dict]:
         for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128))
     ]
     configs.append(_fwd_audit_entry(torch.bfloat16, 128, capability, "", True))
+    configs.append(_fwd_audit_entry(torch.float32, 128, capability, "", True))
     for suffix in AUDIT_FEATURES:
         if suffix:
             configs += [_fwd_audit_entry(torch.bfloat16, 128, capability, suffix, o) for o in (False, True)]

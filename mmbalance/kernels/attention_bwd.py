@@ -389,11 +389,12 @@ def bwd_config(
     main grid ends) but takes narrower key tiles, so its extra loop never spills. float32 uses
     IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
     """
+    names = ("dq_BLOCK_M", "dq_BLOCK_N", "dq_warps", "kv_BLOCK_M", "kv_BLOCK_N", "kv_warps", "stages")
     if INTERPRET or (device.type != "cuda" and capability is None):
-        tiles = (16, 16, 4, 16, 16, 4, 1)
-    elif dtype == torch.float32 and (window or softcap):
-        if capability is None:
-            capability = device_capability(device)
+        return dict(zip(names, (16, 16, 4, 16, 16, 4, 1)))
+    if capability is None:
+        capability = device_capability(device)
+    if dtype == torch.float32 and (window or softcap):
         tiles = (16, 16, 8, 32, 16, 8, 1) if capability >= 90 else (16, 16, 8, 16, 32, 8, 1)
     elif dtype == torch.float32:
         tiles = (16, 32, 8, 16, 32, 8, 1)
@@ -403,10 +404,11 @@ def bwd_config(
         tiles = (64, 64, 8, 32, 64, 8, 2)
     else:
         tiles = (32, 32, 8, 16, 32, 8, 1)
-    names = ("dq_BLOCK_M", "dq_BLOCK_N", "dq_warps", "kv_BLOCK_M", "kv_BLOCK_N", "kv_warps", "stages")
     cfg: dict[str, Any] = dict(zip(names, tiles))
     if cfg["dq_BLOCK_N"] > 32:
         cfg["overflow"] = dict(dq_BLOCK_N=32)
+    elif dtype == torch.float32 and cfg["dq_BLOCK_N"] == 32 and capability >= 90:
+        cfg["overflow"] = dict(dq_BLOCK_N=16)  # the float32 dq tail spills 64 bytes at 32 on sm_90
     return cfg
 
 
@@ -579,6 +581,7 @@ def audit_configs(capability: int) -> list[dict]:
             )
         )
     configs += _bwd_audit_entries(torch.bfloat16, 128, capability, "", True)
+    configs += _bwd_audit_entries(torch.float32, 128, capability, "", True)
     for suffix in AUDIT_FEATURES:
         if suffix:
             for overflow in (False, True):
