@@ -409,6 +409,8 @@ def bwd_config(
         cfg["overflow"] = dict(dq_BLOCK_N=32)
     elif dtype == torch.float32 and cfg["dq_BLOCK_N"] == 32 and capability >= 90:
         cfg["overflow"] = dict(dq_BLOCK_N=16)  # the float32 dq tail spills 64 bytes at 32 on sm_90
+    elif dtype == torch.float32 and softcap and not window and capability < 90:
+        cfg["overflow"] = dict(dq_BLOCK_N=32)  # and the float32 softcap dq tail 8 bytes at 16 on sm_80
     return cfg
 
 
@@ -564,7 +566,7 @@ def audit_configs(capability: int) -> list[dict]:
     """The backward variants the kernel audit compiles for ``sm_<capability>``, each with the
     launch configuration ``bwd_config`` picks on that architecture: bfloat16 at head dims 64 and
     128 and float32 at 128 (causal, two-run positions, GQA), the preprocess kernel, and at head
-    dim 128 every feature variant with its overflow tail (bfloat16; float32 with every feature)."""
+    dim 128 every feature variant with its overflow tail, in bfloat16 and in float32."""
     configs = []
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)):
         configs += _bwd_audit_entries(dtype, head_dim, capability, "", False)
@@ -581,14 +583,16 @@ def audit_configs(capability: int) -> list[dict]:
             )
         )
     configs += _bwd_audit_entries(torch.bfloat16, 128, capability, "", True)
-    configs += _bwd_audit_entries(torch.float32, 128, capability, "", True)
     for suffix in AUDIT_FEATURES:
         if suffix:
             for overflow in (False, True):
                 configs += _bwd_audit_entries(torch.bfloat16, 128, capability, suffix, overflow)
-    # float32 (IEEE FMA products) with every feature, the heaviest float32 variant
-    for overflow in (False, True):
-        configs += _bwd_audit_entries(torch.float32, 128, capability, "_window_softcap", overflow)
+    # float32 (IEEE FMA products: a register allocation of its own) with each feature
+    configs += _bwd_audit_entries(torch.float32, 128, capability, "", True)
+    for suffix in AUDIT_FEATURES:
+        if suffix:
+            for overflow in (False, True):
+                configs += _bwd_audit_entries(torch.float32, 128, capability, suffix, overflow)
     return configs
 
 
