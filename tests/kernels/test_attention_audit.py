@@ -54,7 +54,7 @@ def test_every_attention_kernel_is_registered_at_both_head_dims():
     [
         ("sm_90", "bf16_d128_causal_runs"),
         ("sm_80", "bf16_d128_causal_runs"),
-        ("sm_90", "d128_causal_window_softcap"),
+        ("sm_90", "bf16_d128_causal_window_softcap"),
     ],
 )
 def test_attention_kernels_use_tensor_cores_without_spills(tmp_path, arch, only):
