@@ -98,7 +98,10 @@ def test_unsupported_settings_are_refused():
     module.train()
     with pytest.raises(ValueError, match="dropout"):
         varlen_attention(module, q, q, q, None, dropout=0.1)
-    with pytest.raises(ValueError, match="sliding-window"):
-        varlen_attention(module, q, q, q, None, sliding_window=4)
-    with pytest.raises(ValueError, match="2-D padding mask"):
+    module.eval()
+    with pytest.raises(ValueError, match="mmbalance_varlen.*position_bias"):
+        varlen_attention(module, q, q, q, None, position_bias=torch.zeros(1, 2, 8, 8))
+    with pytest.raises(ValueError, match="mmbalance_varlen.*4-D"):
         varlen_attention(module, q, q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="mmbalance_varlen.*`alibi_slopes`"):
+        varlen_attention(module, q, q, q, None, alibi_slopes=torch.ones(2))
