@@ -33,6 +33,7 @@ inside images, Gemma3 multimodal), paged caches, unknown keywords.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -309,6 +310,21 @@ def _text_positions(position_ids: Tensor, b: int) -> Tensor | None:
     return position_ids.expand(b, -1)
 
 
+def _packing_from_position_ids(position_ids, b: int, length: int) -> tuple[Tensor, Tensor] | None:
+    """Sequence ids and positions of packed rows, from ``position_ids`` that restart inside a row
+    (None when no row restarts)."""
+    if position_ids is None:
+        return None
+    text = _text_positions(position_ids, b)
+    if text is None or text.shape[-1] != length:
+        return None
+    pos = text.detach().cpu().numpy()
+    seg = _segments_from_positions(pos)
+    if not (seg[:, -1] > 0).any():
+        return None
+    return torch.from_numpy(seg), torch.from_numpy(pos)
+
+
 def _mask_from_keywords(
     attention_mask: Tensor | None, b: int, lq: int, lk: int, causal: bool, window, position_ids
 ) -> VarlenMask:
@@ -317,13 +333,10 @@ def _mask_from_keywords(
     spec = VarlenMask(batch_size=b, q_length=lq, kv_length=lk, q_offset=lk - lq, causal=causal, window=window)
     if attention_mask is not None:
         spec.padding = attention_mask[:, -lk:].to(torch.bool)
-    elif position_ids is not None and lq == lk:
-        text = _text_positions(position_ids, b)
-        if text is not None and text.shape[-1] == lq:
-            pos = text.detach().cpu().numpy()
-            seg = _segments_from_positions(pos)
-            if (seg[:, -1] > 0).any():
-                spec.segments, spec.positions = torch.from_numpy(seg), torch.from_numpy(pos)
+    elif lq == lk:
+        packing = _packing_from_position_ids(position_ids, b, lq)
+        if packing is not None:
+            spec.segments, spec.positions = packing
     return spec
 
 
@@ -368,12 +381,21 @@ def varlen_attention(
                 f"{ATTENTION_NAME}: the layer asks for sliding_window={sliding} but its mask has no sliding "
                 "window (the model built a full-attention mask for it)"
             )
-        key_ = (lq, lk, b, str(device), None if cu is None else (id(cu[0]), id(cu[1])))
-        plan = spec.plans.get(key_) if cu is None else None
-        if plan is None:
+        plain = spec.segments is None and spec.padding is None and spec.q_offset == spec.kv_offset == 0
+        packing = None
+        if cu is None and plain and lq == lk:
+            # some models build their mask without position_ids (gpt-oss): packed rows are then
+            # read from the positions the layer gets, as flash-attention does
+            packing = _packing_from_position_ids(kwargs.get("position_ids"), b, lq)
+        if cu is not None or packing is not None:
+            if packing is not None:
+                spec = dataclasses.replace(spec, segments=packing[0], positions=packing[1], plans={})
             plan = _plan(spec, b, lq, lk, cu, device)
-            if cu is None:
-                spec.plans[key_] = plan
+        else:
+            key_ = (lq, lk, b, str(device))
+            plan = spec.plans.get(key_)
+            if plan is None:
+                plan = spec.plans[key_] = _plan(spec, b, lq, lk, None, device)
     elif attention_mask is None or (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2):
         config = getattr(module, "config", None)
         if getattr(config, "attention_chunk_size", None) and attention_mask is None:

@@ -29,8 +29,14 @@ __all__ = ["ATTENTION_NAME", "VarlenMask", "varlen_mask", "parse_mask_function"]
 ATTENTION_NAME = "mmbalance_varlen"
 
 
-@dataclass(eq=False)
-class VarlenMask:
+try:  # transformers passes a prepared BlockMask (or 4-D tensor) through its mask builders unchanged
+    from torch.nn.attention.flex_attention import BlockMask as _Prepared
+except ImportError:  # pragma: no cover - older torch
+    _Prepared = object
+
+
+@dataclass(eq=False, repr=False)
+class VarlenMask(_Prepared):
     """What one transformers mask says, in the terms of the varlen op.
 
     A key ``j`` is allowed for query ``i`` of batch row ``b`` iff, with ``qa``/``ka`` their
@@ -56,8 +62,42 @@ class VarlenMask:
     # host-side plans, one per (query length, key length, device), shared by every layer
     plans: dict = field(default_factory=dict, repr=False)
 
-    # transformers sometimes moves a mask between devices (pipeline / model parallel)
-    def to(self, *args, **kwargs) -> VarlenMask:  # noqa: D102 - mirrors Tensor.to
+    # transformers treats a prepared mask as a tensor or a flex BlockMask in a few places:
+    # ``generate`` builds the masks once and the model's mask builders pass a prepared
+    # ``[B, 1, Lq, Lk]`` mask through, ``generate`` makes masks contiguous, model-parallel code
+    # moves them. Those work on this description; anything else (slicing, arithmetic) fails.
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(batch, 1, q_length, kv_length)``, the shape of the dense mask this describes."""
+        return (self.batch_size, 1, self.q_length, self.kv_length)
+
+    @property
+    def ndim(self) -> int:
+        """4, as a prepared mask."""
+        return 4
+
+    def dim(self) -> int:
+        """4, as a prepared mask."""
+        return 4
+
+    def __repr__(self) -> str:
+        return (
+            f"VarlenMask(batch={self.batch_size}, q={self.q_length}@{self.q_offset}, "
+            f"kv={self.kv_length}@{self.kv_offset}, causal={self.causal}, window={self.window}, "
+            f"chunk={self.chunk}, padded={self.padding is not None}, packed={self.segments is not None})"
+        )
+
+    __str__ = __repr__
+
+    def __getitem__(self, index):
+        raise TypeError(f"{ATTENTION_NAME}: its attention mask description cannot be indexed")
+
+    def to(self, *args, **kwargs) -> VarlenMask:
+        """No-op (the description is device-free until planned)."""
+        return self
+
+    def contiguous(self) -> VarlenMask:
+        """No-op."""
         return self
 
 
