@@ -83,6 +83,10 @@ def _cases():
     around = torch.cat([_pad(2, 6, [6, 2], "right"), torch.ones(2, 3, dtype=torch.bool)], 1)
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [0, 1, 0, 1, 2, 3, 4, 5, 6, 0]])
     psm = mu.find_packed_sequence_indices(pos)
+    # image blocks (Gemma3's block_sequence_ids): bidirectional inside a block
+    ids = torch.tensor([[-1, -1, 0, 0, 0, -1, 1, 1, -1], [-1, 0, 0, 0, 0, -1, -1, -1, -1]])
+    blocks = mu.or_masks(CAUSAL, mu.blockwise_overlay(ids))
+    cache_ids = torch.tensor([[-1, -1, -1, 0, 0, 0, 0, -1, -1], [-1, -1, -1, -1, -1, 0, 0, 0, -1]])
     return {
         "causal": (2, 7, 7, 0, 0, CAUSAL, None),
         "causal_left_padding": (3, 9, 9, 0, 0, CAUSAL, left),
@@ -105,6 +109,11 @@ def _cases():
             2, 10, 10, 0, 0,
             mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function(3), pos, psm), None,
         ),
+        "image_blocks": (2, 9, 9, 0, 0, blocks, None),
+        "image_blocks_padded": (3, 9, 9, 0, 0, mu.or_masks(CAUSAL, mu.blockwise_overlay(
+            torch.tensor([[-1, 0, 0, -1, 1, 1, 1, -1, -1], [-1] * 5 + [0, 0, 0, -1], [-1] * 4 + [0, 0, 0, 0, 0]]))), left),
+        "image_blocks_sliding": (2, 9, 9, 0, 0, mu.and_masks(blocks, mu.sliding_window_overlay(2)), None),
+        "image_blocks_prefill_on_cache": (2, 5, 9, 4, 0, mu.or_masks(CAUSAL, mu.blockwise_overlay(cache_ids)), None),
     }  # fmt: skip
 
 

@@ -11,6 +11,7 @@ backend refuses is tested for the refusal: the error names ``mmbalance_varlen`` 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import pytest
@@ -105,9 +106,12 @@ def _build(entry: Entry) -> Pair:
     register_attention()
     cfg, cls = entry.build()
     torch.manual_seed(0)
-    ref = cls._from_config(cfg, attn_implementation="eager").float().eval()
-    mine = cls._from_config(cfg, attn_implementation=ATTENTION_NAME).float().eval()
+    ref = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").float().eval()
+    mine = cls._from_config(copy.deepcopy(cfg), attn_implementation=ATTENTION_NAME).float().eval()
     mine.load_state_dict(ref.state_dict())
+    # the reference must not run the backend under test (a shared config object would make it)
+    assert not any(getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTENTION_NAME
+                   for m in ref.modules())  # fmt: skip
     if entry.sinks:  # random sinks, so that they matter
         with torch.no_grad():
             for m in (ref, mine):

@@ -15,7 +15,9 @@ batch packed into it):
   bidirectional, padding (left, right, or both around generated tokens), a KV cache's offsets
   (queries bottom-right of their keys; a static cache's empty slots masked), sliding windows
   (judged per sequence), Llama4's chunked attention (each chunk its own sequence), packed rows
-  with any batch size (every row split where its ``position_ids`` restart);
+  with any batch size (every row split where its ``position_ids`` restart), bidirectional
+  attention inside image blocks (Gemma3's ``block_sequence_ids``: a second call over each block's
+  later keys, merged by log-sum-exp);
 * without our mask (a model that builds none): ``is_causal``, ``sliding_window`` (flash-attn's
   semantics), ``cu_seq_lens_q/k`` (causal bottom-right when they differ), ``position_ids`` (2-D,
   or the text row of 3-D M-RoPE ``[4, B, L]`` positions, as transformers reads them);
@@ -23,8 +25,8 @@ batch packed into it):
 
 Everything else a model hands an attention function is refused with an error that names the
 backend and the feature, never ignored: attention dropout in training, ``position_bias`` (T5),
-``output_attentions``, 4-D or custom masks, unions of mask functions (bidirectional attention
-inside images, Gemma3 multimodal), paged caches, unknown keywords.
+``output_attentions``, 4-D or custom masks, other unions of mask functions (a bidirectional
+decoder, ``use_bidirectional_attention``), paged caches, unknown keywords.
 
     from mmbalance.integrations.hf import register_attention
     register_attention()
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmbalance.pyops.attention import attention_block
+from mmbalance.pyops.attention import attention_block, merge_attention_states
 from mmbalance.pyops.varlen import cu_seqlens_from_lengths
 
 from .attention_mask import ATTENTION_NAME, VarlenMask, varlen_mask
@@ -128,6 +130,22 @@ class _Plan:
     q_runs: Tensor | None
     k_runs: Tensor | None
     window: tuple[int, int]
+    blocks: _BlockPlan | None = None
+
+
+@dataclass
+class _BlockPlan:
+    """The later keys of each query's own block, run as a second op call in reversed token order
+    (so "later" becomes causal) and merged into the first by their log-sum-exps."""
+
+    q_index: Tensor
+    k_index: Tensor
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    q_runs: Tensor
+    k_runs: Tensor
 
 
 def _true_runs(valid: np.ndarray) -> list[tuple[int, int]]:
@@ -277,7 +295,60 @@ def _build_plan(seqs: list[_Seq], n_q: int, n_k: int, causal: bool, window, devi
     )
 
 
+def _block_plan(spec: VarlenMask, b: int, lq: int, lk: int, device) -> _BlockPlan | None:
+    """Queries of a block (``blocks[b, i] = id >= 0``, contiguous) see the block's later keys on
+    top of their causal ones. In reversed order, query ``qa`` of block ``[a, e)`` sits at
+    ``e - 1 - qa`` and key ``ka`` at ``e - ka``: causal there means ``ka > qa``, exactly the keys
+    the causal call left out."""
+    ids = spec.blocks.detach().cpu().numpy()
+    valid = None
+    if spec.padding is not None:
+        valid = spec.padding.detach().to("cpu", torch.bool).numpy()
+    q_rows, k_rows, qr, kr, nq, nk = [], [], [], [], [], []
+    for r in range(b):
+        row = ids[r if ids.shape[0] > 1 else 0]
+        for block in np.unique(row[row >= 0]).tolist():
+            at = np.flatnonzero(row == block)
+            a, e = int(at[0]), int(at[-1]) + 1
+            if at.size != e - a:
+                raise _refuse(f"bidirectional blocks that are not contiguous (block {block} of row {r})")
+            qlo, qhi = max(a, spec.q_offset), min(e, spec.q_offset + lq)
+            klo, khi = max(a, spec.kv_offset), min(e, spec.kv_offset + lk)
+            if valid is not None:
+                ok = np.zeros(khi - klo, dtype=bool) if khi > klo else np.zeros(0, dtype=bool)
+                upto = min(khi, valid.shape[1])
+                if upto > klo:
+                    ok[: upto - klo] = valid[r, klo:upto]
+                runs = _true_runs(ok)
+                if len(runs) > 1:
+                    raise _refuse(f"padding inside a bidirectional block (block {block} of row {r})")
+                klo, khi = (klo + runs[0][0], klo + runs[0][1]) if runs else (klo, klo)
+            if qhi <= qlo or khi <= klo or khi - 1 <= qlo:
+                continue  # no query of the block has a later key
+            q_rows.append(r * lq + np.arange(qhi - 1, qlo - 1, -1) - spec.q_offset)
+            k_rows.append(r * lk + np.arange(khi - 1, klo - 1, -1) - spec.kv_offset)
+            qp, kp = e - qhi, e - khi + 1
+            qr.append((qp, qhi - qlo, qp + qhi - qlo))
+            kr.append((kp, khi - klo, kp + khi - klo))
+            nq.append(qhi - qlo)
+            nk.append(khi - klo)
+    if not q_rows:
+        return None
+    return _BlockPlan(
+        q_index=torch.from_numpy(np.concatenate(q_rows)).to(device),
+        k_index=torch.from_numpy(np.concatenate(k_rows)).to(device),
+        cu_q=cu_seqlens_from_lengths(np.array(nq), device=device),
+        cu_k=cu_seqlens_from_lengths(np.array(nk), device=device),
+        max_q=max(nq),
+        max_k=max(nk),
+        q_runs=torch.tensor(qr, dtype=torch.int32, device=device),
+        k_runs=torch.tensor(kr, dtype=torch.int32, device=device),
+    )
+
+
 def _plan(spec: VarlenMask, b: int, lq: int, lk: int, cu: tuple[Tensor, Tensor] | None, device) -> _Plan:
+    if spec.blocks is not None and (cu is not None or spec.chunk is not None):
+        raise _refuse("bidirectional blocks together with cu_seq_lens or chunked attention")
     if cu is not None:
         if spec.padding is not None:
             raise ValueError(
@@ -291,7 +362,10 @@ def _plan(spec: VarlenMask, b: int, lq: int, lk: int, cu: tuple[Tensor, Tensor] 
     if spec.chunk is not None:
         lp = None if spec.left_padding is None else spec.left_padding.detach().cpu().numpy().reshape(-1)
         seqs = _split_chunks(seqs, spec.chunk, lp)
-    return _build_plan(seqs, b * lq, b * lk, spec.causal, spec.window, device)
+    plan = _build_plan(seqs, b * lq, b * lk, spec.causal, spec.window, device)
+    if spec.blocks is not None:
+        plan.blocks = _block_plan(spec, b, lq, lk, device)
+    return plan
 
 
 # ------------------------------------------------------------------------- masks from keywords
@@ -443,21 +517,36 @@ def varlen_attention(
     q = query.transpose(1, 2).reshape(b * lq, h, d)
     k = key.transpose(1, 2).reshape(b * lk, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * lk, value.shape[1], dv)
-    if plan.k_index is not None:
-        k, v = k.index_select(0, plan.k_index), v.index_select(0, plan.k_index)
     if width != d:
         q, k = (torch.nn.functional.pad(t, (0, width - d)) for t in (q, k))
     if width != dv:
         v = torch.nn.functional.pad(v, (0, width - dv))
     scale = float(scaling) if scaling is not None else d**-0.5
-    out, _ = attention_block(
-        q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, softmax_scale=scale, causal=spec.causal,
+    kq, vq = k, v
+    if plan.k_index is not None:
+        kq, vq = k.index_select(0, plan.k_index), v.index_select(0, plan.k_index)
+    out, lse = attention_block(
+        q, kq, vq, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, softmax_scale=scale, causal=spec.causal,
         causal_offset=plan.causal_offset, q_runs=plan.q_runs, k_runs=plan.k_runs, **extra,
     )  # fmt: skip
+    if plan.blocks is not None:
+        out = _add_block_keys(out, lse, q, k, v, plan.blocks, scale, extra.get("softcap"))
     out = out.view(b, lq, h, width)
     if width != dv:
         out = out[..., :dv]
     return out, None
+
+
+def _add_block_keys(out, lse, q, k, v, bp: _BlockPlan, scale: float, softcap) -> Tensor:
+    """Merge each block query's attention over its block's later keys into ``out``."""
+    extra = {} if softcap is None else {"softcap": softcap}
+    out2, lse2 = attention_block(
+        q.index_select(0, bp.q_index), k.index_select(0, bp.k_index), v.index_select(0, bp.k_index),
+        bp.cu_q, bp.cu_k, bp.max_q, bp.max_k, softmax_scale=scale, causal=True, q_runs=bp.q_runs,
+        k_runs=bp.k_runs, out_dtype=torch.float32, **extra,
+    )  # fmt: skip
+    merged, _ = merge_attention_states(out.index_select(0, bp.q_index), lse[:, bp.q_index], out2, lse2)
+    return out.index_copy(0, bp.q_index, merged.to(out.dtype))
 
 
 def register_attention() -> str:

@@ -44,7 +44,10 @@ class VarlenMask(_Prepared):
     ``(not causal or ka <= qa)``, ``qa - window[0] <= ka <= qa + window[1]`` (a negative bound is
     unbounded), ``(ka - left_padding[b]) // chunk == (qa - left_padding[b]) // chunk`` when
     ``chunk`` is set, the key is not padding (``padding[b, kv_offset + j]``) and, for packed rows,
-    both lie in one sequence (``segments``).
+    both lie in one sequence (``segments``). ``blocks`` (``[B, >= kv_offset + kv_length]``,
+    transformers' ``block_sequence_ids``: image tokens of one image share an id >= 0) widens the
+    causal condition: a query also sees the later keys of its own block (bidirectional images,
+    Gemma3), with the window still applied on top.
     """
 
     batch_size: int
@@ -59,6 +62,7 @@ class VarlenMask(_Prepared):
     padding: Tensor | None = None
     segments: Tensor | None = None
     positions: Tensor | None = None
+    blocks: Tensor | None = None
     # host-side plans, one per (query length, key length, device), shared by every layer
     plans: dict = field(default_factory=dict, repr=False)
 
@@ -112,6 +116,7 @@ class _Pattern:
     padding: Tensor | None = None
     segments: Tensor | None = None
     positions: Tensor | None = None
+    blocks: Tensor | None = None
     q_shift: int = 0
     kv_shift: int = 0
 
@@ -141,9 +146,7 @@ def _codes() -> dict[str, Any]:
 
 _CODES: dict[str, Any] = {}
 
-_REFUSED = {
-    "blockwise": "bidirectional attention inside blocks (`block_sequence_ids`, e.g. image tokens)",
-}
+_REFUSED: dict[str, str] = {}
 
 
 def _name(fn) -> str:
@@ -186,11 +189,34 @@ def _parse(fn, pat: _Pattern, remapped: bool) -> None:
         for sub in _cells(fn)["mask_functions"]:
             _parse(sub, pat, remapped)
     elif kind == "or":
-        subs = _cells(fn)["mask_functions"]
-        if len(subs) != 1:
+        subs = list(_cells(fn)["mask_functions"])
+        blocks = [s for s in subs if getattr(s, "__code__", None) is _CODES["blockwise"]]
+        rest = [s for s in subs if getattr(s, "__code__", None) is not _CODES["blockwise"]]
+        if len(rest) != 1 or len(blocks) > 1:
             names = ", ".join(f"`{_name(s)}`" for s in subs)
-            raise _refuse(f"a union of mask functions ({names}), e.g. bidirectional attention inside images")
-        _parse(subs[0], pat, remapped)
+            raise _refuse(f"a union of mask functions ({names}), e.g. a bidirectional decoder")
+        if not blocks:
+            _parse(rest[0], pat, remapped)
+            return
+        # causal OR same image block (Gemma3's `block_sequence_ids`): the base must be plain
+        # causal (windows may only narrow the union from outside, as transformers composes it)
+        sub = _Pattern()
+        _parse(rest[0], sub, remapped)
+        if (
+            sub.window is not None
+            or sub.chunk is not None
+            or sub.padding is not None
+            or pat.blocks is not None
+        ):
+            raise _refuse("bidirectional blocks united with a window, chunks or padding inside the union")
+        pat.segments, pat.positions = sub.segments, sub.positions
+        pat.q_shift += sub.q_shift
+        pat.kv_shift += sub.kv_shift
+        if not sub.causal:  # a bidirectional base: the union allows every key, the blocks add nothing
+            pat.causal = bool(pat.causal)
+            return
+        pat.causal = True
+        pat.blocks = _cells(blocks[0])["block_sequence_ids"]
     elif kind == "sliding":
         w = int(_cells(fn)["sliding_window"])
         pat.window = _and_window(pat.window, (w - 1, -1))  # kv_idx > q_idx - w
@@ -215,6 +241,8 @@ def _parse(fn, pat: _Pattern, remapped: bool) -> None:
             raise _refuse("nested packed-sequence position maps")
         pat.positions = cells["position_ids"]
         _parse(cells["mask_function"], pat, True)
+    elif kind == "blockwise":
+        raise _refuse(f"bidirectional blocks (`{_name(fn)}`) outside a union with a causal mask")
     elif kind == "offsets":
         cells = _cells(fn)
         pat.q_shift += int(cells["q_offset"])
@@ -283,6 +311,7 @@ def varlen_mask(
         padding=padding,
         segments=segments,
         positions=positions,
+        blocks=pat.blocks,
     )
 
 
