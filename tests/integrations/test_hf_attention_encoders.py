@@ -49,9 +49,10 @@ def _assert_grads(mine, ref):
         if b.grad is None:
             continue
         assert a.grad is not None, f"{n} got no gradient"
-        # relative to the gradient's norm: some (Gemma3's projection) reach 1e6 in float32
+        # element by element, or relative to the norm where gradients reach 1e6 (Gemma3's projection)
         err = float((a.grad - b.grad).norm() / b.grad.norm().clamp_min(1e-6))
-        assert err < 1e-5, f"{n}: relative gradient error {err:.2e}"
+        close = torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+        assert close or err < 1e-5, f"{n}: relative gradient error {err:.2e}"
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
