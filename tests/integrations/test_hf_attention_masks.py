@@ -215,3 +215,18 @@ def test_refusals_name_the_backend_and_the_feature():
         spec,
         sliding_window=3,
     )
+
+
+def test_value_head_dim_smaller_than_query_head_dim():
+    """MLA-style heads (DeepSeek): values narrower than queries/keys are padded to one width for
+    the op and the output cropped back, as flash-attention does."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, H, 6, D, generator=g)
+    k = torch.randn(2, HKV, 6, D, generator=g)
+    v = torch.randn(2, HKV, 6, 5, generator=g)
+    left = _pad(2, 6, [6, 4], "left")
+    spec = varlen_mask(2, 6, 6, 0, 0, CAUSAL, left)
+    out, _ = varlen_attention(_Layer(), q, k, v, spec, scaling=0.3)
+    assert out.shape == (2, 6, H, 5)
+    allowed = torch.tril(torch.ones(6, 6, dtype=torch.bool)) & left[:, None, :]
+    torch.testing.assert_close(out.double(), _dense(q, k, v, allowed, 0.3), rtol=1e-5, atol=1e-5)
