@@ -553,7 +553,7 @@ def _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale) -> f
     return float(softmax_scale)
 
 
-def _host_features(window_left, window_right, softcap) -> float:
+def _host_features(window_left, window_right, softcap, sinks=None) -> float:
     """Check the feature scalars before the dispatcher sees them (it would coerce or reject them
     with a schema error); returns ``softcap`` as a float."""
     _ref.check_host_int("window_left", window_left, -1)
@@ -563,6 +563,8 @@ def _host_features(window_left, window_right, softcap) -> float:
     softcap = float(softcap)
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite float >= 0 (0 turns it off), got {softcap!r}")
+    if sinks is not None and not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
     return softcap
 
 
@@ -618,7 +620,7 @@ def attention_block(
         ``k``, ``v`` and ``sinks`` through both.
     """
     softmax_scale = _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale)
-    softcap = _host_features(window_left, window_right, softcap)
+    softcap = _host_features(window_left, window_right, softcap, sinks)
     return torch.ops.mmbalance.attention_block_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
         causal_offset, q_runs, k_runs, out_dtype, backend, window_left, window_right, softcap, sinks,

@@ -291,14 +291,20 @@ class _Blocks:
             yield jb, j0, j1, blocked
 
 
-def _sequences(cu_seqlens_q, cu_seqlens_k, causal_offset, q_runs, k_runs):
-    """``(qs, qe, ks, ke, qpos, kpos)`` of every sequence with queries (positions as lists)."""
+def _new_output(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocation of every output of the blockwise path (one place, so tests can poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, causal_offset, q_runs, k_runs, with_empty=False):
+    """``(qs, qe, ks, ke, qpos, kpos)`` of every sequence with queries, or of every sequence with
+    ``with_empty`` (positions as lists)."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     qr = None if q_runs is None else q_runs.tolist()
     kr = None if k_runs is None else k_runs.tolist()
     for b in range(len(cu_q) - 1):
         qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
-        if qe == qs:
+        if qe == qs and not with_empty:
             continue
         qpos = run_positions(qe - qs, None if qr is None else qr[b], causal_offset).tolist()
         kpos = run_positions(ke - ks, None if kr is None else kr[b], 0).tolist()
@@ -437,8 +443,9 @@ def attention_block_fwd_ref(
     n_kv = k.shape[1]
     group = n_heads // n_kv
     mask = _Mask(bool(causal), window_left, window_right)
-    out = torch.zeros((tq, n_heads, head_dim), dtype=out_dtype or q.dtype, device=q.device)
-    lse = torch.full((n_heads, tq), -math.inf, dtype=acc, device=q.device)
+    # every row of a sequence with queries is written by exactly one query-block task
+    out = _new_output((tq, n_heads, head_dim), out_dtype or q.dtype, q.device)
+    lse = _new_output((n_heads, tq), acc, q.device)
     # q is scaled once so its products are the logits (the logits / softcap when capping)
     pre = softmax_scale / softcap if softcap > 0 else softmax_scale
     # the running maximum starts at the lowest finite value rather than -inf: a row whose keys are
@@ -522,9 +529,9 @@ def attention_block_bwd_ref(
     n_kv = k.shape[1]
     group = n_heads // n_kv
     mask = _Mask(bool(causal), window_left, window_right)
-    dq = torch.zeros((tq, n_heads, head_dim), dtype=grad_dtype, device=q.device)
-    dk = torch.zeros((k.shape[0], n_kv, head_dim), dtype=grad_dtype, device=q.device)
-    dv = torch.zeros_like(dk)
+    dq = _new_output((tq, n_heads, head_dim), grad_dtype, q.device)
+    dk = _new_output((k.shape[0], n_kv, head_dim), grad_dtype, q.device)
+    dv = _new_output((k.shape[0], n_kv, head_dim), grad_dtype, q.device)
     neg_delta = -(dout.to(acc) * out.to(acc)).sum(-1).transpose(0, 1)
     if dlse is not None:
         neg_delta = neg_delta + dlse.to(acc)
@@ -535,8 +542,13 @@ def attention_block_bwd_ref(
     # the products use q * pre; dk = sum_i ds_i (q_i * softmax_scale), so rescale what q * pre gave
     dk_scale = softmax_scale / pre
     seqs = []
-    for qs, qe, ks, ke, qpos, kpos in _sequences(cu_seqlens_q, cu_seqlens_k, causal_offset, q_runs, k_runs):
-        if ke == ks:
+    for qs, qe, ks, ke, qpos, kpos in _sequences(
+        cu_seqlens_q, cu_seqlens_k, causal_offset, q_runs, k_runs, with_empty=True
+    ):
+        if ke == ks or qe == qs:
+            dq[qs:qe] = 0.0
+            dk[ks:ke] = 0.0
+            dv[ks:ke] = 0.0
             continue
         seqs.append(_Seq(qs, qe, ks, ke, _Blocks(qpos, kpos, mask, bq, bk, q.device),
                          _grouped(q[qs:qe], n_kv, acc, pre), _key_blocks(k[ks:ke], bk, acc),
@@ -582,12 +594,14 @@ def attention_block_bwd_ref(
 
     tasks = [(index, i0, i1) for index, seq in enumerate(seqs) for i0, i1 in seq.blocks.q_blocks()]
     _parallel(tasks, run, q.device)
-    for (_, index), (dk_b, dv_b) in partial.items():
-        seq = seqs[index]
-        for jb, (dkb, dvb) in enumerate(zip(dk_b, dv_b)):
+    # every sequence's first query block created its thread's partial sums: sum them per sequence
+    for index, seq in enumerate(seqs):
+        sums = [partial[w, i] for w, i in partial if i == index]
+        for jb in range(len(seq.k_b)):
             j0 = seq.ks + jb * bk
-            dk[j0 : j0 + dkb.shape[1]] += dkb.transpose(0, 1) * dk_scale
-            dv[j0 : j0 + dvb.shape[1]] += dvb.transpose(0, 1)
+            j1 = j0 + seq.k_b[jb].shape[1]
+            dk[j0:j1] = sum(s[0][jb] for s in sums).transpose(0, 1) * dk_scale
+            dv[j0:j1] = sum(s[1][jb] for s in sums).transpose(0, 1)
     return dq, dk, dv
 
 
