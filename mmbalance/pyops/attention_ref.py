@@ -311,22 +311,26 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, causal_offset, q_runs, k_runs, with_e
         yield qs, qe, ks, ke, qpos, kpos
 
 
-def _grouped(x: torch.Tensor, n_kv: int, acc: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """``[L, H, D]`` -> ``[Hkv, L * group, D]`` (rows ordered (token, head in group)) in ``acc``:
-    one copy, so a query block of every kv head's group is one batched matrix."""
+def _grouped(x: torch.Tensor, n_kv: int, acc: torch.dtype) -> torch.Tensor:
+    """``[L, H, D]`` -> ``[Hkv, L * group, D]`` (rows ordered (token, head in group)) in ``acc``,
+    so a query block of every kv head's group is one batched matrix: a strided view without GQA
+    (``H == Hkv``) in ``acc`` already, one copy otherwise."""
     length, n_heads, head_dim = x.shape
     group = n_heads // n_kv
+    if group == 1 and x.dtype == acc:
+        return x.permute(1, 0, 2)
     y = torch.empty((n_kv, length, group, head_dim), dtype=acc, device=x.device)
     y.copy_(x.view(length, n_kv, group, head_dim).permute(1, 0, 2, 3))
-    if scale != 1.0:
-        y.mul_(scale)
     return y.view(n_kv, length * group, head_dim)
 
 
-def _key_blocks(x: torch.Tensor, bk: int, acc: torch.dtype, ones: bool = False) -> list[torch.Tensor]:
-    """``[L, Hkv, D]`` -> contiguous ``[Hkv, bk, D]`` blocks in ``acc`` (batched products into and
-    from contiguous blocks take BLAS's fast path); ``ones`` appends a column of ones, so the
-    product ``p @ [v, 1]`` also gives the row sums of ``p``."""
+def _key_blocks(
+    x: torch.Tensor, bk: int, acc: torch.dtype, scale: float = 1.0, ones: bool = False
+) -> list[torch.Tensor]:
+    """``[L, Hkv, D]`` -> ``[Hkv, bk, D]`` blocks in ``acc``, times ``scale``: strided views when
+    nothing needs changing (they are only read by the products), contiguous copies otherwise;
+    ``ones`` appends a column of ones, so the product ``p @ [v, 1]`` also gives the row sums of
+    ``p``."""
     blocks = []
     for j0 in range(0, x.shape[0], bk):
         xb = x[j0 : j0 + bk].permute(1, 0, 2)
@@ -334,10 +338,23 @@ def _key_blocks(x: torch.Tensor, bk: int, acc: torch.dtype, ones: bool = False) 
         if ones:
             blk = torch.ones((n, length, head_dim + 1), dtype=acc, device=x.device)
             blk[..., :-1] = xb
+        elif scale == 1.0 and x.dtype == acc:
+            blk = xb
         else:
             blk = torch.empty((n, length, head_dim), dtype=acc, device=x.device).copy_(xb)
+        if scale != 1.0:
+            blk[..., :head_dim].mul_(scale)
         blocks.append(blk)
     return blocks
+
+
+def _row_dots(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, chunk: int = 4096) -> torch.Tensor:
+    """``rowsum(a * b)`` of two ``[T, H, D]`` tensors as ``[H, T]`` in ``acc``, a chunk of tokens at a
+    time (no temporary of the inputs' size)."""
+    out = torch.empty((a.shape[1], a.shape[0]), dtype=acc, device=a.device)
+    for t0 in range(0, a.shape[0], chunk):
+        out[:, t0 : t0 + chunk] = (a[t0 : t0 + chunk].to(acc) * b[t0 : t0 + chunk].to(acc)).sum(-1).t()
+    return out
 
 
 def _rows(t: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -446,7 +463,7 @@ def attention_block_fwd_ref(
     # every row of a sequence with queries is written by exactly one query-block task
     out = _new_output((tq, n_heads, head_dim), out_dtype or q.dtype, q.device)
     lse = _new_output((n_heads, tq), acc, q.device)
-    # q is scaled once so its products are the logits (the logits / softcap when capping)
+    # k is scaled once so the products are the logits (the logits / softcap when capping)
     pre = softmax_scale / softcap if softcap > 0 else softmax_scale
     # the running maximum starts at the lowest finite value rather than -inf: a row whose keys are
     # all masked so far then needs no special case (exp(-inf - lowest) = 0, exp(0) = 1)
@@ -455,7 +472,7 @@ def attention_block_fwd_ref(
     seqs = []
     for qs, qe, ks, ke, qpos, kpos in _sequences(cu_seqlens_q, cu_seqlens_k, causal_offset, q_runs, k_runs):
         seqs.append(_Seq(qs, qe, ks, ke, _Blocks(qpos, kpos, mask, bq, bk, q.device),
-                         _grouped(q[qs:qe], n_kv, acc, pre), _key_blocks(k[ks:ke], bk, acc),
+                         _grouped(q[qs:qe], n_kv, acc), _key_blocks(k[ks:ke], bk, acc, pre),
                          _key_blocks(v[ks:ke], bk, acc, ones=True)))  # fmt: skip
 
     def run(_worker: int, task: tuple[_Seq, int, int]) -> None:
@@ -526,34 +543,34 @@ def attention_block_bwd_ref(
     grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     bq, bk = block_q or BLOCK_Q, block_k or BLOCK_K
     tq, n_heads, head_dim = q.shape
-    n_kv = k.shape[1]
+    tk, n_kv = k.shape[0], k.shape[1]
     group = n_heads // n_kv
     mask = _Mask(bool(causal), window_left, window_right)
-    dq = _new_output((tq, n_heads, head_dim), grad_dtype, q.device)
-    dk = _new_output((k.shape[0], n_kv, head_dim), grad_dtype, q.device)
-    dv = _new_output((k.shape[0], n_kv, head_dim), grad_dtype, q.device)
-    neg_delta = -(dout.to(acc) * out.to(acc)).sum(-1).transpose(0, 1)
+    neg_delta = _row_dots(dout, out, acc).neg_()
     if dlse is not None:
-        neg_delta = neg_delta + dlse.to(acc)
+        neg_delta += dlse.to(acc)
     # rows with no key (lse = -inf) get p = exp(s - inf) = 0
     lse_acc = lse.to(acc)
     neg_lse = -torch.where(lse_acc == -math.inf, math.inf, lse_acc)
+    # k is scaled by pre, so the products x = q . (pre k) are the logits (/ softcap when capping).
+    # With g = dL/dx (ds, or ds * softcap * (1 - tanh^2) when capping): dq = g (pre k) and
+    # dk = pre g^T q. The loop accumulates ds' = ds (* (1 - tanh^2)) and applies the rest once.
     pre = softmax_scale / softcap if softcap > 0 else softmax_scale
-    # the products use q * pre; dk = sum_i ds_i (q_i * softmax_scale), so rescale what q * pre gave
-    dk_scale = softmax_scale / pre
-    seqs = []
+    dq_factor = softcap if softcap > 0 else 1.0
+    dq = _new_output((tq, n_heads, head_dim), grad_dtype, q.device)
+    seqs, empty = [], []
     for qs, qe, ks, ke, qpos, kpos in _sequences(
         cu_seqlens_q, cu_seqlens_k, causal_offset, q_runs, k_runs, with_empty=True
     ):
         if ke == ks or qe == qs:
             dq[qs:qe] = 0.0
-            dk[ks:ke] = 0.0
-            dv[ks:ke] = 0.0
+            empty.append((ks, ke))
             continue
         seqs.append(_Seq(qs, qe, ks, ke, _Blocks(qpos, kpos, mask, bq, bk, q.device),
-                         _grouped(q[qs:qe], n_kv, acc, pre), _key_blocks(k[ks:ke], bk, acc),
+                         _grouped(q[qs:qe], n_kv, acc), _key_blocks(k[ks:ke], bk, acc, pre),
                          _key_blocks(v[ks:ke], bk, acc), _grouped(dout[qs:qe], n_kv, acc)))  # fmt: skip
-    # per thread and sequence: that thread's dk and dv blocks
+    # per thread and sequence: that thread's dk and dv blocks (contiguous: the in-place batched
+    # products into them take BLAS's fast path)
     partial: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def run(worker: int, task: tuple[int, int, int]) -> None:
@@ -561,8 +578,8 @@ def attention_block_bwd_ref(
         seq = seqs[index]
         if (worker, index) not in partial:
             partial[worker, index] = (
-                [torch.zeros_like(t) for t in seq.k_b],
-                [torch.zeros_like(t) for t in seq.v_b],
+                [torch.zeros(t.shape, dtype=acc, device=q.device) for t in seq.k_b],
+                [torch.zeros(t.shape, dtype=acc, device=q.device) for t in seq.v_b],
             )
         dk_b, dv_b = partial[worker, index]
         r0, r1 = i0 * group, i1 * group
@@ -583,25 +600,44 @@ def attention_block_bwd_ref(
             p = s.exp_()
             ds = torch.baddbmm(nd, dob, vb.transpose(1, 2)).mul_(p)
             if t is not None:
-                # d (softcap * tanh(x)) / dx = softcap * (1 - tanh^2); softcap is folded into pre
                 ds.mul_(t.square_().neg_().add_(1.0))
             dv_b[jb].baddbmm_(p.transpose(1, 2), dob)
             dk_b[jb].baddbmm_(ds.transpose(1, 2), qb)
             dq_b.baddbmm_(ds, kb)
         lq = seq.qe - seq.qs
         dq_g = dq[seq.qs : seq.qe].view(lq, n_kv, group, head_dim).permute(1, 0, 2, 3)
-        dq_g[:, i0:i1] = (dq_b * softmax_scale).view(n_kv, i1 - i0, group, head_dim)
+        if dq_factor != 1.0:
+            dq_b.mul_(dq_factor)
+        dq_g[:, i0:i1] = dq_b.view(n_kv, i1 - i0, group, head_dim)
 
     tasks = [(index, i0, i1) for index, seq in enumerate(seqs) for i0, i1 in seq.blocks.q_blocks()]
     _parallel(tasks, run, q.device)
-    # every sequence's first query block created its thread's partial sums: sum them per sequence
-    for index, seq in enumerate(seqs):
-        sums = [partial[w, i] for w, i in partial if i == index]
-        for jb in range(len(seq.k_b)):
-            j0 = seq.ks + jb * bk
-            j1 = j0 + seq.k_b[jb].shape[1]
-            dk[j0:j1] = sum(s[0][jb] for s in sums).transpose(0, 1) * dk_scale
-            dv[j0:j1] = sum(s[1][jb] for s in sums).transpose(0, 1)
+    seq_starts = [seq.ks for seq in seqs]
+    del seqs[:]  # the copies of q, k, v and dout go before dk and dv are allocated
+    dk = _new_output((tk, n_kv, head_dim), grad_dtype, q.device)
+    dv = _new_output((tk, n_kv, head_dim), grad_dtype, q.device)
+    for ks, ke in empty:
+        dk[ks:ke] = 0.0
+        dv[ks:ke] = 0.0
+    # every sequence's first query block created its thread's partial sums: sum them per sequence,
+    # freeing each block once written
+    by_seq: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
+    for (_, index), sums in sorted(partial.items()):
+        by_seq.setdefault(index, []).append(sums)
+    partial.clear()
+    for index, sums in by_seq.items():
+        ks = seq_starts[index]
+        for jb in range(len(sums[0][0])):
+            j0 = ks + jb * bk
+            dk_j = sums[0][0][jb]
+            dv_j = sums[0][1][jb]
+            for other in sums[1:]:
+                dk_j += other[0][jb]
+                dv_j += other[1][jb]
+            dk[j0 : j0 + dk_j.shape[1]] = dk_j.transpose(0, 1).mul_(softmax_scale)
+            dv[j0 : j0 + dv_j.shape[1]] = dv_j.transpose(0, 1)
+            for s in sums:
+                s[0][jb] = s[1][jb] = None  # type: ignore[call-overload]
     return dq, dk, dv
 
 
