@@ -3,8 +3,9 @@
 BERT (a padded batch, bidirectional) and BART (a padded encoder under the decoder's
 cross-attention, decoders longer and shorter than their encoder) must match eager in the outputs
 at every real token and in every gradient; T5's relative ``position_bias`` is refused by name;
-Qwen2-VL's 3-D M-RoPE ``position_ids`` (text row first, ``[4, B, L]``) mark packed sequences by
-the text row, as transformers reads them, and plain ``[3, B, L]`` ones do not.
+Qwen2-VL's and Ernie-4.5-VL's 3-D M-RoPE ``position_ids`` (text row first, ``[4, B, L]``) mark
+packed sequences by the text row, as transformers reads them, and plain ``[3, B, L]`` ones do not;
+Gemma3's image tokens attend to each other in both directions.
 """
 
 from __future__ import annotations
@@ -218,3 +219,35 @@ def test_gemma3_image_tokens_attend_bidirectionally():
         a = mine.generate(ids, pixel_values=pixels, token_type_ids=tt, **kw)
         b = ref.generate(ids, pixel_values=pixels, token_type_ids=tt, **kw)
     assert torch.equal(a, b)
+
+
+def test_ernie_4_5_vl_packed_rows_with_3d_position_ids():
+    """Ernie-4.5-VL's text model hands its layers the three M-RoPE rows and builds the mask from
+    the text row: packed rows split where the text row restarts, every gradient included."""
+    cfg = transformers.Ernie4_5_VLMoeTextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, moe_intermediate_size=[32, 32], moe_k=1,
+        moe_num_experts=2, moe_num_shared_experts=0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]),
+    )  # fmt: skip
+    ref, mine = _pair(cfg, transformers.Ernie4_5_VLMoeTextModel)
+    rows = [[5, 1, 9], [3, 12]]
+    ids = torch.randint(3, 60, (2, 15), generator=torch.Generator().manual_seed(12))
+    text = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+    mrope = text.clone()
+    mrope[0, 9:12] = mrope[0, 8]  # an image-like plateau inside the 9-token sequence
+    pos = torch.stack([text, mrope, mrope, mrope])
+    w = torch.randn(2, 15, 32, generator=torch.Generator().manual_seed(13))
+    out = mine(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    (out * w).sum().backward()
+    want = []
+    for r, row in enumerate(rows):
+        at = 0
+        for n in row:
+            h = ref(input_ids=ids[r : r + 1, at : at + n], position_ids=pos[1:, r : r + 1, at : at + n],
+                    use_cache=False).last_hidden_state[0]  # fmt: skip
+            (h * w[r, at : at + n]).sum().backward()
+            want.append(h)
+            at += n
+    torch.testing.assert_close(out.reshape(-1, 32), torch.cat(want), rtol=1e-5, atol=1e-5)
+    _assert_grads(mine, ref)
