@@ -286,7 +286,12 @@ def _ring_worker(
         )
         cu = torch.tensor([0, L], dtype=torch.int32)
         ql, kl, vl = (cp_shard(t, cu, layout=cfg.layout) for t in (q, k, v))
-        sync = (lambda: (torch.cuda.synchronize(), dist.barrier())) if backend == "nccl" else dist.barrier
+
+        def sync() -> None:
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            dist.barrier()
+
         ring = make_ring(
             ql, kl, vl, cu, causal=True, softmax_scale=None, group=None, layout=cfg.layout, backend="auto"
         )
@@ -304,7 +309,7 @@ def _ring_worker(
             ),
             "comm": _median_ms(lambda: ring_forward(ring, ql, kl, vl, compute=False), reps, sync),
         }
-        stats = {}
+        stats: dict[str, float] = {}
         for _ in range(reps):
             ring_forward(ring, ql, kl, vl, stats=stats)
         res["exposed"] = stats.get("wait_s", 0.0) * 1e3 / reps
@@ -320,7 +325,7 @@ def _ring_worker(
             cu_d = cu.to(device)
             full = [t.detach().requires_grad_() for t in (q, k, v)]
             dfull = torch.randn_like(q)
-            fwd1 = lambda: attention_block(*full, cu_d, cu_d, L, L, causal=True)  # noqa: E731
+            fwd1 = lambda: attention_block(full[0], full[1], full[2], cu_d, cu_d, L, L, causal=True)  # noqa: E731
 
             def single_fwd_bwd():
                 torch.autograd.grad(fwd1()[0], full, dfull)

@@ -303,7 +303,7 @@ def _attention_block_fwd_op(
     if chosen == "reference":
         return _ref.attention_block_fwd_ref(
             q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset, q_runs, k_runs,
-            out_dtype, sinks=sinks, **window,
+            out_dtype, window_left, window_right, softcap, sinks,
         )  # fmt: skip
     if chosen == "flash_attn":
         out, lse = _flash_fwd(
@@ -427,7 +427,7 @@ def _attention_block_bwd_op(
     if chosen == "reference":
         return _ref.attention_block_bwd_ref(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset,
-            q_runs, k_runs, dlse, **window,
+            q_runs, k_runs, dlse, window_left, window_right, softcap,
         )  # fmt: skip
     if chosen == "flash_attn":
         return _flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -1,10 +1,18 @@
-"""Torch reference implementations of the attention block ops and their input validation.
+"""Torch implementations of the attention block ops (the CPU path) and their input validation.
 
 These are the CPU path of ``torch.ops.mmbalance.attention_block_fwd``, ``attention_block_bwd`` and
-``merge_attention_states`` (and what tests and benchmarks compare against). They loop over the
-sequences of the packed batch and compute each one densely in float32 (float64 for float64
-inputs), with the same masking, empty-row and GQA semantics as the Triton kernels documented in
-``kernels/attention.py``.
+``merge_attention_states`` (the path for float64 on any device too), with the masking, empty-row,
+GQA, window, softcap and sink semantics of the Triton kernels documented in
+``kernels/attention.py`` and ``pyops/attention.py``.
+
+The block ops are blockwise, like FlashAttention-2 (Dao, 2023) in torch: per sequence, a block of
+queries (all query heads of a kv head together, one batched product per kv head) meets the
+blocks of keys its mask can reach, with the online softmax in the forward and the probabilities
+recomputed from the LSE in the backward; blocks that lie wholly inside the mask need no
+elementwise mask, blocks wholly outside are never computed. Memory stays O(tokens + threads *
+block^2 * heads), never a sequence's whole score matrix; accumulation is float32 (float64 for
+float64 inputs). Query blocks run on parallel threads of single-threaded torch ops (see
+``_parallel`` for why).
 """
 
 from __future__ import annotations
@@ -583,6 +591,7 @@ def attention_block_bwd_ref(
             )
         dk_b, dv_b = partial[worker, index]
         r0, r1 = i0 * group, i1 * group
+        assert seq.do_g is not None
         qb, dob = seq.q_g[:, r0:r1], seq.do_g[:, r0:r1]
         nl = _rows(neg_lse[:, seq.qs + i0 : seq.qs + i1], n_kv)[..., None]
         nd = _rows(neg_delta[:, seq.qs + i0 : seq.qs + i1], n_kv)[..., None]
@@ -622,8 +631,8 @@ def attention_block_bwd_ref(
     # every sequence's first query block created its thread's partial sums: sum them per sequence,
     # freeing each block once written
     by_seq: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
-    for (_, index), sums in sorted(partial.items()):
-        by_seq.setdefault(index, []).append(sums)
+    for (_, index), partial_sums in sorted(partial.items()):
+        by_seq.setdefault(index, []).append(partial_sums)
     partial.clear()
     for index, sums in by_seq.items():
         ks = seq_starts[index]
@@ -636,8 +645,9 @@ def attention_block_bwd_ref(
                 dv_j += other[1][jb]
             dk[j0 : j0 + dk_j.shape[1]] = dk_j.transpose(0, 1).mul_(softmax_scale)
             dv[j0 : j0 + dv_j.shape[1]] = dv_j.transpose(0, 1)
-            for s in sums:
-                s[0][jb] = s[1][jb] = None  # type: ignore[call-overload]
+            for dk_list, dv_list in sums:
+                # an empty placeholder frees the block now rather than with the whole list
+                dk_list[jb] = dv_list[jb] = dk_j.new_empty(0)
     return dq, dk, dv
 
 
