@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -300,6 +301,7 @@ def _block_plan(spec: VarlenMask, b: int, lq: int, lk: int, device) -> _BlockPla
     top of their causal ones. In reversed order, query ``qa`` of block ``[a, e)`` sits at
     ``e - 1 - qa`` and key ``ka`` at ``e - ka``: causal there means ``ka > qa``, exactly the keys
     the causal call left out."""
+    assert spec.blocks is not None
     ids = spec.blocks.detach().cpu().numpy()
     valid = None
     if spec.padding is not None:
@@ -355,7 +357,7 @@ def _plan(spec: VarlenMask, b: int, lq: int, lk: int, cu: tuple[Tensor, Tensor] 
                 f"{ATTENTION_NAME}: cu_seq_lens_q/k together with a padding attention_mask; give one of them"
             )
         seqs = _cu_seqs(*cu)
-    elif spec.segments is not None:
+    elif spec.segments is not None and spec.positions is not None:
         seqs = _packed_seqs(spec.segments.detach().cpu().numpy(), spec.positions.detach().cpu().numpy(), lq)
     else:
         seqs = _row_seqs(spec, b, lq, lk)
@@ -436,11 +438,11 @@ def varlen_attention(
     kw_window = None
     if sliding is not None and sliding > 0:
         kw_window = (int(sliding) - 1, -1 if causal else int(sliding) - 1)  # flash-attn's (W - 1, W - 1)
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    cu = None
-    if cu_q is not None or cu_k is not None:
-        cu_q = cu_k if cu_q is None else cu_q
-        cu = (cu_q, cu_q if cu_k is None else cu_k)
+    cu_q: Tensor | None = kwargs.get("cu_seq_lens_q")
+    cu_k: Tensor | None = kwargs.get("cu_seq_lens_k")
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    cu = (cu_q, cu_k) if cu_q is not None and cu_k is not None else None
     device = query.device
 
     if isinstance(attention_mask, VarlenMask):
@@ -467,9 +469,10 @@ def varlen_attention(
             plan = _plan(spec, b, lq, lk, cu, device)
         else:
             key_ = (lq, lk, b, str(device))
-            plan = spec.plans.get(key_)
-            if plan is None:
-                plan = spec.plans[key_] = _plan(spec, b, lq, lk, None, device)
+            cached = spec.plans.get(key_)
+            if cached is None:
+                cached = spec.plans[key_] = _plan(spec, b, lq, lk, None, device)
+            plan = cached
     elif attention_mask is None or (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2):
         config = getattr(module, "config", None)
         if getattr(config, "attention_chunk_size", None) and attention_mask is None:
@@ -494,7 +497,7 @@ def varlen_attention(
             "get its own mask function from register_attention()"
         )
 
-    extra = {}
+    extra: dict[str, Any] = {}
     if plan.window != (-1, -1):
         _need_op_keyword("window_left", "sliding-window attention")
         extra.update(window_left=plan.window[0], window_right=plan.window[1])
@@ -539,7 +542,7 @@ def varlen_attention(
 
 def _add_block_keys(out, lse, q, k, v, bp: _BlockPlan, scale: float, softcap) -> Tensor:
     """Merge each block query's attention over its block's later keys into ``out``."""
-    extra = {} if softcap is None else {"softcap": softcap}
+    extra: dict[str, Any] = {} if softcap is None else {"softcap": softcap}
     out2, lse2 = attention_block(
         q.index_select(0, bp.q_index), k.index_select(0, bp.k_index), v.index_select(0, bp.k_index),
         bp.cu_q, bp.cu_k, bp.max_q, bp.max_k, softmax_scale=scale, causal=True, q_runs=bp.q_runs,

@@ -24,15 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# transformers passes a prepared BlockMask (or 4-D tensor) through its mask builders unchanged
+from torch.nn.attention.flex_attention import BlockMask as _Prepared
+
 __all__ = ["ATTENTION_NAME", "VarlenMask", "varlen_mask", "parse_mask_function"]
 
 ATTENTION_NAME = "mmbalance_varlen"
-
-
-try:  # transformers passes a prepared BlockMask (or 4-D tensor) through its mask builders unchanged
-    from torch.nn.attention.flex_attention import BlockMask as _Prepared
-except ImportError:  # pragma: no cover - older torch
-    _Prepared = object
 
 
 @dataclass(eq=False, repr=False)
@@ -294,7 +291,7 @@ def varlen_mask(
         padding = padding.to(torch.bool)
     segments = pat.segments
     positions = pat.positions
-    if segments is not None:
+    if segments is not None and positions is not None:
         positions = positions.expand(batch_size, -1)
         if positions.shape[-1] != q_length or q_length != kv_length:
             raise _refuse("packed sequences with a key length different from the query length (a cache)")
