@@ -204,3 +204,32 @@ def test_generate_matches_eager(pair, batch, cache):
         a = pair.mine.generate(ids, attention_mask=mask, **kw)
         b = pair.ref.generate(ids, attention_mask=mask, **kw)
     assert torch.equal(a, b), (a, b)
+
+
+# more decoder families, packed rows only (logits and gradients): MoE, parallel blocks, partial
+# rotary, no-rope layers, MLA (DeepSeek-V3: values narrower than queries), more sliding windows
+MORE = {
+    "mixtral": ("Mixtral", dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=4)),
+    "qwen2_moe": ("Qwen2Moe", dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=32)),
+    "phi3": ("Phi3", {}),
+    "olmo2": ("Olmo2", {}),
+    "cohere2": ("Cohere2", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    "starcoder2": ("Starcoder2", dict(sliding_window=4)),
+    "gpt_neox": ("GPTNeoX", {}),
+    "gemma": ("Gemma", dict(head_dim=8)),
+    "smollm3": ("SmolLM3", {}),
+    "exaone4": ("Exaone4", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v3": ("DeepseekV3", dict(num_key_value_heads=4, head_dim=4, q_lora_rank=16, kv_lora_rank=16,
+                                       qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, n_routed_experts=2,
+                                       num_experts_per_tok=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                                       n_group=1, topk_group=1)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_more_families_packed_rows(name):
+    family, extra = MORE[name]
+    cfg = getattr(transformers, family + "Config")(**{**BASE, **extra})
+    cls = getattr(transformers, family + "ForCausalLM")
+    test_packed_rows_match_each_sequence_alone(_build(Entry(name, lambda: (cfg, cls))))
