@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -230,7 +231,8 @@ def bench_long(seqlen: int, heads: int = 8, head_dim: int = 64, rounds: int = 3)
             ref = med["torch_sdpa"]
             metrics["time_vs_sdpa"] = m["time_ms"] / ref["time_ms"]
             metrics["peak_vs_sdpa"] = m["peak_mib"] / ref["peak_mib"]
-            metrics["added_vs_sdpa"] = m["added_mib"] / max(ref["added_mib"], 1e-9)
+            # nan when SDPA added nothing measurable (tiny sizes: freed memory reused)
+            metrics["added_vs_sdpa"] = m["added_mib"] / ref["added_mib"] if ref["added_mib"] > 0 else math.nan
         rows.append(Row("attention_long_fwd_bwd", provider, shape, "float32", dev, m["time_ms"], metrics))
     return rows
 
