@@ -236,3 +236,20 @@ def test_more_families_packed_rows(name):
     cfg = getattr(transformers, family + "Config")(**{**BASE, **extra})
     cls = getattr(transformers, family + "ForCausalLM")
     test_packed_rows_match_each_sequence_alone(_build(Entry(name, lambda: (cfg, cls))))
+
+
+def test_refused_model_features_name_the_backend():
+    """A bidirectional Gemma3 decoder (``use_bidirectional_attention``: a union of the causal mask
+    with "everything") and ``output_attentions=True`` are refused by name, not computed wrongly."""
+    cfg, cls = _gemma3_text()
+    cfg.use_bidirectional_attention = True
+    model = _build(Entry("gemma3_bidirectional", lambda: (cfg, cls))).mine
+    ids = torch.randint(3, VOCAB, (1, 6))
+    with pytest.raises(
+        ValueError, match="mmbalance_varlen cannot run this attention mask: a union of mask functions"
+    ):
+        model(input_ids=ids, use_cache=False)
+    cfg, cls = _llama()
+    model = _build(Entry("llama", lambda: (cfg, cls))).mine
+    with pytest.raises(ValueError, match="mmbalance_varlen does not implement returning attention weights"):
+        model(input_ids=ids, use_cache=False, output_attentions=True)
