@@ -458,15 +458,22 @@ def varlen_attention(
                 "window (the model built a full-attention mask for it)"
             )
         plain = spec.segments is None and spec.padding is None and spec.q_offset == spec.kv_offset == 0
-        packing = None
-        if cu is None and plain and lq == lk:
-            # some models build their mask without position_ids (gpt-oss): packed rows are then
-            # read from the positions the layer gets, as flash-attention does
-            packing = _packing_from_position_ids(kwargs.get("position_ids"), b, lq)
-        if cu is not None or packing is not None:
-            if packing is not None:
-                spec = dataclasses.replace(spec, segments=packing[0], positions=packing[1], plans={})
+        position_ids = kwargs.get("position_ids")
+        if cu is not None:
             plan = _plan(spec, b, lq, lk, cu, device)
+        elif plain and lq == lk and position_ids is not None:
+            # some models build their mask without position_ids (gpt-oss): packed rows are then
+            # read from the positions the layer gets, as flash-attention does (once per tensor:
+            # every layer gets the same one)
+            pkey = ("positions", lq, lk, b, str(device), id(position_ids))
+            hit = spec.plans.get(pkey)
+            if hit is None or hit[0] is not position_ids:
+                packing = _packing_from_position_ids(position_ids, b, lq)
+                packed = spec
+                if packing is not None:
+                    packed = dataclasses.replace(spec, segments=packing[0], positions=packing[1], plans={})
+                hit = spec.plans[pkey] = (position_ids, _plan(packed, b, lq, lk, None, device))
+            plan = hit[1]
         else:
             key_ = (lq, lk, b, str(device))
             cached = spec.plans.get(key_)
