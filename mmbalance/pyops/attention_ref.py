@@ -471,8 +471,9 @@ def attention_block_fwd_ref(
     # every row of a sequence with queries is written by exactly one query-block task
     out = _new_output((tq, n_heads, head_dim), out_dtype or q.dtype, q.device)
     lse = _new_output((n_heads, tq), acc, q.device)
-    # k is scaled once so the products are the logits (the logits / softcap when capping)
+    # pre * q . k are the logits (the logits / softcap when capping): pre is the products' alpha
     pre = softmax_scale / softcap if softcap > 0 else softmax_scale
+    zero = torch.zeros((1, 1, 1), dtype=acc, device=q.device)
     # the running maximum starts at the lowest finite value rather than -inf: a row whose keys are
     # all masked so far then needs no special case (exp(-inf - lowest) = 0, exp(0) = 1)
     lowest = torch.finfo(acc).min
@@ -480,7 +481,7 @@ def attention_block_fwd_ref(
     seqs = []
     for qs, qe, ks, ke, qpos, kpos in _sequences(cu_seqlens_q, cu_seqlens_k, causal_offset, q_runs, k_runs):
         seqs.append(_Seq(qs, qe, ks, ke, _Blocks(qpos, kpos, mask, bq, bk, q.device),
-                         _grouped(q[qs:qe], n_kv, acc), _key_blocks(k[ks:ke], bk, acc, pre),
+                         _grouped(q[qs:qe], n_kv, acc), _key_blocks(k[ks:ke], bk, acc),
                          _key_blocks(v[ks:ke], bk, acc, ones=True)))  # fmt: skip
 
     def run(_worker: int, task: tuple[_Seq, int, int]) -> None:
@@ -491,7 +492,7 @@ def attention_block_fwd_ref(
         # o[..., :D] = sum_j exp(s_j - m) v_j and o[..., D] = sum_j exp(s_j - m)
         o = torch.zeros((n_kv, rows, head_dim + 1), dtype=acc, device=q.device)
         for jb, _, _, blocked in seq.blocks.k_blocks(i0, i1):
-            s = torch.bmm(qb, seq.k_b[jb].transpose(1, 2))
+            s = torch.baddbmm(zero, qb, seq.k_b[jb].transpose(1, 2), beta=0.0, alpha=pre)
             if softcap > 0:
                 s.tanh_().mul_(softcap)
             if blocked is not None:
@@ -560,11 +561,12 @@ def attention_block_bwd_ref(
     # rows with no key (lse = -inf) get p = exp(s - inf) = 0
     lse_acc = lse.to(acc)
     neg_lse = -torch.where(lse_acc == -math.inf, math.inf, lse_acc)
-    # k is scaled by pre, so the products x = q . (pre k) are the logits (/ softcap when capping).
-    # With g = dL/dx (ds, or ds * softcap * (1 - tanh^2) when capping): dq = g (pre k) and
-    # dk = pre g^T q. The loop accumulates ds' = ds (* (1 - tanh^2)) and applies the rest once.
+    # The products x = pre * q . k are the logits (/ softcap when capping), pre applied as the
+    # products' alpha. With g = dL/dx (ds, or ds * softcap * (1 - tanh^2) when capping):
+    # dq = pre g k and dk = pre g^T q. The loop accumulates ds' = ds (* (1 - tanh^2)) and applies
+    # the constant factors in the products' alpha or once at the end.
     pre = softmax_scale / softcap if softcap > 0 else softmax_scale
-    dq_factor = softcap if softcap > 0 else 1.0
+    dq_alpha = softmax_scale
     dq = _new_output((tq, n_heads, head_dim), grad_dtype, q.device)
     seqs, empty = [], []
     for qs, qe, ks, ke, qpos, kpos in _sequences(
@@ -575,79 +577,68 @@ def attention_block_bwd_ref(
             empty.append((ks, ke))
             continue
         seqs.append(_Seq(qs, qe, ks, ke, _Blocks(qpos, kpos, mask, bq, bk, q.device),
-                         _grouped(q[qs:qe], n_kv, acc), _key_blocks(k[ks:ke], bk, acc, pre),
+                         _grouped(q[qs:qe], n_kv, acc), _key_blocks(k[ks:ke], bk, acc),
                          _key_blocks(v[ks:ke], bk, acc), _grouped(dout[qs:qe], n_kv, acc)))  # fmt: skip
-    # per thread and sequence: that thread's dk and dv blocks (contiguous: the in-place batched
-    # products into them take BLAS's fast path)
-    partial: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    # one dk and one dv accumulator per key block, contiguous (the in-place batched products into
+    # them take BLAS's fast path), each behind a lock: threads work on different query blocks and
+    # walk the key blocks in opposite directions, so they rarely wait for one another
+    dk_acc = [
+        [torch.zeros((n_kv, kb.shape[1], head_dim), dtype=acc, device=q.device) for kb in s.k_b] for s in seqs
+    ]
+    dv_acc = [
+        [torch.zeros((n_kv, kb.shape[1], head_dim), dtype=acc, device=q.device) for kb in s.k_b] for s in seqs
+    ]
+    locks = [[threading.Lock() for _ in s.k_b] for s in seqs]
 
     def run(worker: int, task: tuple[int, int, int]) -> None:
         index, i0, i1 = task
         seq = seqs[index]
-        if (worker, index) not in partial:
-            partial[worker, index] = (
-                [torch.zeros(t.shape, dtype=acc, device=q.device) for t in seq.k_b],
-                [torch.zeros(t.shape, dtype=acc, device=q.device) for t in seq.v_b],
-            )
-        dk_b, dv_b = partial[worker, index]
         r0, r1 = i0 * group, i1 * group
         assert seq.do_g is not None
         qb, dob = seq.q_g[:, r0:r1], seq.do_g[:, r0:r1]
         nl = _rows(neg_lse[:, seq.qs + i0 : seq.qs + i1], n_kv)[..., None]
         nd = _rows(neg_delta[:, seq.qs + i0 : seq.qs + i1], n_kv)[..., None]
         dq_b = torch.zeros((n_kv, r1 - r0, head_dim), dtype=acc, device=q.device)
-        for jb, _, _, blocked in seq.blocks.k_blocks(i0, i1):
+        pairs = list(seq.blocks.k_blocks(i0, i1))
+        for jb, _, _, blocked in reversed(pairs) if worker % 2 else pairs:
             kb, vb = seq.k_b[jb], seq.v_b[jb]
             t = None
             if softcap > 0:
-                t = torch.bmm(qb, kb.transpose(1, 2)).tanh_()
+                t = torch.baddbmm(nl, qb, kb.transpose(1, 2), beta=0.0, alpha=pre).tanh_()
                 s = torch.add(nl, t, alpha=softcap)
             else:
-                s = torch.baddbmm(nl, qb, kb.transpose(1, 2))
+                s = torch.baddbmm(nl, qb, kb.transpose(1, 2), alpha=pre)
             if blocked is not None:
                 s.view(n_kv, i1 - i0, group, -1).masked_fill_(blocked, -math.inf)
             p = s.exp_()
             ds = torch.baddbmm(nd, dob, vb.transpose(1, 2)).mul_(p)
             if t is not None:
                 ds.mul_(t.square_().neg_().add_(1.0))
-            dv_b[jb].baddbmm_(p.transpose(1, 2), dob)
-            dk_b[jb].baddbmm_(ds.transpose(1, 2), qb)
-            dq_b.baddbmm_(ds, kb)
+            dq_b.baddbmm_(ds, kb, alpha=dq_alpha)
+            with locks[index][jb]:
+                dv_acc[index][jb].baddbmm_(p.transpose(1, 2), dob)
+                dk_acc[index][jb].baddbmm_(ds.transpose(1, 2), qb)
         lq = seq.qe - seq.qs
         dq_g = dq[seq.qs : seq.qe].view(lq, n_kv, group, head_dim).permute(1, 0, 2, 3)
-        if dq_factor != 1.0:
-            dq_b.mul_(dq_factor)
         dq_g[:, i0:i1] = dq_b.view(n_kv, i1 - i0, group, head_dim)
 
     tasks = [(index, i0, i1) for index, seq in enumerate(seqs) for i0, i1 in seq.blocks.q_blocks()]
     _parallel(tasks, run, q.device)
     seq_starts = [seq.ks for seq in seqs]
-    del seqs[:]  # the copies of q, k, v and dout go before dk and dv are allocated
+    del seqs[:]  # copies of q, k, v and dout (GQA, other dtypes) go before dk and dv are allocated
     dk = _new_output((tk, n_kv, head_dim), grad_dtype, q.device)
     dv = _new_output((tk, n_kv, head_dim), grad_dtype, q.device)
     for ks, ke in empty:
         dk[ks:ke] = 0.0
         dv[ks:ke] = 0.0
-    # every sequence's first query block created its thread's partial sums: sum them per sequence,
-    # freeing each block once written
-    by_seq: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
-    for (_, index), partial_sums in sorted(partial.items()):
-        by_seq.setdefault(index, []).append(partial_sums)
-    partial.clear()
-    for index, sums in by_seq.items():
-        ks = seq_starts[index]
-        for jb in range(len(sums[0][0])):
-            j0 = ks + jb * bk
-            dk_j = sums[0][0][jb]
-            dv_j = sums[0][1][jb]
-            for other in sums[1:]:
-                dk_j += other[0][jb]
-                dv_j += other[1][jb]
-            dk[j0 : j0 + dk_j.shape[1]] = dk_j.transpose(0, 1).mul_(softmax_scale)
-            dv[j0 : j0 + dv_j.shape[1]] = dv_j.transpose(0, 1)
-            for dk_list, dv_list in sums:
-                # an empty placeholder frees the block now rather than with the whole list
-                dk_list[jb] = dv_list[jb] = dk_j.new_empty(0)
+    for index, ks in enumerate(seq_starts):
+        dk_blocks, dv_blocks = dk_acc[index], dv_acc[index]
+        for jb in range(len(dk_blocks)):
+            j0, j1 = ks + jb * bk, ks + jb * bk + dk_blocks[jb].shape[1]
+            dk[j0:j1] = dk_blocks[jb].transpose(0, 1).mul_(softmax_scale)
+            dv[j0:j1] = dv_blocks[jb].transpose(0, 1)
+            # an empty placeholder frees the block now rather than with the whole list
+            dk_blocks[jb] = dv_blocks[jb] = dk_blocks[jb].new_empty(0)
     return dq, dk, dv
 
 
