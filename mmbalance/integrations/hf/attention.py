@@ -283,10 +283,12 @@ def _build_plan(seqs: list[_Seq], n_q: int, n_k: int, causal: bool, window, devi
                 kr.append((s.kruns[0][2] - base, s.kruns[0][1], s.kruns[1][2] - base))
         q_runs = torch.tensor(qr, dtype=torch.int32, device=device)
         k_runs = torch.tensor(kr, dtype=torch.int32, device=device)
+    # one tensor for equal boundaries: the op takes that as "same sequences" (flash-attn may run it)
+    cu_q = cu_seqlens_from_lengths(nq, device=device)
     return _Plan(
         k_index=k_index,
-        cu_q=cu_seqlens_from_lengths(nq, device=device),
-        cu_k=cu_seqlens_from_lengths(nk, device=device),
+        cu_q=cu_q,
+        cu_k=cu_q if np.array_equal(nq, nk) else cu_seqlens_from_lengths(nk, device=device),
         max_q=int(nq.max(initial=0)),
         max_k=int(nk.max(initial=0)),
         causal_offset=int(offset),
