@@ -159,7 +159,6 @@ def test_window_is_judged_per_sequence(monkeypatch):
         raise RuntimeError("stop")
 
     monkeypatch.setattr(attn, "attention_block", spy)
-    monkeypatch.setattr(attn, "_op_keywords", lambda: frozenset({"window_left", "window_right"}))
     q = torch.randn(1, H, 10, D)
     k = torch.randn(1, HKV, 10, D)
     for lens in ([4, 3, 3], [2, 8]):

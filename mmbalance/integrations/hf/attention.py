@@ -36,8 +36,6 @@ decoder, ``use_bidirectional_attention``), paged caches, unknown keywords.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,19 +78,6 @@ _REFUSED = {
 
 def _refuse(what: str, exc=ValueError) -> Exception:
     return exc(f"{ATTENTION_NAME} does not implement {what}")
-
-
-@functools.lru_cache(maxsize=1)
-def _op_keywords() -> frozenset[str]:
-    return frozenset(inspect.signature(attention_block).parameters)
-
-
-def _need_op_keyword(name: str, feature: str) -> None:
-    if name not in _op_keywords():
-        raise NotImplementedError(
-            f"{ATTENTION_NAME}: {feature} needs the `{name}` keyword of mmbalance.pyops.attention."
-            "attention_block, which this installation lacks"
-        )
 
 
 def _check_keywords(module, dropout: float, kwargs: dict) -> None:
@@ -508,17 +493,14 @@ def varlen_attention(
 
     extra: dict[str, Any] = {}
     if plan.window != (-1, -1):
-        _need_op_keyword("window_left", "sliding-window attention")
         extra.update(window_left=plan.window[0], window_right=plan.window[1])
     softcap = kwargs.get("softcap")
     if softcap is not None and softcap > 0:
-        _need_op_keyword("softcap", "logit softcapping (softcap)")
         extra["softcap"] = float(softcap)
     sinks = kwargs.get("s_aux")
     if sinks is None:
         sinks = kwargs.get("sinks")
     if sinks is not None:
-        _need_op_keyword("sinks", "attention sinks (s_aux)")
         if sinks.shape != (h,):
             raise ValueError(
                 f"{ATTENTION_NAME}: s_aux must have one logit per query head ({h}), got {tuple(sinks.shape)}"
