@@ -418,6 +418,30 @@ def _parallel(tasks: list, run, device: torch.device) -> None:
         raise errors[0]
 
 
+class _Scratch:
+    """Per-thread buffers for the score-sized temporaries of the block loop, allocated by the
+    calling thread and reused across blocks: a fresh multi-MiB tensor per block pair, allocated
+    in a worker thread's own heap, fragments it and grows the process's resident memory far
+    beyond what is live."""
+
+    def __init__(
+        self, seqs: list, heads: int, bq: int, bk: int, names: tuple[str, ...], dtype, device
+    ) -> None:
+        longest_q = max((s.qe - s.qs for s in seqs), default=0)
+        longest_k = max((s.ke - s.ks for s in seqs), default=0)
+        numel = heads * min(bq, longest_q) * min(bk, longest_k)
+        workers = torch.get_num_threads() if device.type == "cpu" else 1
+        self.buffers = {
+            (worker, name): torch.empty(numel, dtype=dtype, device=device)
+            for worker in range(workers)
+            for name in names
+        }
+
+    def get(self, worker: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A contiguous ``shape`` view of this thread's buffer ``name`` (contents undefined)."""
+        return self.buffers[worker, name][: math.prod(shape)].view(shape)
+
+
 @dataclasses.dataclass
 class _Seq:
     """One sequence prepared for the blockwise path."""
@@ -484,7 +508,9 @@ def attention_block_fwd_ref(
                          _grouped(q[qs:qe], n_kv, acc), _key_blocks(k[ks:ke], bk, acc),
                          _key_blocks(v[ks:ke], bk, acc, ones=True)))  # fmt: skip
 
-    def run(_worker: int, task: tuple[_Seq, int, int]) -> None:
+    scratch = _Scratch(seqs, n_heads, bq, bk, ("s",), acc, q.device)
+
+    def run(worker: int, task: tuple[_Seq, int, int]) -> None:
         seq, i0, i1 = task
         rows = (i1 - i0) * group
         qb = seq.q_g[:, i0 * group : i1 * group]
@@ -492,7 +518,9 @@ def attention_block_fwd_ref(
         # o[..., :D] = sum_j exp(s_j - m) v_j and o[..., D] = sum_j exp(s_j - m)
         o = torch.zeros((n_kv, rows, head_dim + 1), dtype=acc, device=q.device)
         for jb, _, _, blocked in seq.blocks.k_blocks(i0, i1):
-            s = torch.baddbmm(zero, qb, seq.k_b[jb].transpose(1, 2), beta=0.0, alpha=pre)
+            kb = seq.k_b[jb]
+            s = scratch.get(worker, "s", (n_kv, rows, kb.shape[1]))
+            torch.baddbmm(zero, qb, kb.transpose(1, 2), beta=0.0, alpha=pre, out=s)
             if softcap > 0:
                 s.tanh_().mul_(softcap)
             if blocked is not None:
@@ -590,6 +618,8 @@ def attention_block_bwd_ref(
     ]
     locks = [[threading.Lock() for _ in s.k_b] for s in seqs]
 
+    scratch = _Scratch(seqs, n_heads, bq, bk, ("s", "ds", "t") if softcap > 0 else ("s", "ds"), acc, q.device)
+
     def run(worker: int, task: tuple[int, int, int]) -> None:
         index, i0, i1 = task
         seq = seqs[index]
@@ -602,16 +632,19 @@ def attention_block_bwd_ref(
         pairs = list(seq.blocks.k_blocks(i0, i1))
         for jb, _, _, blocked in reversed(pairs) if worker % 2 else pairs:
             kb, vb = seq.k_b[jb], seq.v_b[jb]
+            shape = (n_kv, r1 - r0, kb.shape[1])
+            s = scratch.get(worker, "s", shape)
             t = None
             if softcap > 0:
-                t = torch.baddbmm(nl, qb, kb.transpose(1, 2), beta=0.0, alpha=pre).tanh_()
-                s = torch.add(nl, t, alpha=softcap)
+                t = scratch.get(worker, "t", shape)
+                torch.baddbmm(nl, qb, kb.transpose(1, 2), beta=0.0, alpha=pre, out=t).tanh_()
+                torch.add(nl, t, alpha=softcap, out=s)
             else:
-                s = torch.baddbmm(nl, qb, kb.transpose(1, 2), alpha=pre)
+                torch.baddbmm(nl, qb, kb.transpose(1, 2), alpha=pre, out=s)
             if blocked is not None:
                 s.view(n_kv, i1 - i0, group, -1).masked_fill_(blocked, -math.inf)
             p = s.exp_()
-            ds = torch.baddbmm(nd, dob, vb.transpose(1, 2)).mul_(p)
+            ds = torch.baddbmm(nd, dob, vb.transpose(1, 2), out=scratch.get(worker, "ds", shape)).mul_(p)
             if t is not None:
                 ds.mul_(t.square_().neg_().add_(1.0))
             dq_b.baddbmm_(ds, kb, alpha=dq_alpha)
