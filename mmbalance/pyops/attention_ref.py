@@ -18,6 +18,7 @@ float64 inputs). Query blocks run on parallel threads of single-threaded torch o
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import math
 import os
@@ -371,18 +372,35 @@ def _rows(t: torch.Tensor, n_kv: int) -> torch.Tensor:
     return t.view(n_kv, n_heads // n_kv, length).transpose(1, 2).reshape(n_kv, length * (n_heads // n_kv))
 
 
-def _parallel(tasks: list, run, device: torch.device) -> None:
-    """Run ``run(worker, task)`` for every task on up to ``torch.get_num_threads()`` Python threads
-    (the calling one included), each doing single-threaded torch ops.
+@contextlib.contextmanager
+def _single_threaded_ops(device: torch.device):
+    """Run the block path with single-threaded torch ops in the calling thread; yields how many
+    threads ``_parallel`` may use (the thread count, restored afterwards; 1 off the CPU).
 
     Coarse-grained parallelism over blocks rather than every op's own OpenMP region: on a few
     shared cores a thread team per small op waits at each op's barrier for a thread the OS has
-    descheduled, which made the blockwise path several times slower than on a quiet machine.
-    Torch ops release the GIL, so the threads really run side by side. Tasks must write disjoint
-    outputs. The calling thread's thread count is restored afterwards.
+    descheduled, which made the blockwise path several times slower than on a quiet machine, and
+    a small batch spent most of its time in such barriers.
     """
+    if device.type != "cpu":
+        yield 1
+        return
     n_threads = torch.get_num_threads()
-    workers = min(n_threads, len(tasks)) if device.type == "cpu" else 1
+    torch.set_num_threads(1)
+    try:
+        yield n_threads
+    finally:
+        torch.set_num_threads(n_threads)
+
+
+def _parallel(tasks: list, run, workers: int) -> None:
+    """Run ``run(worker, task)`` for every task on up to ``workers`` Python threads (the calling
+    one included), each doing single-threaded torch ops (inside ``_single_threaded_ops``).
+
+    Torch ops release the GIL, so the threads really run side by side. Tasks must write disjoint
+    outputs (or lock what they share).
+    """
+    workers = min(workers, len(tasks))
     if workers <= 1:
         for task in tasks:
             run(0, task)
@@ -406,14 +424,11 @@ def _parallel(tasks: list, run, device: torch.device) -> None:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in range(1, workers)]
-    try:
-        for t in threads:
-            t.start()
-        work(0)
-        for t in threads:
-            t.join()
-    finally:
-        torch.set_num_threads(n_threads)
+    for t in threads:
+        t.start()
+    work(0)
+    for t in threads:
+        t.join()
     if errors:
         raise errors[0]
 
@@ -425,12 +440,11 @@ class _Scratch:
     beyond what is live."""
 
     def __init__(
-        self, seqs: list, heads: int, bq: int, bk: int, names: tuple[str, ...], dtype, device
+        self, seqs: list, heads: int, bq: int, bk: int, names: tuple[str, ...], workers: int, dtype, device
     ) -> None:
         longest_q = max((s.qe - s.qs for s in seqs), default=0)
         longest_k = max((s.ke - s.ks for s in seqs), default=0)
         numel = heads * min(bq, longest_q) * min(bk, longest_k)
-        workers = torch.get_num_threads() if device.type == "cpu" else 1
         self.buffers = {
             (worker, name): torch.empty(numel, dtype=dtype, device=device)
             for worker in range(workers)
@@ -486,8 +500,15 @@ def attention_block_fwd_ref(
     Accumulates in float32 (float64 for float64 inputs); ``lse`` is in that dtype. Rows without an
     allowed key get ``out = 0`` and ``lse = -inf`` (``sinks[h]`` with sinks).
     """
+    with _single_threaded_ops(q.device) as workers:
+        return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset, q_runs, k_runs,
+                    out_dtype, window_left, window_right, softcap, sinks, block_q or BLOCK_Q, block_k or BLOCK_K,
+                    workers)  # fmt: skip
+
+
+def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset, q_runs, k_runs, out_dtype,
+         window_left, window_right, softcap, sinks, bq, bk, workers):  # fmt: skip
     acc = acc_dtype(q)
-    bq, bk = block_q or BLOCK_Q, block_k or BLOCK_K
     tq, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -508,7 +529,7 @@ def attention_block_fwd_ref(
                          _grouped(q[qs:qe], n_kv, acc), _key_blocks(k[ks:ke], bk, acc),
                          _key_blocks(v[ks:ke], bk, acc, ones=True)))  # fmt: skip
 
-    scratch = _Scratch(seqs, n_heads, bq, bk, ("s",), acc, q.device)
+    scratch = _Scratch(seqs, n_heads, bq, bk, ("s",), workers, acc, q.device)
 
     def run(worker: int, task: tuple[_Seq, int, int]) -> None:
         seq, i0, i1 = task
@@ -541,7 +562,7 @@ def attention_block_fwd_ref(
             lse_b.view(n_kv, i1 - i0, group).permute(0, 2, 1).reshape(n_heads, i1 - i0)
         )
 
-    _parallel([(seq, i0, i1) for seq in seqs for i0, i1 in seq.blocks.q_blocks()], run, q.device)
+    _parallel([(seq, i0, i1) for seq in seqs for i0, i1 in seq.blocks.q_blocks()], run, workers)
     return out, lse
 
 
@@ -576,9 +597,16 @@ def attention_block_bwd_ref(
     ``dk``/``dv`` of its own (summed at the end); memory as in the forward plus one ``dk``/``dv``
     per thread.
     """
+    with _single_threaded_ops(q.device) as workers:
+        return _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset,
+                    q_runs, k_runs, dlse, window_left, window_right, softcap, block_q or BLOCK_Q,
+                    block_k or BLOCK_K, workers)  # fmt: skip
+
+
+def _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset, q_runs,
+         k_runs, dlse, window_left, window_right, softcap, bq, bk, workers):  # fmt: skip
     acc = acc_dtype(q, lse)
     grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    bq, bk = block_q or BLOCK_Q, block_k or BLOCK_K
     tq, n_heads, head_dim = q.shape
     tk, n_kv = k.shape[0], k.shape[1]
     group = n_heads // n_kv
@@ -618,7 +646,8 @@ def attention_block_bwd_ref(
     ]
     locks = [[threading.Lock() for _ in s.k_b] for s in seqs]
 
-    scratch = _Scratch(seqs, n_heads, bq, bk, ("s", "ds", "t") if softcap > 0 else ("s", "ds"), acc, q.device)
+    names = ("s", "ds", "t") if softcap > 0 else ("s", "ds")
+    scratch = _Scratch(seqs, n_heads, bq, bk, names, workers, acc, q.device)
 
     def run(worker: int, task: tuple[int, int, int]) -> None:
         index, i0, i1 = task
@@ -656,7 +685,7 @@ def attention_block_bwd_ref(
         dq_g[:, i0:i1] = dq_b.view(n_kv, i1 - i0, group, head_dim)
 
     tasks = [(index, i0, i1) for index, seq in enumerate(seqs) for i0, i1 in seq.blocks.q_blocks()]
-    _parallel(tasks, run, q.device)
+    _parallel(tasks, run, workers)
     seq_starts = [seq.ks for seq in seqs]
     del seqs[:]  # copies of q, k, v and dout (GQA, other dtypes) go before dk and dv are allocated
     dk = _new_output((tk, n_kv, head_dim), grad_dtype, q.device)

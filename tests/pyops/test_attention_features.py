@@ -237,14 +237,16 @@ def test_threads_agree(small_blocks):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_parallel_reraises_a_worker_error():
+def test_parallel_reraises_a_worker_error_and_thread_count_is_restored():
     def run(_worker, task):
         if task == 3:
             raise RuntimeError("task 3 failed")
 
     threads = torch.get_num_threads()
     with pytest.raises(RuntimeError, match="task 3"):
-        ref._parallel(list(range(8)), run, torch.device("cpu"))
+        with ref._single_threaded_ops(torch.device("cpu")) as workers:
+            assert workers == threads and torch.get_num_threads() == 1
+            ref._parallel(list(range(8)), run, 2)
     assert torch.get_num_threads() == threads
 
 
