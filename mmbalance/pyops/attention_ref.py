@@ -333,13 +333,10 @@ def _grouped(x: torch.Tensor, n_kv: int, acc: torch.dtype) -> torch.Tensor:
     return y.view(n_kv, length * group, head_dim)
 
 
-def _key_blocks(
-    x: torch.Tensor, bk: int, acc: torch.dtype, scale: float = 1.0, ones: bool = False
-) -> list[torch.Tensor]:
-    """``[L, Hkv, D]`` -> ``[Hkv, bk, D]`` blocks in ``acc``, times ``scale``: strided views when
-    nothing needs changing (they are only read by the products), contiguous copies otherwise;
-    ``ones`` appends a column of ones, so the product ``p @ [v, 1]`` also gives the row sums of
-    ``p``."""
+def _key_blocks(x: torch.Tensor, bk: int, acc: torch.dtype, ones: bool = False) -> list[torch.Tensor]:
+    """``[L, Hkv, D]`` -> ``[Hkv, bk, D]`` blocks in ``acc``: strided views when already in ``acc``
+    (they are only read by the products), contiguous copies otherwise; ``ones`` appends a column
+    of ones (a copy), so the product ``p @ [v, 1]`` also gives the row sums of ``p``."""
     blocks = []
     for j0 in range(0, x.shape[0], bk):
         xb = x[j0 : j0 + bk].permute(1, 0, 2)
@@ -347,12 +344,10 @@ def _key_blocks(
         if ones:
             blk = torch.ones((n, length, head_dim + 1), dtype=acc, device=x.device)
             blk[..., :-1] = xb
-        elif scale == 1.0 and x.dtype == acc:
+        elif x.dtype == acc:
             blk = xb
         else:
             blk = torch.empty((n, length, head_dim), dtype=acc, device=x.device).copy_(xb)
-        if scale != 1.0:
-            blk[..., :head_dim].mul_(scale)
         blocks.append(blk)
     return blocks
 
