@@ -383,7 +383,9 @@ def _single_threaded_ops(device: torch.device):
     n_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield n_threads
+        # the path sets its own precision (float32 or float64 accumulation), in every thread alike
+        with torch.autocast("cpu", enabled=False):
+            yield n_threads
     finally:
         torch.set_num_threads(n_threads)
 
@@ -403,12 +405,15 @@ def _parallel(tasks: list, run, workers: int) -> None:
     lock = threading.Lock()
     todo = iter(tasks)
     errors: list[BaseException] = []
+    # new threads start without the caller's thread-local modes: carry inference mode over (the
+    # outputs are inference tensors then, which only inference mode may write)
+    inference = torch.is_inference_mode_enabled()
 
     def work(worker: int) -> None:
         torch.set_num_threads(1)
         try:
             # new threads do not inherit the op's below-autograd dispatch state: record no graph
-            with torch.no_grad():
+            with torch.inference_mode(inference), torch.no_grad():
                 while not errors:
                     with lock:
                         task = next(todo, None)

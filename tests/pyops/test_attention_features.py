@@ -237,6 +237,22 @@ def test_threads_agree(small_blocks):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_inference_mode_and_autocast(small_blocks):
+    """Worker threads run under the caller's inference mode (its outputs are inference tensors),
+    and autocast does not lower the path's float32 accumulation."""
+    q, k, v, cu_q, cu_k, lq, lk, sinks = _batch(seed=12, dtype=torch.float32, n_seqs=3, max_len=20)
+    kw = dict(causal=True, window_left=6, sinks=sinks)
+    want_out, want_lse = ops.attention_block(q, k, v, cu_q, cu_k, max(lq), max(lk), **kw)
+    with torch.inference_mode():
+        out, lse = ops.attention_block(q, k, v, cu_q, cu_k, max(lq), max(lk), **kw)
+    assert out.is_inference()
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = ops.attention_block(q, k, v, cu_q, cu_k, max(lq), max(lk), **kw)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+
+
 def test_parallel_reraises_a_worker_error_and_thread_count_is_restored():
     def run(_worker, task):
         if task == 3:
