@@ -5,11 +5,13 @@ Ops (schemas)::
 
     mmbalance::attention_block_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
         SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal, SymInt causal_offset,
-        Tensor? q_runs, Tensor? k_runs, ScalarType? out_dtype, str backend) -> (Tensor out, Tensor lse)
+        Tensor? q_runs, Tensor? k_runs, ScalarType? out_dtype, str backend, SymInt window_left=-1,
+        SymInt window_right=-1, float softcap=0., Tensor? sinks=None) -> (Tensor out, Tensor lse)
     mmbalance::attention_block_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
         Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
         float softmax_scale, bool causal, SymInt causal_offset, Tensor? q_runs, Tensor? k_runs,
-        Tensor? dlse, str backend) -> (Tensor dq, Tensor dk, Tensor dv)
+        Tensor? dlse, str backend, SymInt window_left=-1, SymInt window_right=-1, float softcap=0.)
+        -> (Tensor dq, Tensor dk, Tensor dv)
     mmbalance::merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, str backend)
         -> (Tensor out, Tensor lse)
 
@@ -20,6 +22,15 @@ Causal masks compare absolute positions, ``pos_k <= pos_q``; without run tensors
 at ``i + causal_offset`` and key ``j`` at ``j`` (top-left aligned); ``q_runs``/``k_runs`` int32
 ``[B, 3]`` give each sequence's positions as two runs ``(start0, len0, start1)``.
 
+Optional features (defaults: off), flash-attn's semantics on these positions: a sliding window
+(key ``j`` allowed for query ``i`` only if ``pos_q(i) - window_left <= pos_k(j) <= pos_q(i) +
+window_right``, ``-1``: unbounded; combined with the causal rule), logit softcapping (``s =
+softcap * tanh(scale * <q, k> / softcap)``, Gemma 2) and per-head attention sinks (a logit
+``sinks[h]`` that joins each row's softmax denominator only: the returned ``lse`` includes it, a
+row with no allowed key has ``lse = sinks[h]`` and ``out = 0``). The backward op takes no sinks:
+it recomputes the probabilities from the ``lse`` that includes them; their gradient is
+``sinks_backward``'s, in torch.
+
 Backends (``backend=``): ``"auto"`` picks flash-attn on CUDA when it is installed and supports the
 call (see ``flash_attn_unsupported_reasons``), the Triton kernels on other CUDA calls and on CPU
 under ``TRITON_INTERPRET=1``, and the torch reference (``pyops/attention_ref.py``) otherwise and
@@ -27,7 +38,12 @@ for float64. ``"triton"``, ``"flash_attn"`` and ``"reference"`` force one and ra
 the reasons when it cannot run. ``MMBALANCE_ATTN_BACKEND`` sets what ``"auto"`` means for a run.
 
 Autograd: ``attention_block`` (the forward op) differentiates to ``attention_block_bwd``, including
-a gradient reaching ``lse``; ``merge_attention_states`` has a closed-form backward in torch.
+a gradient reaching ``lse``, and to the sinks through ``sinks_backward``; ``merge_attention_states``
+has a closed-form backward in torch.
+
+The Triton kernels take the features as keyword arguments (``window_left``, ``window_right``,
+``softcap`` forward and backward, ``sinks`` forward); kernels that do not accept one yet make a
+call that needs it raise NotImplementedError naming the feature, never run without it.
 """
 
 from __future__ import annotations
@@ -52,6 +68,7 @@ __all__ = [
     "attention_block_backward",
     "merge_attention_states",
     "flash_attn_unsupported_reasons",
+    "sinks_backward",
     "BACKENDS",
 ]
 
@@ -86,11 +103,16 @@ def flash_attn_unsupported_reasons(
     same_cu: bool,
     has_dlse: bool = False,
     backward: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    has_sinks: bool = False,
 ) -> list[str]:
     """Why flash-attn cannot run this block call (empty list: it can).
 
-    flash-attn aligns causal masks bottom-right per sequence, so only plain causal masks over
-    identical query and key boundaries (where both alignments agree) map onto it.
+    flash-attn aligns causal masks and windows bottom-right per sequence, so only masks over
+    identical query and key boundaries without offsets or runs (where both alignments agree) map
+    onto it. flash-attn 2 has no attention sinks.
     """
     if not q.is_cuda:
         return ["flash-attn needs CUDA tensors"]
@@ -101,8 +123,18 @@ def flash_attn_unsupported_reasons(
         reasons.append(f"flash-attn supports float16/bfloat16, not {q.dtype}")
     if q.shape[-1] > 256 or q.shape[-1] % 8:
         reasons.append(f"flash-attn needs a head dim <= 256 and a multiple of 8, got {q.shape[-1]}")
-    if causal and (has_runs or causal_offset != 0 or not same_cu):
+    windowed = window_left >= 0 or window_right >= 0
+    if (causal or windowed) and (has_runs or causal_offset != 0 or not same_cu):
         reasons.append("flash-attn has no position runs / causal offset (needs identical cu_seqlens)")
+    fai = _flash_attn_interface()
+    if fai is not None:
+        params = inspect.signature(fai.flash_attn_varlen_func).parameters
+        if windowed and "window_size" not in params:
+            reasons.append("the installed flash-attn has no sliding window (window_size)")
+        if softcap > 0 and "softcap" not in params:
+            reasons.append("the installed flash-attn has no softcap")
+    if has_sinks:
+        reasons.append("flash-attn 2 has no attention sinks")
     if has_dlse:
         reasons.append("flash-attn's backward takes no gradient of the LSE")
     if backward and not _FLASH_LSE_PACKED.get("packed", False):
@@ -113,8 +145,17 @@ def flash_attn_unsupported_reasons(
 
 
 def _select_backend(
-    backend: str, q: Tensor, causal, causal_offset, has_runs, same_cu, has_dlse=False, backward=False
+    backend: str,
+    q: Tensor,
+    causal,
+    causal_offset,
+    has_runs,
+    same_cu,
+    has_dlse=False,
+    backward=False,
+    **features,
 ) -> str:
+    """The backend that runs this call; ``features``: ``flash_attn_unsupported_reasons``' keywords."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -125,12 +166,12 @@ def _select_backend(
         if q.dtype == torch.float64 or not (q.is_cuda or INTERPRET):
             return "reference"
         reasons = flash_attn_unsupported_reasons(
-            q, causal, causal_offset, has_runs, same_cu, has_dlse, backward
+            q, causal, causal_offset, has_runs, same_cu, has_dlse, backward, **features
         )
         return "triton" if reasons else "flash_attn"
     if backend == "flash_attn":
         reasons = flash_attn_unsupported_reasons(
-            q, causal, causal_offset, has_runs, same_cu, has_dlse, backward
+            q, causal, causal_offset, has_runs, same_cu, has_dlse, backward, **features
         )
         if reasons:
             raise ValueError("backend='flash_attn' cannot run this call: " + "; ".join(reasons))
@@ -142,11 +183,19 @@ def _select_backend(
     return backend
 
 
-def _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+def _flash_fwd(
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left=-1, window_right=-1, softcap=0.0
+):
     fai = _flash_attn_interface()
+    extra = {}
+    # only what the call needs, so releases without these arguments still run plain calls
+    if window_left >= 0 or window_right >= 0:
+        extra["window_size"] = (window_left, window_right)
+    if softcap > 0:
+        extra["softcap"] = softcap
     out, lse, _ = fai.flash_attn_varlen_func(
         q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
-        return_attn_probs=True,
+        return_attn_probs=True, **extra,
     )  # fmt: skip
     _FLASH_LSE_PACKED["packed"] = lse.dim() == 2
     if lse.dim() == 3:
@@ -158,7 +207,23 @@ def _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     return out, torch.where(lse == math.inf, -math.inf, lse.float()).contiguous()
 
 
-def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+def _flash_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    scale,
+    causal,
+    window_left=-1,
+    window_right=-1,
+    softcap=0.0,
+):
     fai = _flash_attn_interface()
     fn = fai._flash_attn_varlen_backward
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -166,13 +231,41 @@ def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
         dout=dout.contiguous(), q=q, k=k, v=v, out=out.to(q.dtype).contiguous(),
         softmax_lse=torch.where(lse == -math.inf, math.inf, lse).float().contiguous(),
         dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1), window_size_left=-1,
-        window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(window_left, window_right),
+        window_size_left=window_left, window_size_right=window_right, softcap=softcap, alibi_slopes=None,
+        deterministic=False, rng_state=None,
     )  # fmt: skip
     # the private backward's signature changed across 2.x releases: pass what it names
     params = inspect.signature(fn).parameters
     fn(**{name: values[name] for name in params if name in values})
     return dq.float(), dk.float(), dv.float()
+
+
+_FEATURE_DEFAULTS = {"window_left": -1, "window_right": -1, "softcap": 0.0, "sinks": None}
+
+
+def _call_kernel(kernel, what: str, args: tuple, kwargs: dict, features: dict):
+    """Call a Triton launcher with the features that are on (non-default) as keywords.
+
+    A launcher that does not take one yet raises TypeError at the call; that becomes a
+    NotImplementedError naming the feature, so a call never runs without a feature it asked for.
+    """
+    on = {
+        name: val
+        for name, val in features.items()
+        if ((val is not None) if name == "sinks" else (val != _FEATURE_DEFAULTS[name]))
+    }
+    try:
+        return kernel(*args, **kwargs, **on)
+    except TypeError as e:
+        # only the binding error of a keyword the launcher lacks; anything raised inside it stays
+        missing = [name for name in on if f"unexpected keyword argument '{name}'" in str(e)]
+        if not missing:
+            raise
+        raise NotImplementedError(
+            f"the Triton {what} kernel does not support {', '.join(missing)} yet; "
+            "use backend='reference' (CPU) or leave the feature off"
+        ) from e
 
 
 # ------------------------------------------------------------------------------- forward block op
@@ -192,38 +285,39 @@ def _attention_block_fwd_op(
     k_runs: Tensor | None,
     out_dtype: torch.dtype | None,
     backend: str,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     _ref.check_block_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs
     )
+    _ref.check_features(q, window_left, window_right, softcap, sinks)
     same_cu = cu_seqlens_q is cu_seqlens_k
     # the kernels index cu_seqlens through its raw pointer: any strided view becomes contiguous
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    chosen = _select_backend(backend, q, causal, causal_offset, q_runs is not None, same_cu)
+    window = dict(window_left=window_left, window_right=window_right, softcap=softcap)
+    chosen = _select_backend(
+        backend, q, causal, causal_offset, q_runs is not None, same_cu, has_sinks=sinks is not None, **window
+    )
     if chosen == "reference":
         return _ref.attention_block_fwd_ref(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            softmax_scale,
-            causal,
-            causal_offset,
-            q_runs,
-            k_runs,
-            out_dtype,
-        )
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset, q_runs, k_runs,
+            out_dtype, window_left, window_right, softcap, sinks,
+        )  # fmt: skip
     if chosen == "flash_attn":
         out, lse = _flash_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, **window
         )
         return out.to(out_dtype or q.dtype), lse
     out = _new_output(q.shape, out_dtype or q.dtype, q.device)
     lse = _new_output((q.shape[1], q.shape[0]), torch.float32, q.device)
-    _fwd_kernels.attn_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, causal_offset,
-        q_runs, k_runs, out=out, lse=lse,
+    sinks32 = None if sinks is None else sinks.to(torch.float32).contiguous()
+    _call_kernel(
+        _fwd_kernels.attn_fwd, "forward",
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, causal_offset, q_runs, k_runs),
+        dict(out=out, lse=lse), dict(window, sinks=sinks32),
     )  # fmt: skip
     return out, lse
 
@@ -235,26 +329,32 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 @_attention_block_fwd_op.register_fake
 def _attention_block_fwd_fake(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, causal_offset,
-    q_runs, k_runs, out_dtype, backend,
+    q_runs, k_runs, out_dtype, backend, window_left=-1, window_right=-1, softcap=0.0, sinks=None,
 ):  # fmt: skip
     _ref.check_block_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs
     )
+    _ref.check_features(q, window_left, window_right, softcap, sinks)
     out = q.new_empty(q.shape, dtype=out_dtype or q.dtype)
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, offset, q_runs, k_runs, _, backend = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, offset, q_runs, k_runs, _, backend = inputs[:14]
+    window_left, window_right, softcap, sinks = inputs[14:]
     out, lse = output
-    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, q_runs, k_runs)
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, q_runs, k_runs, sinks)
     ctx.args = (max_q, max_k, scale, causal, offset)
+    ctx.features = (window_left, window_right, softcap)
     ctx.backend = backend
     ctx.set_materialize_grads(False)
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, cu_q, cu_k, out, lse, q_runs, k_runs = ctx.saved_tensors
+    q, k, v, cu_q, cu_k, out, lse, q_runs, k_runs, sinks = ctx.saved_tensors
+    d_sinks = None
+    if sinks is not None and ctx.needs_input_grad[17]:
+        d_sinks = sinks_backward(sinks, out, lse, dout, dlse)
     if dout is None:
         dout = torch.zeros_like(q)
     backend = ctx.backend if dlse is None else ("triton" if ctx.backend == "flash_attn" else ctx.backend)
@@ -262,9 +362,23 @@ def _fwd_backward(ctx, dout, dlse):
     dout = dout.to(q.dtype).contiguous()
     dlse = None if dlse is None else dlse.contiguous()
     dq, dk, dv = torch.ops.mmbalance.attention_block_bwd(
-        dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, q_runs, k_runs, dlse, backend
+        dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, q_runs, k_runs, dlse, backend, *ctx.features
     )
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 11)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 14), d_sinks
+
+
+def sinks_backward(
+    sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None
+) -> Tensor:
+    """Gradient in the attention sinks ``[H]`` (``sinks``' dtype) from the forward's ``out
+    [Tq, H, D]`` and ``lse [H, Tq]`` (which includes the sinks) and the incoming ``dout``/``dlse``
+    (None: zero).
+
+    The sink joins every row's denominator: ``d lse_hi / d sink_h = exp(sink_h - lse_hi)`` and
+    ``d out_hi / d sink_h = -exp(sink_h - lse_hi) out_hi``, so
+    ``d sink_h = sum_i exp(sink_h - lse_hi) * (dlse_hi - rowsum(dout_hi * out_hi))``.
+    """
+    return _ref.sinks_grad(sinks, out, lse, dout, dlse)
 
 
 torch.library.register_autograd("mmbalance::attention_block_fwd", _fwd_backward, setup_context=_fwd_setup)
@@ -290,30 +404,45 @@ def _attention_block_bwd_op(
     k_runs: Tensor | None,
     dlse: Tensor | None,
     backend: str,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_bwd_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                     q_runs, k_runs, dlse)  # fmt: skip
+    _ref.check_features(q, window_left, window_right, softcap, None)
     same_cu = cu_seqlens_q is cu_seqlens_k
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    window = dict(window_left=window_left, window_right=window_right, softcap=softcap)
     chosen = _select_backend(
-        backend, q, causal, causal_offset, q_runs is not None, same_cu, dlse is not None, backward=True
+        backend,
+        q,
+        causal,
+        causal_offset,
+        q_runs is not None,
+        same_cu,
+        dlse is not None,
+        backward=True,
+        **window,
     )
     if chosen == "reference":
         return _ref.attention_block_bwd_ref(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset,
-            q_runs, k_runs, dlse,
+            q_runs, k_runs, dlse, window_left, window_right, softcap,
         )  # fmt: skip
     if chosen == "flash_attn":
         return _flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          softmax_scale, causal)  # fmt: skip
+                          softmax_scale, causal, **window)  # fmt: skip
     grads = (
         _new_output(q.shape, torch.float32, q.device),
         _new_output(k.shape, torch.float32, q.device),
         _new_output(v.shape, torch.float32, q.device),
     )
-    return _bwd_kernels.attn_bwd(
-        dout, q, k, v, out, lse.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-        causal, causal_offset, q_runs, k_runs, dlse=None if dlse is None else dlse.float(), grads=grads,
+    return _call_kernel(
+        _bwd_kernels.attn_bwd, "backward",
+        (dout, q, k, v, out, lse.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+         causal, causal_offset, q_runs, k_runs),
+        dict(dlse=None if dlse is None else dlse.float(), grads=grads), window,
     )  # fmt: skip
 
 
@@ -340,10 +469,11 @@ def _check_bwd_args(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, q_
 @_attention_block_bwd_op.register_fake
 def _attention_block_bwd_fake(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-    causal_offset, q_runs, k_runs, dlse, backend,
+    causal_offset, q_runs, k_runs, dlse, backend, window_left=-1, window_right=-1, softcap=0.0,
 ):  # fmt: skip
     _check_bwd_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                     q_runs, k_runs, dlse)  # fmt: skip
+    _ref.check_features(q, window_left, window_right, softcap, None)
     dtype = _lse_dtype(q)
     return (
         q.new_empty(q.shape, dtype=dtype),
@@ -424,6 +554,21 @@ def _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale) -> f
     return float(softmax_scale)
 
 
+def _host_features(window_left, window_right, softcap, sinks=None) -> float:
+    """Check the feature scalars before the dispatcher sees them (it would coerce or reject them
+    with a schema error); returns ``softcap`` as a float."""
+    _ref.check_host_int("window_left", window_left, -1)
+    _ref.check_host_int("window_right", window_right, -1)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 turns it off), got {softcap!r}")
+    if sinks is not None and not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    return softcap
+
+
 def attention_block(
     q: Tensor,
     k: Tensor,
@@ -440,6 +585,10 @@ def attention_block(
     k_runs: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     backend: str = "auto",
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of packed varlen queries against one block of keys/values, with its LSE.
 
@@ -456,15 +605,26 @@ def attention_block(
             ``start1 + t - len0``, ``start1 >= start0 + len0``) are given.
         out_dtype: dtype of ``out`` (default q's; float32 keeps partial results unrounded).
         backend: ``"auto"``, ``"triton"``, ``"flash_attn"`` or ``"reference"`` (module docstring).
+        window_left, window_right: sliding window in positions (flash-attn's semantics): key ``j``
+            is allowed for query ``i`` only if ``pos_k(j) >= pos_q(i) - window_left`` (when
+            ``window_left >= 0``) and ``pos_k(j) <= pos_q(i) + window_right`` (when
+            ``window_right >= 0``), on top of the causal rule; ``-1`` is unbounded. Positions are
+            those above, also without ``causal``.
+        softcap: when ``> 0`` the logits are ``softcap * tanh(softmax_scale * <q, k> / softcap)``.
+        sinks: optional float ``[H]`` per-head sink logit: it joins each row's softmax denominator
+            only (``lse = log(exp(sinks[h]) + sum_j exp(s_ij))``); a row with no allowed key gets
+            ``out = 0``, ``lse = sinks[h]``. Differentiable.
 
     Returns:
         ``out [Tq, H, D]`` and ``lse [H, Tq]`` float32 (float64 for float64 inputs). Rows that see
-        no key: ``out = 0``, ``lse = -inf``. Differentiable in ``q``, ``k``, ``v`` through both.
+        no key: ``out = 0``, ``lse = -inf`` (``sinks[h]`` with sinks). Differentiable in ``q``,
+        ``k``, ``v`` and ``sinks`` through both.
     """
     softmax_scale = _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale)
+    softcap = _host_features(window_left, window_right, softcap, sinks)
     return torch.ops.mmbalance.attention_block_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
-        causal_offset, q_runs, k_runs, out_dtype, backend,
+        causal_offset, q_runs, k_runs, out_dtype, backend, window_left, window_right, softcap, sinks,
     )  # fmt: skip
 
 
@@ -487,19 +647,25 @@ def attention_block_backward(
     k_runs: Tensor | None = None,
     dlse: Tensor | None = None,
     backend: str = "auto",
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one attention block from the saved ``out`` and ``lse`` (FlashAttention-2 style).
 
     ``dout`` has q's shape and dtype; ``out`` q's shape (any float dtype); ``lse [H, Tq]`` may be
     the LSE merged over more keys than this block holds, so summing the block gradients of a ring
     gives the gradient of the merged output. ``dlse`` (``[H, Tq]``) is an optional gradient
-    reaching the LSE. Mask arguments as in ``attention_block``. Returns float32 (float64 for
-    float64 inputs) ``dq [Tq, H, D]``, ``dk``, ``dv [Tk, Hkv, D]``: cast once after summing.
+    reaching the LSE. Mask, window and softcap arguments as in ``attention_block``; sinks need
+    nothing here (they are inside ``lse``; ``sinks_backward`` gives their gradient). Returns
+    float32 (float64 for float64 inputs) ``dq [Tq, H, D]``, ``dk``, ``dv [Tk, Hkv, D]``: cast once
+    after summing.
     """
     softmax_scale = _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale)
+    softcap = _host_features(window_left, window_right, softcap)
     return torch.ops.mmbalance.attention_block_bwd(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-        bool(causal), causal_offset, q_runs, k_runs, dlse, backend,
+        bool(causal), causal_offset, q_runs, k_runs, dlse, backend, window_left, window_right, softcap,
     )  # fmt: skip
 
 

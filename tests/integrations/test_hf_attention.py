@@ -7,6 +7,8 @@ and cached decoding must match sdpa too; what the backend cannot do is refused, 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ def _models(**cfg_kw):
     cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0, **cfg_kw)  # fmt: skip
-    ref = Qwen2ForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
+    ref = Qwen2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="sdpa").float()
     mine = Qwen2ForCausalLM._from_config(cfg, attn_implementation=name).float()
     mine.load_state_dict(ref.state_dict())
     return ref, mine
@@ -98,7 +100,10 @@ def test_unsupported_settings_are_refused():
     module.train()
     with pytest.raises(ValueError, match="dropout"):
         varlen_attention(module, q, q, q, None, dropout=0.1)
-    with pytest.raises(ValueError, match="sliding-window"):
-        varlen_attention(module, q, q, q, None, sliding_window=4)
-    with pytest.raises(ValueError, match="2-D padding mask"):
+    module.eval()
+    with pytest.raises(ValueError, match="mmbalance_varlen.*position_bias"):
+        varlen_attention(module, q, q, q, None, position_bias=torch.zeros(1, 2, 8, 8))
+    with pytest.raises(ValueError, match="mmbalance_varlen.*4-D"):
         varlen_attention(module, q, q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="mmbalance_varlen.*`alibi_slopes`"):
+        varlen_attention(module, q, q, q, None, alibi_slopes=torch.ones(2))

@@ -1,0 +1,319 @@
+"""The mask side of the ``"mmbalance_varlen"`` backend: what transformers' mask functions express,
+kept in a form the varlen op can run.
+
+transformers builds every attention mask in ``masking_utils`` from a *mask function*
+``f(batch, head, q_idx, kv_idx) -> bool`` composed of a few known pieces (causal or bidirectional,
+sliding window, chunked, packed sequences, padding), and hands it to the mask function registered
+for the backend (``AttentionMaskInterface``). flash-attention's mask function keeps only the 2-D
+padding mask and so loses the rest (chunked attention, for one). Ours, :func:`varlen_mask`, reads
+the composition back into a :class:`VarlenMask` (no ``Lq x Lk`` tensor is ever built) and refuses
+what the op cannot express (e.g. bidirectional attention inside images, arbitrary ``or`` overlays)
+with a ``ValueError`` naming the backend and the piece.
+
+Positions follow ``masking_utils``: query ``i`` sits at ``q_offset + i`` and key ``j`` at
+``kv_offset + j`` (absolute indices: a cache's past tokens come first), the padding mask is indexed
+by the absolute key index, and with packed sequences the comparisons use the ``position_ids``
+values instead (``remap_positions_for_packed_sequence``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# transformers passes a prepared BlockMask (or 4-D tensor) through its mask builders unchanged
+from torch.nn.attention.flex_attention import BlockMask as _Prepared
+
+__all__ = ["ATTENTION_NAME", "VarlenMask", "varlen_mask", "parse_mask_function"]
+
+ATTENTION_NAME = "mmbalance_varlen"
+
+
+@dataclass(eq=False, repr=False)
+class VarlenMask(_Prepared):
+    """What one transformers mask says, in the terms of the varlen op.
+
+    A key ``j`` is allowed for query ``i`` of batch row ``b`` iff, with ``qa``/``ka`` their
+    positions (absolute indices, or the ``positions`` values for packed rows):
+    ``(not causal or ka <= qa)``, ``qa - window[0] <= ka <= qa + window[1]`` (a negative bound is
+    unbounded), ``(ka - left_padding[b]) // chunk == (qa - left_padding[b]) // chunk`` when
+    ``chunk`` is set, the key is not padding (``padding[b, kv_offset + j]``) and, for packed rows,
+    both lie in one sequence (``segments``). ``blocks`` (``[B, >= kv_offset + kv_length]``,
+    transformers' ``block_sequence_ids``: image tokens of one image share an id >= 0) widens the
+    causal condition: a query also sees the later keys of its own block (bidirectional images,
+    Gemma3), with the window still applied on top.
+    """
+
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: int = 0
+    kv_offset: int = 0
+    causal: bool = True
+    window: tuple[int, int] | None = None
+    chunk: int | None = None
+    left_padding: Tensor | None = None
+    padding: Tensor | None = None
+    segments: Tensor | None = None
+    positions: Tensor | None = None
+    blocks: Tensor | None = None
+    # host-side plans, one per (query length, key length, device), shared by every layer
+    plans: dict = field(default_factory=dict, repr=False)
+
+    # transformers treats a prepared mask as a tensor or a flex BlockMask in a few places:
+    # ``generate`` builds the masks once and the model's mask builders pass a prepared
+    # ``[B, 1, Lq, Lk]`` mask through, ``generate`` makes masks contiguous, model-parallel code
+    # moves them. Those work on this description; anything else (slicing, arithmetic) fails.
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(batch, 1, q_length, kv_length)``, the shape of the dense mask this describes."""
+        return (self.batch_size, 1, self.q_length, self.kv_length)
+
+    @property
+    def ndim(self) -> int:
+        """4, as a prepared mask."""
+        return 4
+
+    def dim(self) -> int:
+        """4, as a prepared mask."""
+        return 4
+
+    def __repr__(self) -> str:
+        return (
+            f"VarlenMask(batch={self.batch_size}, q={self.q_length}@{self.q_offset}, "
+            f"kv={self.kv_length}@{self.kv_offset}, causal={self.causal}, window={self.window}, "
+            f"chunk={self.chunk}, padded={self.padding is not None}, packed={self.segments is not None})"
+        )
+
+    __str__ = __repr__
+
+    def __getitem__(self, index):
+        raise TypeError(f"{ATTENTION_NAME}: its attention mask description cannot be indexed")
+
+    def to(self, *args, **kwargs) -> VarlenMask:
+        """No-op (the description is device-free until planned)."""
+        return self
+
+    def contiguous(self) -> VarlenMask:
+        """No-op."""
+        return self
+
+
+@dataclass
+class _Pattern:
+    """Constraints read from a mask function (all and-ed)."""
+
+    causal: bool | None = None
+    window: tuple[int, int] | None = None
+    chunk: int | None = None
+    left_padding: Tensor | None = None
+    padding: Tensor | None = None
+    segments: Tensor | None = None
+    positions: Tensor | None = None
+    blocks: Tensor | None = None
+    q_shift: int = 0
+    kv_shift: int = 0
+
+
+def _codes() -> dict[str, Any]:
+    """Code objects of transformers' mask-function pieces (closures of one factory share one)."""
+    from transformers import masking_utils as mu
+
+    t = torch.zeros(1, 1, dtype=torch.long)
+    codes = {
+        "causal": mu.causal_mask_function.__code__,
+        "bidirectional": mu.bidirectional_mask_function.__code__,
+        "and": mu.and_masks(mu.causal_mask_function).__code__,
+        "or": mu.or_masks(mu.causal_mask_function).__code__,
+        "sliding": mu.sliding_window_overlay(1).__code__,
+        "chunked": mu.chunked_overlay(1, t[0]).__code__,
+        "padding": mu.padding_mask_function(t).__code__,
+        "packed": mu.packed_sequence_mask_function(t).__code__,
+        "remap": mu.remap_positions_for_packed_sequence(mu.causal_mask_function, t).__code__,
+        "offsets": mu.add_offsets_to_mask_function(mu.causal_mask_function, 0, 0).__code__,
+        "blockwise": mu.blockwise_overlay(t).__code__,
+    }
+    if hasattr(mu, "sliding_window_bidirectional_overlay"):
+        codes["sliding_bidirectional"] = mu.sliding_window_bidirectional_overlay(1).__code__
+    return codes
+
+
+_CODES: dict[str, Any] = {}
+
+_REFUSED: dict[str, str] = {}
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _cells(fn) -> dict[str, Any]:
+    return {n: c.cell_contents for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(
+        f"{ATTENTION_NAME} cannot run this attention mask: {what}. Use attn_implementation='sdpa' or "
+        "'eager' for this model or input"
+    )
+
+
+def _and_window(a: tuple[int, int] | None, b: tuple[int, int]) -> tuple[int, int]:
+    if a is None:
+        return b
+
+    def tighter(x: int, y: int) -> int:
+        return y if x < 0 else x if y < 0 else min(x, y)
+
+    return tighter(a[0], b[0]), tighter(a[1], b[1])
+
+
+def _parse(fn, pat: _Pattern, remapped: bool) -> None:
+    code = getattr(fn, "__code__", None)
+    kind = next((k for k, c in _CODES.items() if c is code), None)
+    if kind is None:
+        raise _refuse(f"the mask function `{_name(fn)}` is not one of transformers' standard pieces")
+    if kind in _REFUSED:
+        raise _refuse(f"{_REFUSED[kind]} (`{_name(fn)}`)")
+    if kind == "causal":
+        pat.causal = True
+    elif kind == "bidirectional":
+        pat.causal = bool(pat.causal)  # causal if also and-ed with a causal piece
+    elif kind == "and":
+        for sub in _cells(fn)["mask_functions"]:
+            _parse(sub, pat, remapped)
+    elif kind == "or":
+        subs = list(_cells(fn)["mask_functions"])
+        blocks = [s for s in subs if getattr(s, "__code__", None) is _CODES["blockwise"]]
+        rest = [s for s in subs if getattr(s, "__code__", None) is not _CODES["blockwise"]]
+        if len(rest) != 1 or len(blocks) > 1:
+            names = ", ".join(f"`{_name(s)}`" for s in subs)
+            raise _refuse(f"a union of mask functions ({names}), e.g. a bidirectional decoder")
+        if not blocks:
+            _parse(rest[0], pat, remapped)
+            return
+        # causal OR same image block (Gemma3's `block_sequence_ids`): the base must be plain
+        # causal (windows may only narrow the union from outside, as transformers composes it)
+        sub = _Pattern()
+        _parse(rest[0], sub, remapped)
+        if (
+            sub.window is not None
+            or sub.chunk is not None
+            or sub.padding is not None
+            or pat.blocks is not None
+        ):
+            raise _refuse("bidirectional blocks united with a window, chunks or padding inside the union")
+        pat.segments, pat.positions = sub.segments, sub.positions
+        pat.q_shift += sub.q_shift
+        pat.kv_shift += sub.kv_shift
+        if not sub.causal:  # a bidirectional base: the union allows every key, the blocks add nothing
+            pat.causal = bool(pat.causal)
+            return
+        pat.causal = True
+        pat.blocks = _cells(blocks[0])["block_sequence_ids"]
+    elif kind == "sliding":
+        w = int(_cells(fn)["sliding_window"])
+        pat.window = _and_window(pat.window, (w - 1, -1))  # kv_idx > q_idx - w
+    elif kind == "sliding_bidirectional":
+        w = int(_cells(fn)["sliding_window"])
+        pat.window = _and_window(pat.window, (w, w))  # |q_idx - kv_idx| <= w
+    elif kind == "chunked":
+        cells = _cells(fn)
+        if pat.chunk is not None:
+            raise _refuse("two chunked overlays")
+        pat.chunk, pat.left_padding = int(cells["chunk_size"]), cells["left_padding"]
+    elif kind == "padding":
+        if remapped:
+            raise _refuse("a padding mask inside packed-sequence positions")
+        pad = _cells(fn)["padding_mask"]
+        pat.padding = pad if pat.padding is None else _and_padding(pat.padding, pad)
+    elif kind == "packed":
+        pat.segments = _cells(fn)["packed_sequence_mask"]
+    elif kind == "remap":
+        cells = _cells(fn)
+        if remapped:
+            raise _refuse("nested packed-sequence position maps")
+        pat.positions = cells["position_ids"]
+        _parse(cells["mask_function"], pat, True)
+    elif kind == "blockwise":
+        raise _refuse(f"bidirectional blocks (`{_name(fn)}`) outside a union with a causal mask")
+    elif kind == "offsets":
+        cells = _cells(fn)
+        pat.q_shift += int(cells["q_offset"])
+        pat.kv_shift += int(cells["kv_offset"])
+        _parse(cells["mask_function"], pat, remapped)
+
+
+def parse_mask_function(mask_function) -> _Pattern:
+    """Read a transformers mask function back into its constraints; ``ValueError`` (naming
+    ``mmbalance_varlen`` and the piece) for what the varlen op cannot express."""
+    if not _CODES:
+        _CODES.update(_codes())
+    pat = _Pattern()
+    _parse(mask_function, pat, False)
+    if pat.causal is None:
+        raise _refuse(
+            f"the mask function `{_name(mask_function)}` has neither a causal nor a bidirectional base"
+        )
+    if (pat.segments is None) != (pat.positions is None):
+        raise _refuse("a packed-sequence mask without its position map (or the reverse)")
+    return pat
+
+
+def _as_int(x) -> int:
+    return int(x.item()) if isinstance(x, Tensor) else int(x)
+
+
+def varlen_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: Tensor | None = None,
+    **kwargs,
+) -> VarlenMask:
+    """``AttentionMaskInterface`` function of ``"mmbalance_varlen"`` (the signature of
+    ``masking_utils.sdpa_mask``): a :class:`VarlenMask`, never a dense mask."""
+    from transformers.masking_utils import causal_mask_function
+
+    pat = parse_mask_function(causal_mask_function if mask_function is None else mask_function)
+    padding = attention_mask
+    if pat.padding is not None:
+        padding = pat.padding if padding is None else _and_padding(padding, pat.padding)
+    if padding is not None:
+        if padding.dim() != 2:
+            raise _refuse(f"a {padding.dim()}-D padding mask (expected [batch, keys])")
+        padding = padding.to(torch.bool)
+    segments = pat.segments
+    positions = pat.positions
+    if segments is not None and positions is not None:
+        positions = positions.expand(batch_size, -1)
+        if positions.shape[-1] != q_length or q_length != kv_length:
+            raise _refuse("packed sequences with a key length different from the query length (a cache)")
+    return VarlenMask(
+        batch_size=int(batch_size),
+        q_length=int(q_length),
+        kv_length=int(kv_length),
+        q_offset=_as_int(q_offset) + pat.q_shift,
+        kv_offset=_as_int(kv_offset) + pat.kv_shift,
+        causal=bool(pat.causal),
+        window=pat.window,
+        chunk=pat.chunk,
+        left_padding=pat.left_padding,
+        padding=padding,
+        segments=segments,
+        positions=positions,
+        blocks=pat.blocks,
+    )
+
+
+def _and_padding(a: Tensor, b: Tensor) -> Tensor:
+    width = max(a.shape[-1], b.shape[-1])
+    a = torch.nn.functional.pad(a.to(torch.bool), (0, width - a.shape[-1]))
+    b = torch.nn.functional.pad(b.to(torch.bool), (0, width - b.shape[-1]))
+    return a & b
