@@ -48,6 +48,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 	$(VENV)/bin/mypy
 	$(PY) -m mmbalance.bench.kernel_audit --arch sm_90
+	$(PY) -m mmbalance.bench.kernel_audit --arch sm_80
 	PYTHON=$(PYTHON) .ci/check_wheel
 
 bench: $(STAMP)

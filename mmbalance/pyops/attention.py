@@ -42,8 +42,8 @@ a gradient reaching ``lse``, and to the sinks through ``sinks_backward``; ``merg
 has a closed-form backward in torch.
 
 The Triton kernels take the features as keyword arguments (``window_left``, ``window_right``,
-``softcap`` forward and backward, ``sinks`` forward); kernels that do not accept one yet make a
-call that needs it raise NotImplementedError naming the feature, never run without it.
+``softcap`` forward and backward, ``sinks`` forward), specialized at compile time so a call without
+them runs the same code as before they existed.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 
 import torch
 from torch import Tensor
@@ -59,7 +58,7 @@ from torch import Tensor
 from mmbalance.kernels import attention as _fwd_kernels
 from mmbalance.kernels import attention_bwd as _bwd_kernels
 from mmbalance.kernels import merge as _merge_kernels
-from mmbalance.kernels._launch import INTERPRET
+from mmbalance.kernels.dispatch import Backend, select_backend, triton_unsupported_reasons
 
 from . import attention_ref as _ref
 
@@ -144,6 +143,13 @@ def flash_attn_unsupported_reasons(
     return reasons
 
 
+def _triton_reasons(*tensors: Tensor) -> list[str]:
+    reasons = triton_unsupported_reasons(tensors[0])
+    if any(t.dtype == torch.float64 for t in tensors):
+        reasons.append("the Triton kernels take float16, bfloat16 and float32, not float64")
+    return reasons
+
+
 def _select_backend(
     backend: str,
     q: Tensor,
@@ -155,32 +161,15 @@ def _select_backend(
     backward=False,
     **features,
 ) -> str:
-    """The backend that runs this call; ``features``: ``flash_attn_unsupported_reasons``' keywords."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = os.environ.get("MMBALANCE_ATTN_BACKEND", "auto")
-        if backend not in BACKENDS:
-            raise ValueError(f"MMBALANCE_ATTN_BACKEND must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if q.dtype == torch.float64 or not (q.is_cuda or INTERPRET):
-            return "reference"
-        reasons = flash_attn_unsupported_reasons(
-            q, causal, causal_offset, has_runs, same_cu, has_dlse, backward, **features
-        )
-        return "triton" if reasons else "flash_attn"
-    if backend == "flash_attn":
-        reasons = flash_attn_unsupported_reasons(
-            q, causal, causal_offset, has_runs, same_cu, has_dlse, backward, **features
-        )
-        if reasons:
-            raise ValueError("backend='flash_attn' cannot run this call: " + "; ".join(reasons))
-    if backend == "triton":
-        if not (q.is_cuda or INTERPRET):
-            raise ValueError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (set before import)")
-        if q.dtype == torch.float64:
-            raise ValueError("backend='triton' supports float16, bfloat16 and float32, not float64")
-    return backend
+    """The backend that runs this call (:func:`mmbalance.kernels.dispatch.select_backend`: flash-attn,
+    then Triton, then the reference); ``features``: ``flash_attn_unsupported_reasons``' keywords."""
+    call = (q, causal, causal_offset, has_runs, same_cu, has_dlse, backward)
+    backends = (
+        Backend("flash_attn", lambda: flash_attn_unsupported_reasons(*call, **features)),
+        Backend("triton", lambda: _triton_reasons(q)),
+        Backend("reference", lambda: []),
+    )
+    return select_backend("attention_block", backends, backend, env="MMBALANCE_ATTN_BACKEND")
 
 
 def _flash_fwd(
@@ -241,33 +230,6 @@ def _flash_bwd(
     return dq.float(), dk.float(), dv.float()
 
 
-_FEATURE_DEFAULTS = {"window_left": -1, "window_right": -1, "softcap": 0.0, "sinks": None}
-
-
-def _call_kernel(kernel, what: str, args: tuple, kwargs: dict, features: dict):
-    """Call a Triton launcher with the features that are on (non-default) as keywords.
-
-    A launcher that does not take one yet raises TypeError at the call; that becomes a
-    NotImplementedError naming the feature, so a call never runs without a feature it asked for.
-    """
-    on = {
-        name: val
-        for name, val in features.items()
-        if ((val is not None) if name == "sinks" else (val != _FEATURE_DEFAULTS[name]))
-    }
-    try:
-        return kernel(*args, **kwargs, **on)
-    except TypeError as e:
-        # only the binding error of a keyword the launcher lacks; anything raised inside it stays
-        missing = [name for name in on if f"unexpected keyword argument '{name}'" in str(e)]
-        if not missing:
-            raise
-        raise NotImplementedError(
-            f"the Triton {what} kernel does not support {', '.join(missing)} yet; "
-            "use backend='reference' (CPU) or leave the feature off"
-        ) from e
-
-
 # ------------------------------------------------------------------------------- forward block op
 @torch.library.custom_op("mmbalance::attention_block_fwd", mutates_args=())
 def _attention_block_fwd_op(
@@ -314,10 +276,9 @@ def _attention_block_fwd_op(
     out = _new_output(q.shape, out_dtype or q.dtype, q.device)
     lse = _new_output((q.shape[1], q.shape[0]), torch.float32, q.device)
     sinks32 = None if sinks is None else sinks.to(torch.float32).contiguous()
-    _call_kernel(
-        _fwd_kernels.attn_fwd, "forward",
-        (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, causal_offset, q_runs, k_runs),
-        dict(out=out, lse=lse), dict(window, sinks=sinks32),
+    _fwd_kernels.attn_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, causal_offset, q_runs, k_runs,
+        out=out, lse=lse, sinks=sinks32, window_left=window_left, window_right=window_right, softcap=softcap,
     )  # fmt: skip
     return out, lse
 
@@ -438,11 +399,10 @@ def _attention_block_bwd_op(
         _new_output(k.shape, torch.float32, q.device),
         _new_output(v.shape, torch.float32, q.device),
     )
-    return _call_kernel(
-        _bwd_kernels.attn_bwd, "backward",
-        (dout, q, k, v, out, lse.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-         causal, causal_offset, q_runs, k_runs),
-        dict(dlse=None if dlse is None else dlse.float(), grads=grads), window,
+    return _bwd_kernels.attn_bwd(
+        dout, q, k, v, out, lse.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        causal, causal_offset, q_runs, k_runs, dlse=None if dlse is None else dlse.float(), grads=grads,
+        window_left=window_left, window_right=window_right, softcap=softcap,
     )  # fmt: skip
 
 
@@ -497,15 +457,8 @@ def _merge_attention_states_op(
 
 
 def _select_merge_backend(backend: str, *tensors: Tensor) -> str:
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    is_64 = any(t.dtype == torch.float64 for t in tensors)
-    runnable = (tensors[0].is_cuda or INTERPRET) and not is_64
-    if backend == "triton" and not runnable:
-        raise ValueError("backend='triton' needs non-float64 CUDA tensors or TRITON_INTERPRET=1")
-    if backend == "auto":
-        return "triton" if runnable else "reference"
-    return backend
+    backends = (Backend("triton", lambda: _triton_reasons(*tensors)), Backend("reference", lambda: []))
+    return select_backend("merge_attention_states", backends, backend)
 
 
 @_merge_attention_states_op.register_fake

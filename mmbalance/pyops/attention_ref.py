@@ -21,11 +21,11 @@ import bisect
 import contextlib
 import dataclasses
 import math
-import os
 import threading
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+
+from .checks import value_checks_enabled
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -45,14 +45,7 @@ def run_positions(length: int, runs_row: list[int] | None, default_start: int) -
 
 
 # ------------------------------------------------------------------------------------ validation
-def value_checks_enabled(t: torch.Tensor) -> bool:
-    """Whether checks that read tensor values (a device-to-host sync on CUDA) run on ``t``: always on
-    CPU, on CUDA only with ``MMBALANCE_DEBUG=1`` (the rule of every ``pyops`` module)."""
-    if isinstance(t, FakeTensor) or t.device.type == "meta" or torch.compiler.is_compiling():
-        return False
-    return t.device.type == "cpu" or os.environ.get("MMBALANCE_DEBUG", "0") not in ("", "0")
-
-
+# (value_checks_enabled: the one rule of every pyops module, in pyops/checks.py)
 def _check_tensor(name: str, t, ndim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

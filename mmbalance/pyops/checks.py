@@ -3,7 +3,7 @@
 Checks that read tensor values (``cu_seqlens`` monotonic, lengths that match a plan, indices in
 range) need a device-to-host sync on CUDA. Every op and collective of the package runs them on
 CPU tensors always, on CUDA tensors only with ``MMBALANCE_DEBUG=1``, and never while
-``torch.compile`` traces (or on meta tensors, which have no values).
+``torch.compile`` traces (or on fake and meta tensors, which have no values).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["debug_enabled", "value_checks_enabled"]
 
@@ -23,6 +24,6 @@ def debug_enabled() -> bool:
 
 def value_checks_enabled(t: torch.Tensor) -> bool:
     """Whether checks that read the values of ``t`` should run (see the module docstring)."""
-    if torch.compiler.is_compiling() or t.device.type == "meta":
+    if isinstance(t, FakeTensor) or t.device.type == "meta" or torch.compiler.is_compiling():
         return False
     return t.device.type == "cpu" or debug_enabled()

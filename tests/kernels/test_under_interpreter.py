@@ -29,7 +29,13 @@ REPO = Path(__file__).resolve().parents[2]
     reason="the kernel tests run in this process (TRITON_INTERPRET=1 or CUDA)",
 )
 @pytest.mark.parametrize(
-    "kernel_tests", ["test_varlen_kernels.py", "test_attention_kernels.py", "test_attention_features.py"]
+    "kernel_tests",
+    [
+        "kernels/test_varlen_kernels.py",
+        "kernels/test_attention_kernels.py",
+        "kernels/test_attention_features.py",
+        "pyops/test_attention_features_triton.py",
+    ],
 )
 def test_kernels_under_interpreter(kernel_tests):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
@@ -42,7 +48,7 @@ def test_kernels_under_interpreter(kernel_tests):
         "-rs",
         "-p",
         "no:cacheprovider",
-        f"tests/kernels/{kernel_tests}",
+        f"tests/{kernel_tests}",
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]

@@ -317,33 +317,6 @@ def test_bad_feature_raises_naming_it(case):
                                          good["max_seqlen_k"], **change)  # fmt: skip
 
 
-def test_kernel_call_passes_features_by_keyword_or_names_the_missing_one():
-    seen = {}
-
-    def new_kernel(*args, out=None, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
-        seen.update(window_left=window_left, window_right=window_right, softcap=softcap, sinks=sinks)
-        return "ran"
-
-    def old_kernel(*args, out=None):
-        return "ran"
-
-    def broken_kernel(*args, out=None, softcap=0.0):
-        raise TypeError("unsupported operand type(s)")
-
-    features = dict(window_left=4, window_right=-1, softcap=0.0, sinks=None)
-    assert ops._call_kernel(new_kernel, "forward", (1,), dict(out=2), features) == "ran"
-    assert seen == dict(window_left=4, window_right=-1, softcap=0.0, sinks=None)
-    assert ops._call_kernel(old_kernel, "forward", (1,), {}, dict(features, window_left=-1)) == "ran"
-    with pytest.raises(NotImplementedError, match="window_left"):
-        ops._call_kernel(old_kernel, "forward", (1,), {}, features)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        ops._call_kernel(
-            old_kernel, "forward", (1,), {}, dict(features, window_left=-1, sinks=torch.zeros(2))
-        )
-    with pytest.raises(TypeError, match="unsupported operand"):
-        ops._call_kernel(broken_kernel, "backward", (1,), {}, dict(features, window_left=-1, softcap=2.0))
-
-
 def test_flash_attn_refuses_sinks_and_offset_windows_by_name():
     cuda_q = types.SimpleNamespace(is_cuda=True, dtype=torch.float16, shape=(4, 2, 64))
     reasons = ops.flash_attn_unsupported_reasons(cuda_q, False, 0, False, True, has_sinks=True)
