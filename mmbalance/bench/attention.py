@@ -37,13 +37,12 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 import torch
 
-from .harness import Row, base_parser, device_name, report, time_fn
+from .harness import Row, base_parser, device_name, report, spawn, time_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,9 +272,8 @@ def _median_ms(fn, reps: int, sync) -> float:
     return float(np.median(times))
 
 
-def _ring_worker(
-    rank: int, world: int, init_file: str, backend: str, cfg: RingConfig, reps: int, queue
-) -> None:
+def _ring_worker(rank: int, world: int, cfg: RingConfig, reps: int) -> dict[str, float]:
+    """One rank of the ring benchmark (run by :func:`~mmbalance.bench.harness.spawn`)."""
     import torch.distributed as dist
 
     from mmbalance.collectives import cp_shard, ring_attention
@@ -283,88 +281,71 @@ def _ring_worker(
     from mmbalance.pyops.attention import attention_block
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = dist.get_backend()
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        dtype = torch.bfloat16 if backend == "nccl" else torch.float32
-        g = torch.Generator().manual_seed(0)
-        L = cfg.seqlen
-        q, k, v = (
-            torch.randn(L, h, cfg.head_dim, generator=g).to(device, dtype)
-            for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads)
-        )
-        cu = torch.tensor([0, L], dtype=torch.int32)
-        ql, kl, vl = (cp_shard(t, cu, layout=cfg.layout) for t in (q, k, v))
+    dtype = torch.bfloat16 if backend == "nccl" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    L = cfg.seqlen
+    q, k, v = (
+        torch.randn(L, h, cfg.head_dim, generator=g).to(device, dtype)
+        for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads)
+    )
+    cu = torch.tensor([0, L], dtype=torch.int32)
+    ql, kl, vl = (cp_shard(t, cu, layout=cfg.layout) for t in (q, k, v))
 
-        def sync() -> None:
-            if backend == "nccl":
-                torch.cuda.synchronize()
-            dist.barrier()
+    def sync() -> None:
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        dist.barrier()
 
-        ring = make_ring(
-            ql, kl, vl, cu, causal=True, softmax_scale=None, group=None, layout=cfg.layout, backend="auto"
-        )
-        # every rank's k/v shard, gathered once (untimed) for the computation-only run
-        sizes = ring.plan.tokens
-        ks = [torch.empty((max(sizes), *kl.shape[1:]), dtype=dtype, device=device) for _ in range(world)]
-        vs = [torch.empty_like(t) for t in ks]
-        dist.all_gather(ks, torch.cat([kl, kl.new_zeros((max(sizes) - kl.shape[0], *kl.shape[1:]))]))
-        dist.all_gather(vs, torch.cat([vl, vl.new_zeros((max(sizes) - vl.shape[0], *vl.shape[1:]))]))
-        kv_all = {s: (ks[s][: sizes[s]], vs[s][: sizes[s]]) for s in range(world)}
-        res = {
-            "ring": _median_ms(lambda: ring_forward(ring, ql, kl, vl), reps, sync),
-            "compute": _median_ms(
-                lambda: ring_forward(ring, ql, kl, vl, communicate=False, kv_blocks=kv_all), reps, sync
-            ),
-            "comm": _median_ms(lambda: ring_forward(ring, ql, kl, vl, compute=False), reps, sync),
-        }
-        stats: dict[str, float] = {}
-        for _ in range(reps):
-            ring_forward(ring, ql, kl, vl, stats=stats)
-        res["exposed"] = stats.get("wait_s", 0.0) * 1e3 / reps
-        qg, kg, vg = (t.detach().requires_grad_() for t in (ql, kl, vl))
-        dout = torch.randn_like(ql)
+    ring = make_ring(
+        ql, kl, vl, cu, causal=True, softmax_scale=None, group=None, layout=cfg.layout, backend="auto"
+    )
+    # every rank's k/v shard, gathered once (untimed) for the computation-only run
+    sizes = ring.plan.tokens
+    ks = [torch.empty((max(sizes), *kl.shape[1:]), dtype=dtype, device=device) for _ in range(world)]
+    vs = [torch.empty_like(t) for t in ks]
+    dist.all_gather(ks, torch.cat([kl, kl.new_zeros((max(sizes) - kl.shape[0], *kl.shape[1:]))]))
+    dist.all_gather(vs, torch.cat([vl, vl.new_zeros((max(sizes) - vl.shape[0], *vl.shape[1:]))]))
+    kv_all = {s: (ks[s][: sizes[s]], vs[s][: sizes[s]]) for s in range(world)}
+    res = {
+        "ring": _median_ms(lambda: ring_forward(ring, ql, kl, vl), reps, sync),
+        "compute": _median_ms(
+            lambda: ring_forward(ring, ql, kl, vl, communicate=False, kv_blocks=kv_all), reps, sync
+        ),
+        "comm": _median_ms(lambda: ring_forward(ring, ql, kl, vl, compute=False), reps, sync),
+    }
+    stats: dict[str, float] = {}
+    for _ in range(reps):
+        ring_forward(ring, ql, kl, vl, stats=stats)
+    res["exposed"] = stats.get("wait_s", 0.0) * 1e3 / reps
+    qg, kg, vg = (t.detach().requires_grad_() for t in (ql, kl, vl))
+    dout = torch.randn_like(ql)
 
-        def ring_fwd_bwd():
-            out = ring_attention(qg, kg, vg, cu, causal=True, layout=cfg.layout)
-            torch.autograd.grad(out, (qg, kg, vg), dout)
+    def ring_fwd_bwd():
+        out = ring_attention(qg, kg, vg, cu, causal=True, layout=cfg.layout)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
 
-        res["ring_fwd_bwd"] = _median_ms(ring_fwd_bwd, reps, sync)
-        if rank == 0:
-            cu_d = cu.to(device)
-            full = [t.detach().requires_grad_() for t in (q, k, v)]
-            dfull = torch.randn_like(q)
-            fwd1 = lambda: attention_block(full[0], full[1], full[2], cu_d, cu_d, L, L, causal=True)  # noqa: E731
+    res["ring_fwd_bwd"] = _median_ms(ring_fwd_bwd, reps, sync)
+    if rank == 0:
+        cu_d = cu.to(device)
+        full = [t.detach().requires_grad_() for t in (q, k, v)]
+        dfull = torch.randn_like(q)
+        fwd1 = lambda: attention_block(full[0], full[1], full[2], cu_d, cu_d, L, L, causal=True)  # noqa: E731
 
-            def single_fwd_bwd():
-                torch.autograd.grad(fwd1()[0], full, dfull)
+        def single_fwd_bwd():
+            torch.autograd.grad(fwd1()[0], full, dfull)
 
-            nosync = (lambda: torch.cuda.synchronize()) if backend == "nccl" else (lambda: None)
-            with torch.no_grad():
-                res["single"] = _median_ms(fwd1, reps, nosync)
-            res["single_fwd_bwd"] = _median_ms(single_fwd_bwd, reps, nosync)
-        queue.put((rank, res))
-    finally:
-        dist.destroy_process_group()
+        nosync = (lambda: torch.cuda.synchronize()) if backend == "nccl" else (lambda: None)
+        with torch.no_grad():
+            res["single"] = _median_ms(fwd1, reps, nosync)
+        res["single_fwd_bwd"] = _median_ms(single_fwd_bwd, reps, nosync)
+    return res
 
 
 def bench_ring(cfg: RingConfig, reps: int) -> list[Row]:
-    import torch.multiprocessing as mp
-
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.degree else "gloo"
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_ring_worker, args=(r, cfg.degree, init_file, backend, cfg, reps, queue))
-                 for r in range(cfg.degree)]  # fmt: skip
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join(timeout=30)
+    results = dict(enumerate(spawn(_ring_worker, cfg.degree, cfg, reps, backend=backend)))
     worst = {
         key: max(r[key] for r in results.values())
         for key in ("ring", "compute", "comm", "ring_fwd_bwd", "exposed")
