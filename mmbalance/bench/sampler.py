@@ -284,7 +284,10 @@ def main(argv=None) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print('bench.sampler needs transformers (pip install "mmbalance[hf]")')
+        print(
+            "mmbalance bench sampler compares with transformers' own sampler and needs transformers "
+            '(pip install "mmbalance[hf]"); skipped'
+        )
         return 2
     rows = bench(args)
     report(
