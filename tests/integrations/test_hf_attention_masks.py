@@ -75,6 +75,17 @@ def _left_padding(mask):
 CAUSAL, BIDIR = mu.causal_mask_function, mu.bidirectional_mask_function
 
 
+def _packed(mask_function, position_ids, packed_sequence_mask):
+    """A mask function for packed rows as the installed transformers composes it (5.18-5.23 wrap it
+    in ``packed_sequence_compatibility_function``; later versions compose the two pieces inline)."""
+    if hasattr(mu, "packed_sequence_compatibility_function"):
+        return mu.packed_sequence_compatibility_function(mask_function, position_ids, packed_sequence_mask)
+    return mu.and_masks(
+        mu.remap_positions_for_packed_sequence(mask_function, position_ids),
+        mu.packed_sequence_mask_function(packed_sequence_mask),
+    )
+
+
 def _cases():
     left = _pad(3, 9, [9, 4, 6], "left")
     right = _pad(3, 9, [9, 4, 6], "right")
@@ -104,10 +115,10 @@ def _cases():
         "bidirectional_padding": (3, 9, 9, 0, 0, BIDIR, right),
         "cross_attention_longer_queries": (3, 12, 9, 0, 0, BIDIR, left),
         "bidirectional_sliding": (3, 9, 9, 0, 0, mu.sliding_window_bidirectional_mask_function(2), right),
-        "packed_rows": (2, 10, 10, 0, 0, mu.packed_sequence_compatibility_function(CAUSAL, pos, psm), None),
+        "packed_rows": (2, 10, 10, 0, 0, _packed(CAUSAL, pos, psm), None),
         "packed_rows_sliding": (
             2, 10, 10, 0, 0,
-            mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function(3), pos, psm), None,
+            _packed(mu.sliding_window_causal_mask_function(3), pos, psm), None,
         ),
         "image_blocks": (2, 9, 9, 0, 0, blocks, None),
         "image_blocks_padded": (3, 9, 9, 0, 0, mu.or_masks(CAUSAL, mu.blockwise_overlay(

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from mmbalance.collectives.inflight import mark_distributed_run
 from mmbalance.integrations.data import BalancedBatchSampler
 
 __all__ = ["balance_trainer"]
@@ -123,6 +124,8 @@ def balance_trainer(trainer, lengths=None, *, cost="quadratic", padding=None):
     if count != n:
         raise ValueError(f"lengths has {count} entries but trainer.train_dataset has {n} examples")
     world = max(1, args.world_size)
+    if world > 1:
+        mark_distributed_run()  # the exit hook that lets gloo's workers finish (collectives/inflight.py)
     if world > 1 and not args.average_tokens_across_devices:
         warnings.warn(
             "average_tokens_across_devices is off: with balanced batches the ranks' micro-batches hold "
