@@ -75,15 +75,20 @@ definitions (Mistral's sliding window, Gemma 2's logit softcapping, gpt-oss's si
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, launchable
+from ._attention_launch import (  # noqa: F401 - launch configurations, public here as before
+    LOG2E,
+    _features,
+    block_d,
+    device_capability,
+    dot_precision,
+    fwd_config,
+)
+from ._launch import launchable
 
-LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
@@ -455,63 +460,6 @@ def _attn_fwd_kernel(
             )  # fmt: skip
 
 
-def block_d(head_dim: int) -> int:
-    """The padded head dimension the kernels work on (a power of two, at least 16)."""
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """IEEE products for float32 inputs (reference quality); 16-bit inputs ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def device_capability(device: torch.device) -> int:
-    """``major * 10 + minor`` of a CUDA device (90 for sm_90); 0 for anything else."""
-    if device.type != "cuda":
-        return 0
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
-
-
-def fwd_config(
-    head_dim: int,
-    device: torch.device,
-    dtype: torch.dtype = torch.bfloat16,
-    *,
-    capability: int | None = None,
-    window: bool = False,
-    softcap: bool = False,
-) -> dict:
-    """Tile sizes and warps of the forward kernel, chosen per architecture for zero spills.
-
-    ``capability`` is ``major * 10 + minor`` (default: the device's); the kernel audit calls this
-    with 80 and 90 and holds every variant it launches to zero spills. ``window``: a sliding-window
-    variant (a third key loop, more live registers); ``softcap``: the tanh-logit variant. The
-    ``overflow`` entry is the configuration of the tail launch that runs only when a host
-    ``max_seqlen_q`` understated a sequence (same ``BLOCK_M``, so it starts where the main grid
-    ends): one pipeline stage and narrow key tiles, so its extra loop never spills.
-    float32 uses IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
-    """
-    if INTERPRET or (device.type != "cuda" and capability is None):
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    if capability is None:
-        capability = device_capability(device)
-    if dtype == torch.float32:
-        # the FMA products of a window or softcap variant need narrower key tiles on both archs
-        return dict(BLOCK_M=32, BLOCK_N=16 if window or softcap else 32, num_warps=8, num_stages=1)
-    if block_d(head_dim) > 128:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
-    cfg: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    if window:
-        # sm_90: one stage fewer; sm_80 (no wgmma, fragments held in registers): narrower key tiles
-        if capability >= 90:
-            cfg["num_stages"] = 2
-        else:
-            cfg["BLOCK_N"] = 32
-    cfg["overflow"] = dict(BLOCK_N=32, num_warps=8, num_stages=1)
-    return cfg
-
-
 def attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -594,132 +542,12 @@ def bottom_right_runs(
     return q_runs.contiguous(), k_runs.contiguous()
 
 
-# Window sizes are clamped to this, so ``position +- window`` stays inside int32 for positions
-# within +-2**30 (a window that wide is unbounded for any sequence the kernels can hold).
-_WINDOW_MAX = 2**30
-
-
-def _features(
-    causal: bool, window_left: int, window_right: int, softcap: float, softmax_scale: float
-) -> dict:
-    """Runtime arguments and constexpr switches of the optional features, shared by both passes.
-
-    A right window adds nothing to a causal mask (``window_right >= 0`` admits a superset of the
-    causal keys), so it is dropped there and the causal variant runs unchanged. With ``softcap``
-    the kernels compute ``tanh(qk * qk_scale) * softcap_log2e``, so ``qk_scale`` becomes
-    ``scale / softcap`` instead of ``scale * log2(e)``.
-    """
-    win_left = int(window_left) >= 0
-    win_right = int(window_right) >= 0 and not causal
-    use_softcap = float(softcap) > 0.0
-    return dict(
-        WIN_LEFT=win_left,
-        WIN_RIGHT=win_right,
-        SOFTCAP=use_softcap,
-        window_left=min(int(window_left), _WINDOW_MAX) if win_left else 0,
-        window_right=min(int(window_right), _WINDOW_MAX) if win_right else 0,
-        qk_scale=softmax_scale / softcap if use_softcap else softmax_scale * LOG2E,
-        softcap_log2e=float(softcap) * LOG2E if use_softcap else 0.0,
-    )
-
-
-def _audit_signature(kernel, ptr_dtype: str, overrides: dict[str, str]) -> dict[str, str]:
-    """Argument types for an ahead-of-time compile: pointers of ``ptr_dtype``, int32 scalars."""
-    sig = {}
-    for name in kernel.arg_names:
-        if name in overrides:
-            sig[name] = overrides[name]
-        elif name.endswith("_ptr"):
-            sig[name] = f"*{ptr_dtype}"
-        elif name.isupper():
-            continue
-        else:
-            sig[name] = "i32"
-    return sig
-
-
-# Feature switches of the audited variants: the plain causal kernel, then each new feature alone
-# and all of them together (the overflow tail of each is audited too; it compiles separately).
-AUDIT_FEATURES: dict[str, dict] = {
-    "": dict(CAUSAL=True),
-    "_window": dict(CAUSAL=True, WIN_LEFT=True),
-    "_window2": dict(CAUSAL=False, WIN_LEFT=True, WIN_RIGHT=True),
-    "_softcap": dict(CAUSAL=True, SOFTCAP=True),
-    "_sinks": dict(CAUSAL=True, SINKS=True),
-    "_window_softcap_sinks": dict(CAUSAL=True, WIN_LEFT=True, SOFTCAP=True, SINKS=True),
-}
-
-
-def _feature_constexprs(features: dict) -> dict:
-    names = ("CAUSAL", "WIN_LEFT", "WIN_RIGHT", "SOFTCAP")
-    return {n: bool(features.get(n, False)) for n in names}
-
-
-def _fwd_audit_entry(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool) -> dict:
-    features = AUDIT_FEATURES[suffix]
-    window = bool(features.get("WIN_LEFT") or features.get("WIN_RIGHT"))
-    cfg = fwd_config(head_dim, torch.device("cuda"), dtype, capability=capability, window=window,
-                     softcap=features.get("SOFTCAP", False))  # fmt: skip
-    if overflow:
-        cfg = dict(cfg, **cfg.get("overflow", {}))  # the tail launch's own configuration
-    short = "bf16" if dtype == torch.bfloat16 else "fp32"
-    mask = "causal" if features["CAUSAL"] else "full"
-    return dict(
-        name=f"attn_fwd_{short}_d{head_dim}_{mask}{suffix}_runs" + ("_overflow" if overflow else ""),
-        kernel=_attn_fwd_kernel,
-        signature=_audit_signature(
-            _attn_fwd_kernel,
-            short,
-            {
-                "lse_ptr": "*fp32",
-                "cu_q_ptr": "*i32",
-                "cu_k_ptr": "*i32",
-                "q_runs_ptr": "*i32",
-                "k_runs_ptr": "*i32",
-                "sinks_ptr": "*fp32",
-                "qk_scale": "fp32",
-                "softcap_log2e": "fp32",
-            },
-        ),
-        constexprs=dict(
-            GROUP=1,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d(head_dim),
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
-            HAS_RUNS=True,
-            DOT_PRECISION=dot_precision(dtype),
-            OVERFLOW=overflow,
-            SINKS=bool(features.get("SINKS", False)),
-            **_feature_constexprs(features),
-        ),
-        # float32 runs IEEE FMA products by design: no tensor cores expected there
-        expect={"spill_bytes": 0, "mma": dtype != torch.float32},
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-
-
 def audit_configs(capability: int) -> list[dict]:
-    """The forward variants the kernel audit compiles for ``sm_<capability>``, each with the
-    launch configuration ``fwd_config`` picks on that architecture.
+    """The forward variants the kernel audit compiles for ``sm_<capability>`` (see
+    ``_attention_audit.fwd_audit_configs``)."""
+    from ._attention_audit import fwd_audit_configs
 
-    bfloat16 at head dims 64 and 128 and float32 at 128, causal with two-run positions; at head
-    dim 128 (the tightest register budget) every feature variant and its overflow tail, in bfloat16
-    and in float32.
-    """
-    configs = [
-        _fwd_audit_entry(dtype, head_dim, capability, "", False)
-        for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128))
-    ]
-    configs.append(_fwd_audit_entry(torch.bfloat16, 128, capability, "", True))
-    configs.append(_fwd_audit_entry(torch.float32, 128, capability, "", True))
-    # float32 runs IEEE FMA products, whose register allocation differs: each feature in both
-    for dtype in (torch.bfloat16, torch.float32):
-        for suffix in AUDIT_FEATURES:
-            if suffix:
-                configs += [_fwd_audit_entry(dtype, 128, capability, suffix, o) for o in (False, True)]
-    return configs
+    return fwd_audit_configs(capability)
 
 
 # Read by ``bench/kernel_audit.py`` through ``audit_configs(capability)``; this list (sm_90) is

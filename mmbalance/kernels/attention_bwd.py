@@ -43,24 +43,14 @@ the key/value blocks (DHP section 3.2).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
 from ._attention_bwd_dkdv import _attn_bwd_dkdv_kernel
+from ._attention_launch import _features, block_d, bwd_config, dot_precision  # noqa: F401 - bwd_config: public here
 from ._launch import INTERPRET, launchable
-from .attention import (
-    _audit_signature,
-    _features,
-    _row_bounds,
-    _run_position,
-    _tanh,
-    block_d,
-    device_capability,
-    dot_precision,
-)
+from .attention import _row_bounds, _run_position, _tanh
 
 
 @triton.jit
@@ -370,50 +360,6 @@ def _attn_bwd_dq_kernel(
             )  # fmt: skip
 
 
-def bwd_config(
-    head_dim: int,
-    device: torch.device,
-    dtype: torch.dtype = torch.bfloat16,
-    *,
-    capability: int | None = None,
-    window: bool = False,
-    softcap: bool = False,
-) -> dict:
-    """Tiles of the dq kernel (``dq_*``) and the dk/dv kernel (``kv_*``), zero spills on sm_80/sm_90.
-
-    ``capability`` is ``major * 10 + minor`` (default: the device's); the kernel audit calls this
-    with 80 and 90 and holds every variant it lists to zero spills with it. 16-bit inputs: one
-    table serves both architectures and every variant. float32 with a window or softcap (IEEE FMA
-    products, whose register allocation is fragile) takes narrower tiles, per architecture. ``overflow`` overrides entries for the tail launches that run only when a host
-    ``max_seqlen`` understated a sequence: the dq tail keeps ``dq_BLOCK_M`` (it starts where the
-    main grid ends) but takes narrower key tiles, so its extra loop never spills. float32 uses
-    IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
-    """
-    names = ("dq_BLOCK_M", "dq_BLOCK_N", "dq_warps", "kv_BLOCK_M", "kv_BLOCK_N", "kv_warps", "stages")
-    if INTERPRET or (device.type != "cuda" and capability is None):
-        return dict(zip(names, (16, 16, 4, 16, 16, 4, 1)))
-    if capability is None:
-        capability = device_capability(device)
-    if dtype == torch.float32 and (window or softcap):
-        tiles = (16, 16, 8, 32, 16, 8, 1) if capability >= 90 else (16, 16, 8, 16, 32, 8, 1)
-    elif dtype == torch.float32:
-        tiles = (16, 32, 8, 16, 32, 8, 1)
-    elif block_d(head_dim) <= 64:
-        tiles = (128, 32, 8, 32, 64, 4, 2)
-    elif block_d(head_dim) <= 128:
-        tiles = (64, 64, 8, 32, 64, 8, 2)
-    else:
-        tiles = (32, 32, 8, 16, 32, 8, 1)
-    cfg: dict[str, Any] = dict(zip(names, tiles))
-    if cfg["dq_BLOCK_N"] > 32:
-        cfg["overflow"] = dict(dq_BLOCK_N=32)
-    elif dtype == torch.float32 and cfg["dq_BLOCK_N"] == 32 and capability >= 90:
-        cfg["overflow"] = dict(dq_BLOCK_N=16)  # the float32 dq tail spills 64 bytes at 32 on sm_90
-    elif dtype == torch.float32 and softcap and not window and capability < 90:
-        cfg["overflow"] = dict(dq_BLOCK_N=32)  # and the float32 softcap dq tail 8 bytes at 16 on sm_80
-    return cfg
-
-
 def attn_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -513,87 +459,12 @@ def attn_bwd(
     return dq, dk, dv
 
 
-# Feature switches of the audited backward variants (sinks need nothing in the backward).
-AUDIT_FEATURES: dict[str, dict] = {
-    "": dict(CAUSAL=True),
-    "_window": dict(CAUSAL=True, WIN_LEFT=True),
-    "_window2": dict(CAUSAL=False, WIN_LEFT=True, WIN_RIGHT=True),
-    "_softcap": dict(CAUSAL=True, SOFTCAP=True),
-    "_window_softcap": dict(CAUSAL=True, WIN_LEFT=True, SOFTCAP=True),
-}
-
-_AUDIT_TYPES = {name: "*fp32" for name in ("lse_ptr", "delta_ptr", "dlse_ptr", "dq_ptr", "dk_ptr", "dv_ptr")}
-_AUDIT_TYPES.update({name: "*i32" for name in ("cu_q_ptr", "cu_k_ptr", "q_runs_ptr", "k_runs_ptr")})
-_AUDIT_TYPES.update(qk_scale="fp32", sm_scale="fp32", softcap_log2e="fp32")
-
-
-def _bwd_audit_entries(
-    dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool
-) -> list[dict]:
-    """The dq and dk/dv entries of one variant, with the configuration ``bwd_config`` picks."""
-    features = AUDIT_FEATURES[suffix]
-    window = bool(features.get("WIN_LEFT") or features.get("WIN_RIGHT"))
-    cfg = bwd_config(head_dim, torch.device("cuda"), dtype, capability=capability, window=window,
-                     softcap=features.get("SOFTCAP", False))  # fmt: skip
-    if overflow:
-        cfg = dict(cfg, **cfg.get("overflow", {}))  # the tail launches' own configuration
-    short = "bf16" if dtype == torch.bfloat16 else "fp32"
-    mask = "causal" if features["CAUSAL"] else "full"
-    common = dict(
-        GROUP=2, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HAS_RUNS=True,
-        DOT_PRECISION=dot_precision(dtype), OVERFLOW=overflow,
-        **{n: bool(features.get(n, False)) for n in ("CAUSAL", "WIN_LEFT", "WIN_RIGHT", "SOFTCAP")},
-    )  # fmt: skip
-    entries = []
-    for kernel, prefix in ((_attn_bwd_dq_kernel, "dq"), (_attn_bwd_dkdv_kernel, "kv")):
-        entries.append(
-            dict(
-                name=f"attn_bwd_{prefix}_{short}_d{head_dim}_{mask}{suffix}_runs_gqa"
-                + ("_overflow" if overflow else ""),
-                kernel=kernel,
-                signature=_audit_signature(kernel, short, _AUDIT_TYPES),
-                constexprs=dict(common, BLOCK_M=cfg[f"{prefix}_BLOCK_M"], BLOCK_N=cfg[f"{prefix}_BLOCK_N"]),
-                num_warps=cfg[f"{prefix}_warps"],
-                num_stages=cfg["stages"],
-                # float32 runs IEEE FMA products by design: no tensor cores expected there
-                expect={"spill_bytes": 0, "mma": dtype != torch.float32},
-            )
-        )
-    return entries
-
-
 def audit_configs(capability: int) -> list[dict]:
-    """The backward variants the kernel audit compiles for ``sm_<capability>``, each with the
-    launch configuration ``bwd_config`` picks on that architecture: bfloat16 at head dims 64 and
-    128 and float32 at 128 (causal, two-run positions, GQA), the preprocess kernel, and at head
-    dim 128 every feature variant with its overflow tail, in bfloat16 and in float32."""
-    configs = []
-    for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)):
-        configs += _bwd_audit_entries(dtype, head_dim, capability, "", False)
-        if dtype == torch.float32:
-            continue
-        configs.append(
-            dict(
-                name=f"attn_bwd_preprocess_bf16_d{head_dim}",
-                kernel=_attn_bwd_preprocess_kernel,
-                signature=_audit_signature(_attn_bwd_preprocess_kernel, "bf16", _AUDIT_TYPES),
-                constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=64, HAS_DLSE=False),
-                num_warps=4,
-                expect={"spill_bytes": 0},
-            )
-        )
-    configs += _bwd_audit_entries(torch.bfloat16, 128, capability, "", True)
-    for suffix in AUDIT_FEATURES:
-        if suffix:
-            for overflow in (False, True):
-                configs += _bwd_audit_entries(torch.bfloat16, 128, capability, suffix, overflow)
-    # float32 (IEEE FMA products: a register allocation of its own) with each feature
-    configs += _bwd_audit_entries(torch.float32, 128, capability, "", True)
-    for suffix in AUDIT_FEATURES:
-        if suffix:
-            for overflow in (False, True):
-                configs += _bwd_audit_entries(torch.float32, 128, capability, suffix, overflow)
-    return configs
+    """The backward variants the kernel audit compiles for ``sm_<capability>`` (see
+    ``_attention_audit.bwd_audit_configs``)."""
+    from ._attention_audit import bwd_audit_configs
+
+    return bwd_audit_configs(capability)
 
 
 # Read by ``bench/kernel_audit.py`` through ``audit_configs(capability)``; this list (sm_90) is

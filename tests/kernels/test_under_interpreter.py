@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
         "kernels/test_varlen_kernels.py",
         "kernels/test_attention_kernels.py",
         "kernels/test_attention_features.py",
-        "pyops/test_attention_features_triton.py",
+        "pyops/test_attention_op_features_triton.py",
     ],
 )
 def test_kernels_under_interpreter(kernel_tests):
