@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Sampler
 
 from mmbalance.balancing import CostModel
-from mmbalance.balancing._core_api import POLICY_IDS, core
+from mmbalance.balancing.accum import plan_micro_batches
 from mmbalance.balancing.plan import DEFAULT_BETA
 from mmbalance.balancing.post_balance import check_cost_range
 from mmbalance.balancing.validate import as_coefficient, as_count, as_lengths
@@ -222,18 +222,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
             return self._cache[1]
         order = self._order().astype(np.int64)
         steps, n = self.num_steps, self.step_size
-        lengths = np.ascontiguousarray(self.table[order, -1], dtype=np.int64)
-        rank, micro, costs = core().plan_accum(
-            lengths,
-            steps,
-            n,
-            self.num_replicas,
-            self.grad_accum,
-            POLICY_IDS[self.policy],
-            self.alpha,
-            self.beta,
-            self.padding,
-        )
+        rank, micro, costs = plan_micro_batches(
+            self.table[order, -1], steps, n, self.num_replicas, self.grad_accum, self.policy, self.alpha,
+            self.beta, self.padding,
+        )  # fmt: skip
         plan = EpochPlan(
             indices=order.reshape(steps, n),
             rank=rank.reshape(steps, n),
