@@ -19,6 +19,7 @@ namespace dhp_detail {
 inline constexpr double kInf = std::numeric_limits<double>::infinity();
 inline constexpr Index kScanGroups = 64;                    // greedy scans all groups up to this many
 inline constexpr int64_t kStaticBudget = int64_t{1} << 20;  // sequences x greedy static degrees
+inline constexpr int64_t kStaticExhaustive = int64_t{1} << 16;  // sweeps this small try every degree
 inline constexpr int64_t kStaticSolves = int64_t{1} << 26;  // work of their optimal-degree solves
 inline constexpr size_t kStaticStarts = 8;                  // groupings solved at least
 inline constexpr Index kScanDegrees = 64;                   // degree search scans windows this small
@@ -236,6 +237,27 @@ struct CpModel {
   }
   // Static degree c with every sequence alone: the longest is the slowest (time grows with l).
   double static_alone(Index c, Index longest) const { return alone(longest, c); }
+  // The sums of all sequences, for static_bound.
+  Acc totals() const {
+    Acc a;
+    for (Index i = 0; i < n; ++i) {
+      const double x = static_cast<double>(len[i]);
+      a.s1 += x;
+      a.s2 += x * x;
+    }
+    return a;
+  }
+  // No grouping of static degree c (num_ranks / c groups of c ranks) is faster: its group with the
+  // longest sequence takes at least that sequence alone (times grow with the sums), and the groups
+  // together at least the linear, attention and ring work of all sequences (a sum of maxima is at
+  // least the maximum of the sums; per-group constants left out).
+  double static_bound(Index c, Index longest, const Acc& all) const {
+    const double dd = static_cast<double>(c);
+    const double a = cost.attn * all.s2 / dd;
+    const double r = c > 1 ? cost.ring * all.s1 * (dd - 1.0) / dd : 0.0;
+    const double work = cost.linear * all.s1 / dd + (cost.overlap ? std::max(a, r) : a + r);
+    return std::max(alone(longest, c), work / static_cast<double>(num_ranks / c));
+  }
   // max(the longest sequence alone on its best degree, (linear * S1 + attention * S2) / N):
   // every group of degree d and time T does at least d * T >= its linear + attention work.
   double lower_bound(Index longest) const {
@@ -326,6 +348,13 @@ struct TableModel {
     double worst = 0.0;
     for (Index i = 0; i < n; ++i) worst = std::max(worst, alone(i, c));
     return worst;
+  }
+  Acc totals() const { return Acc{}; }
+  // The slowest sequence alone on c ranks, or the work of all of them over the groups.
+  double static_bound(Index c, Index, const Acc&) const {
+    double total = 0.0;
+    for (Index i = 0; i < n; ++i) total += alone(i, c);
+    return std::max(static_alone(c, 0), total / static_cast<double>(num_ranks / c));
   }
   // max(the slowest sequence on its best degree, sum_i min_d d * t_i(d) / N).
   double lower_bound(Index) const {

@@ -19,7 +19,9 @@
 // so its makespan is the slowest sequence alone and its optimal-degree version is the one
 // "every sequence alone" candidate. The other static degrees are filled greedily: all of them
 // while n * count <= kStaticBudget, else the largest degree of every distinct group count N / c,
-// thinned geometrically to kStaticBudget / n when even those are too many. All their groupings get
+// thinned geometrically to kStaticBudget / n when even those are too many; beyond kStaticExhaustive
+// sequence placements they are filled in ascending order of a lower bound on their makespan, and
+// the sweep stops at the first degree whose bound cannot beat the best found. All their groupings get
 // optimal degrees while the work stays within kStaticSolves, else the best ones (by static
 // makespan) that fit in it, at least kStaticStarts. The
 // greedy fill scans up to kScanGroups groups; beyond, it keeps the groups ordered by time (per
@@ -249,7 +251,8 @@ CpResult schedule(const M& m, Index ranks_per_node, Index max_rounds) {
     starts.push_back(std::move(c));
   }
   auto note_static = [&](double ms, Index c) {
-    if (res.static_makespan < 0 || ms < res.static_makespan) {
+    // ties: the smaller degree, whatever order the sweep fills them in
+    if (res.static_makespan < 0 || ms < res.static_makespan || (ms == res.static_makespan && c < res.static_degree)) {
       res.static_makespan = ms;
       res.static_degree = c;
     }
@@ -265,16 +268,29 @@ CpResult schedule(const M& m, Index ranks_per_node, Index max_rounds) {
     m.solve(n, c);
     starts.push_back(std::move(c));
   }
-  // the other static degrees greedily; their groupings get optimal degrees (all of them while the
-  // solves' work stays within kStaticSolves, else the best static makespans that fit in it)
+  // the other static degrees greedily. A small sweep (n x degrees <= kStaticExhaustive) fills every
+  // degree; a larger one the most promising first (ascending lower bound on their makespan) and
+  // stops at the first whose bound is not below the best static makespan found: no later degree
+  // can beat it. The groupings filled get optimal degrees (all of them while the solves' work
+  // stays within kStaticSolves, else the best static makespans that fit in it)
   const auto cs = greedy_static_degrees(n, num_ranks);
   int64_t work = 0;
   for (Index c : cs) work += m.solve_work(std::min(n, num_ranks / c));
   const size_t keep = work <= kStaticSolves
                           ? cs.size()
                           : std::max<size_t>(kStaticStarts, static_cast<size_t>(kStaticSolves / (work / cs.size())));
+  const bool prune = n * static_cast<int64_t>(cs.size()) > kStaticExhaustive;
+  std::vector<std::pair<double, Index>> by_bound;
+  {
+    const auto totals = m.totals();
+    for (Index c : cs)
+      if (m.len[longest] <= c * m.mem) by_bound.push_back({prune ? m.static_bound(c, longest, totals) : 0.0, c});
+    std::stable_sort(by_bound.begin(), by_bound.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+  }
   std::vector<std::pair<double, std::vector<Index>>> kept;
-  for (Index c : cs) {
+  for (const auto& [bound, c] : by_bound) {
+    if (prune && res.static_makespan >= 0 && bound * (1.0 - 1e-9) >= res.static_makespan) break;
     std::vector<Index> group_of(n);
     std::vector<Acc> acc;
     if (!greedy_assign(m, order, std::vector<Index>(num_ranks / c, c), group_of, &acc)) continue;

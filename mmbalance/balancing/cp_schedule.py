@@ -125,17 +125,16 @@ def _build(lengths, group_of, degree, num_ranks, ranks_per_node, times, info, la
     if layout is None:
         layout = core().layout_ranks(np.asarray(degree, dtype=np.int64), num_ranks, ranks_per_node)
     offset, ranks = layout
-    order = np.argsort(group_of, kind="stable")
+    order = np.argsort(group_of, kind="stable").astype(np.int64, copy=False)
     counts = np.bincount(group_of, minlength=len(degree))
-    bounds = np.concatenate([[0], np.cumsum(counts)])
+    # Python lists once, then one slice per group (hundreds of groups at scale)
+    rank_list, off = np.asarray(ranks).tolist(), np.asarray(offset).tolist()
+    members = np.split(order, np.cumsum(counts)[:-1]) if len(degree) else []
     groups = [
         CPGroup(
-            degree=int(degree[k]),
-            ranks=tuple(int(r) for r in ranks[offset[k] : offset[k + 1]]),
-            sequences=order[bounds[k] : bounds[k + 1]].astype(np.int64),
-            time=float(times[k]),
+            degree=int(d), ranks=tuple(rank_list[off[k] : off[k + 1]]), sequences=members[k], time=float(t)
         )
-        for k in range(len(degree))
+        for k, (d, t) in enumerate(zip(np.asarray(degree).tolist(), np.asarray(times).tolist()))
     ]
     return CPSchedule(groups, max(times, default=0.0), num_ranks, info)
 
@@ -190,6 +189,10 @@ def cp_schedule(
         callable). Every degree is compared while ``n * num_ranks <= 2**20``; above that the
         degrees that give each sequence its own group and, of the others, the largest degree of
         every group count (geometrically spread, about ``2**20 / n`` of them, when those are more).
+        When that sweep would fill more than ``2**16`` sequences, degrees are filled in ascending
+        order of a lower bound on their makespan (their longest sequence alone; all the work over
+        their groups), and those whose bound is not below the best static makespan found are left
+        out: they cannot beat it.
 
     Raises:
         ValueError: a sequence exceeds the memory of all ranks together, the sequences do not fit

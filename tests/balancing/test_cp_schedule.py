@@ -576,3 +576,57 @@ def test_vectorized_many_ranks_and_sequences():
     sched = cp_schedule(lengths, 4096, 16384, _transformer_per_sequence)
     check_valid(sched, lengths, 4096, 16384, PerSequence(_transformer_per_sequence))
     assert sched.makespan <= sched.info["static_makespan"] * (1 + 1e-12)
+
+
+def _static_closed_form(lengths, num_ranks, mem, cost, c):
+    """Static degree c (numpy): longest first to the group whose time after adding is least (ties:
+    lowest group), among the groups with memory left; the slowest group's time, or None."""
+    g = num_ranks // c
+    s1, s2 = np.zeros(g), np.zeros(g)
+    tokens = np.zeros(g, dtype=np.int64)
+    dd = float(c)
+    for i in sorted(range(lengths.size), key=lambda i: (-lengths[i], i)):
+        x = float(lengths[i])
+        a = cost.attention * (1.0 + cost.eta) * (s2 + x * x) / dd
+        r = cost.ring * (s1 + x) * (dd - 1.0) / dd + cost.ring_latency * (dd - 1.0) if c > 1 else 0.0 * a
+        after = cost.fixed + cost.linear * (s1 + x) / dd + (np.maximum(a, r) if cost.overlap else a + r)
+        after = np.where(tokens + lengths[i] <= c * mem, after, np.inf)
+        k = int(np.argmin(after))
+        if after[k] == np.inf:
+            return None
+        s1[k], s2[k], tokens[k] = s1[k] + x, s2[k] + x * x, tokens[k] + lengths[i]
+    a = cost.attention * (1.0 + cost.eta) * s2 / dd
+    r = cost.ring * s1 * (dd - 1.0) / dd + cost.ring_latency * (dd - 1.0) if c > 1 else 0.0 * a
+    t = cost.fixed + cost.linear * s1 / dd + (np.maximum(a, r) if cost.overlap else a + r)
+    return float(np.where(tokens > 0, t, 0.0).max())
+
+
+def _one_over_degree(ls, d):  # every sequence the same: static makespans are ceil(n / groups) / d
+    return np.full(ls.shape, 1.0 / d)
+
+
+@pytest.mark.parametrize("form", ["closed", "vectorized"])
+def test_pruned_static_sweep_still_finds_the_best_static_degree(form):
+    # 700 sequences on 128 ranks: the static sweep would fill more than 2**16 sequences, so degrees
+    # are filled in ascending order of a lower bound and left out once it cannot beat the best
+    # found. In both cases the degree with the least bound is not the best static degree (per-group
+    # constants, or whole sequences per group), so a bound that is too high loses the best.
+    rng = np.random.default_rng(11)
+    lengths = np.clip(rng.lognormal(np.log(900), 1.0, 700), 16, 20000).astype(np.int64)
+    num_ranks = 128
+    if form == "closed":
+        mem = 12000
+        cost = CostModel(linear=1.0, attention=2e-4, ring=0.2, ring_latency=50.0, fixed=10.0, mask="full")
+        sched = cp_schedule(lengths, num_ranks, mem, cost)
+        statics = [_static_closed_form(lengths, num_ranks, mem, cost, c) for c in range(1, num_ranks + 1)]
+    else:
+        mem = 20000
+        sched = cp_schedule(lengths, num_ranks, mem, _one_over_degree)
+        statics = [
+            static_groups_additive(lengths, num_ranks, mem, _one_over_degree, c)
+            for c in range(1, num_ranks + 1)
+        ]
+    feasible = [s for s in statics if s is not None]
+    assert sched.info["static_makespan"] == pytest.approx(min(feasible), rel=1e-9)
+    assert sched.info["static_degree"] == 1 + statics.index(min(feasible))
+    assert sched.makespan <= min(feasible) * (1 + 1e-12)
