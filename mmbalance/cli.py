@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf", "sampler")
+BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf", "sampler", "cp")
 
 
 class HelpFormatter(argparse.HelpFormatter):
