@@ -346,7 +346,7 @@ class EncoderBalanceHandle:
                 raise ValueError(f"payload[{k}] has {t.shape[0]} rows, the items {total}")
 
 
-def _own_group(base):
+def own_group(base):
     """A process group with ``base``'s ranks used by the balancing alone: its all-to-alls (also
     those of the backward, which autograd schedules) then never interleave with DDP's or FSDP's
     collectives on a shared communicator. It takes ``base``'s timeout. ``new_group`` is collective
@@ -442,7 +442,7 @@ def apply_encoder_balance(
     for a in chosen:
         if not split_frames and a.splits_frames:
             a.splits_frames = False  # on this instance only
-    own = _own_group(base)
+    own = own_group(base)
     # One agreement on the new group before anything uses it: every rank has connected to it
     # (so no rank can tear it down while a peer still connects), and every rank balances alike.
     with Entry("apply_encoder_balance", own) as e:
