@@ -318,6 +318,11 @@ class EncoderBalanceHandle:
             return kwargs
         return adapter.restore(model, kwargs, mine, back)
 
+    def item_costs(self, adapter: EncoderAdapter, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The cost this handle balances for every item of ``adapter`` (float64 ``[n]``), from the
+        gathered item table: what :func:`apply_encoder_balance`'s ``cost`` says."""
+        return self._costs(adapter, meta, rows)
+
     def _costs(self, adapter: EncoderAdapter, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
         if callable(self.cost):
             costs = np.asarray(self.cost(adapter.encoder, meta, rows), dtype=np.float64).reshape(-1)

@@ -46,6 +46,10 @@ class CPShard:
         tokens: tokens this rank holds (the query length every attention call must have).
         local_cu_seqlens: int32 ``[B + 1]`` boundaries of the rank's local pieces (degree 1).
         max_seqlen: longest local sequence (degree 1).
+        anchor: a zero scalar (or ``None``) that every attention call adds to its output: it
+            depends on the shard's encoder features and stand-in encodings, so every rank's
+            backward runs the collectives that send their gradients back, also a rank whose
+            shard holds no placeholder token (:mod:`.dynamic_cp_vlm`).
     """
 
     degree: int
@@ -56,6 +60,7 @@ class CPShard:
     local_cu_seqlens: Tensor | None = None
     max_seqlen: int = 0
     device_cu: dict = field(default_factory=dict, repr=False)
+    anchor: Tensor | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return (
@@ -166,4 +171,6 @@ def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     out = out.unsqueeze(0)
     if width != dv:
         out = out[..., :dv]
+    if shard.anchor is not None:
+        out = out + shard.anchor.to(device=out.device, dtype=out.dtype)
     return out, None

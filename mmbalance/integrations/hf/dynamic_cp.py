@@ -66,6 +66,8 @@ class Sequences:
     """This rank's sequences, back to back (int64 ``[T]`` each), in batch order.
 
     ``lengths`` ``[n]``; ``labels``/``shift_labels`` are all ``-100`` when the batch had none.
+    ``spans``: ``(row, start, end)`` of every sequence in the batch's ``[B, L]`` tensors (what
+    slices another per-token input, such as ``mm_token_type_ids``, the same way).
     """
 
     input_ids: Tensor
@@ -73,6 +75,7 @@ class Sequences:
     shift_labels: Tensor
     lengths: np.ndarray
     has_labels: bool
+    spans: list[tuple[int, int, int]] | None = None
 
     @property
     def labelled(self) -> np.ndarray:
@@ -146,6 +149,7 @@ def split_sequences(batch: Mapping) -> Sequences:
             keep_rows.append((r, int(starts[0]), int(ends[0])))
     pos_np = pos.detach().cpu().to(torch.int64).numpy() if pos is not None else None
     lengths: list[int] = []
+    spans: list[tuple[int, int, int]] = []
     id_parts, lab_parts, shift_parts = [], [], []
     for r, s, e in keep_rows:
         if pos_np is not None:
@@ -164,6 +168,7 @@ def split_sequences(batch: Mapping) -> Sequences:
             seqs = [(s, e)]
         for a, z in seqs:
             lengths.append(z - a)
+            spans.append((r, a, z))
             id_parts.append(ids_np[r, a:z])
             lab = lab_np[r, a:z] if lab_np is not None else torch.full((z - a,), IGNORE, dtype=torch.int64)
             lab_parts.append(lab)
@@ -177,6 +182,7 @@ def split_sequences(batch: Mapping) -> Sequences:
         shift_labels=torch.cat(shift_parts) if shift_parts else empty,
         lengths=np.asarray(lengths, dtype=np.int64),
         has_labels=labels is not None,
+        spans=spans,
     )
 
 
@@ -314,14 +320,22 @@ def plan_layout(lengths: np.ndarray, src: np.ndarray, world: int, budget: int, c
 class DynamicCPHandle:
     """What :func:`apply_dynamic_cp` returns: :meth:`shard` per step, :attr:`stats`, :meth:`remove`."""
 
-    def __init__(self, model, budget: int, cost, group, own, pool: GroupPool | None):
+    def __init__(self, model, budget: int, cost, group, own, pool: GroupPool | None, vlm=None,
+                 encoder_cost="auto"):  # fmt: skip
         self.model = model
         self.max_tokens_per_rank = budget
         self.cost = cost
+        self.encoder_cost = encoder_cost
         self.group = group
         self._own = own
         self._pool = pool
         self._groups: dict[tuple[int, ...], object] = {}
+        self._vlm = vlm  # a VLMFamily for the vision-language models (dynamic_cp_vlm.py)
+        self._adapters = []
+        if vlm is not None:
+            from .encoder_adapter import adapters_for
+
+            self._adapters = adapters_for(model)
         self.removed = False
         #: statistics of the last :meth:`shard`: ``degrees`` (every group's degree), ``largest_shard``
         #: (tokens of the busiest rank), ``before``/``after`` (max/mean over ranks of the modelled
@@ -342,6 +356,14 @@ class DynamicCPHandle:
 
         ``labels`` may be left out (no loss). A rank may pass no sequence at all (``[1, 0]``).
 
+        For a vision-language model the batch is what its processor gives: the padded form plus
+        ``pixel_values`` with ``image_grid_thw``, ``pixel_values_videos`` with ``video_grid_thw``
+        (media in order of appearance), ``mm_token_type_ids`` and ``second_per_grid_ts`` where
+        the model takes them (LLaVA: ``pixel_values``). The keywords then also hold
+        ``mm_encoder_outputs`` (the shard's feature rows) and ``position_ids`` ``[4, 1, T]`` for
+        the M-RoPE models (the token's position in its sequence, then the three M-RoPE rows the
+        model's ``get_rope_index`` gives the whole sequence); see :mod:`.dynamic_cp_vlm`.
+
         Returns the model keywords: ``input_ids``, ``position_ids`` (each token's position in its
         own sequence), ``labels``, ``shift_labels`` (the next token's label, shifted on the whole
         sequence), ``num_items_in_batch`` (global labelled tokens), ``use_cache=False`` and the
@@ -356,6 +378,10 @@ class DynamicCPHandle:
         """
         if self.removed:
             raise RuntimeError("this dynamic-CP handle was removed (handle.remove()); apply_dynamic_cp again")
+        if self._vlm is not None:
+            from .dynamic_cp_vlm import shard_vlm
+
+            return shard_vlm(self, batch)
         device = _model_device(self.model)
         seqs: Sequences | None = None
         if self._own is None:  # one process: every sequence whole, on this rank
@@ -382,20 +408,10 @@ class DynamicCPHandle:
         comm = _comm_device(self._own)
         out, _ = rebalance(payload.to(comm), cu.to(comm), plan, self._own)
         out = out.cpu()
-        gi = int(layout.group_of_rank[rank])
-        if gi < 0 or out.shape[0] == 0:
-            shard = CPShard(1, 0, None, np.array([0, 1], dtype=np.int64), 1,
-                            torch.tensor([0, 1], dtype=torch.int32), 1)  # fmt: skip
+        shard = shard_of(layout, lengths, rank, groups, int(out.shape[0]))
+        if shard is None:
+            shard = idle_shard()
             out = torch.tensor([[_pad_id(self.model), IGNORE, IGNORE, 0]], dtype=torch.int64)
-        else:
-            g = layout.schedule[gi]
-            members = np.asarray(g.sequences, dtype=np.int64)
-            gcu = np.concatenate([[0], np.cumsum(lengths[members])]).astype(np.int64)
-            if g.degree == 1:
-                local = torch.from_numpy(gcu.astype(np.int32))
-                shard = CPShard(1, 0, None, gcu, int(out.shape[0]), local, int(lengths[members].max()))
-            else:
-                shard = CPShard(g.degree, int(layout.rank_in_group[rank]), groups[gi], gcu, int(out.shape[0]))
         self._record(lengths, src, labelled, layout, world, plan)
         return _kwargs(out, shard, int(labelled.sum()), seqs.has_labels, device)
 
@@ -441,17 +457,22 @@ class DynamicCPHandle:
         # the whole group runs on the handle's own communicator, never on DDP's
         return {gi: self._own if len(r) == len(base_ranks) else self._groups[r] for gi, r in wanted.items()}
 
-    def _record(self, lengths, src, labelled, layout: _Layout, world: int, plan: Plan) -> None:
+    def _record(self, lengths, src, labelled, layout: _Layout, world: int, plan: Plan,
+                before: np.ndarray | None = None, after: np.ndarray | None = None) -> None:  # fmt: skip
+        """``handle.stats`` of a step; ``before``/``after`` (modelled time per rank as sampled and
+        as planned) are computed here unless given."""
         cost = self.cost
-        before = np.zeros(world)
-        after = np.zeros(world)
-        if isinstance(cost, CostModel):
-            for r in range(world):
-                before[r] = cost.time(lengths[src == r]) if (src == r).any() else 0.0
-        for g in layout.schedule:
-            t = float(g.time)
-            for r in g.ranks:
-                after[r] = t
+        if before is None:
+            before = np.zeros(world)
+            if isinstance(cost, CostModel):
+                for r in range(world):
+                    before[r] = cost.time(lengths[src == r]) if (src == r).any() else 0.0
+        if after is None:
+            after = np.zeros(world)
+            for g in layout.schedule:
+                t = float(g.time)
+                for r in g.ranks:
+                    after[r] = t
         self.stats = {
             "degrees": [int(g.degree) for g in layout.schedule],
             "largest_shard": int(layout.shard_tokens.max(initial=0)),
@@ -478,6 +499,27 @@ class DynamicCPHandle:
 
     def __repr__(self) -> str:
         return f"DynamicCPHandle(max_tokens_per_rank={self.max_tokens_per_rank}, removed={self.removed})"
+
+
+def shard_of(layout: _Layout, lengths: np.ndarray, rank: int, groups: dict, tokens: int) -> CPShard | None:
+    """The :class:`CPShard` of ``rank`` under ``layout`` (``tokens`` received), or ``None`` for a
+    rank the plan leaves idle."""
+    gi = int(layout.group_of_rank[rank])
+    if gi < 0 or tokens == 0:
+        return None
+    g = layout.schedule[gi]
+    members = np.asarray(g.sequences, dtype=np.int64)
+    gcu = np.concatenate([[0], np.cumsum(lengths[members])]).astype(np.int64)
+    if g.degree == 1:
+        local = torch.from_numpy(gcu.astype(np.int32))
+        return CPShard(1, 0, None, gcu, tokens, local, int(lengths[members].max()))
+    return CPShard(g.degree, int(layout.rank_in_group[rank]), groups[gi], gcu, tokens)
+
+
+def idle_shard() -> CPShard:
+    """The shard of a rank with nothing to run: one stand-in token (label ``-100``)."""
+    cu = np.array([0, 1], dtype=np.int64)
+    return CPShard(1, 0, None, cu, 1, torch.tensor([0, 1], dtype=torch.int32), 1)
 
 
 def _ratio(load: np.ndarray) -> float:
@@ -530,17 +572,23 @@ def _kwargs(out: Tensor, shard: CPShard, items: int, has_labels: bool, device) -
     return kw
 
 
-def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group=None) -> DynamicCPHandle:
+def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group=None,
+                     encoder_cost="auto") -> DynamicCPHandle:  # fmt: skip
     """Dynamic context parallelism of any degree for ``model``'s language model; returns the handle.
 
     Args:
         model: a transformers model that uses ``attn_implementation="mmbalance_varlen"``
             (``register_attention()``, then ``from_config(..., attn_implementation=...)`` or
             ``model.set_attn_implementation("mmbalance_varlen")``). The plain text decoders
-            (Llama, Qwen2, Qwen3, Mistral, ...) are supported; what the ring cannot run (sliding
+            (Llama, Qwen2, Qwen3, Mistral, ...) are supported, and the vision-language models
+            Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and LLaVA (``...ForConditionalGeneration``;
+            :mod:`.dynamic_cp_vlm`: M-RoPE positions from the whole sequence, every image and
+            frame encoded once, feature rows sent straight to the shards of their placeholders).
+            Any other multimodal model is refused by name. What the ring cannot run (sliding
             windows, softcap, sinks, chunked attention, block masks, padding masks) raises
             ``NotImplementedError`` at the first forward.
-        max_tokens_per_rank: tokens one rank may hold in a forward (its LLM-phase activations).
+        max_tokens_per_rank: tokens one rank may hold in a forward (its LLM-phase activations;
+            for a vision-language model the vision tokens count).
         cost: the planner's cost of a group of sequences on ``d`` ranks: ``"quadratic"`` (a dense
             transformer of the model's shape: linear layers, causal attention, ring exchange),
             ``"linear"``, a :class:`~mmbalance.balancing.CostModel`, or a callable as
@@ -549,14 +597,28 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
             of the world calls :meth:`~DynamicCPHandle.shard` at each step (the CP groups are
             ``new_group``s, collective over the world). Without ``torch.distributed`` the handle
             runs one process (every sequence whole).
+        encoder_cost: vision-language models only: the encoder phase in the plan's cost.
+            ``"auto"``: the encoder's FLOPs (the adapters' model: linear layers plus attention
+            within every image or frame, forward + backward) at the LLM cost's rate per FLOP
+            (``cost.linear / (6 * LLM parameters)``); a callable ``encoder_cost(encoder, meta,
+            rows) -> seconds`` per item (as ``apply_encoder_balance``'s ``cost`` takes it); or
+            ``None``: the language model alone. Without encoder balancing, where each CP group
+            encodes its own media, the planner prices sequence ``s`` on a group of ``d`` ranks
+            at ``linear*l/d + max(attention*(1+eta)*l**2/d, ring*l*(d-1)/d + ring_latency*(d-1))
+            + E_s/d`` (``E_s``: the encoder seconds of its media, spread over the members) and a
+            group at the sum over its sequences. With :func:`~.balance.apply_encoder_balance` on
+            the same model the encoders are balanced over the whole world, the same for every
+            schedule, so the groups are priced by ``cost`` alone.
 
     The handle creates process groups of its own (one over ``group``'s ranks, plus one per CP
     rank set that the schedules use, created once and reused: :class:`GroupPool`), so its
     all-to-alls and rings never interleave with DDP's or FSDP's collectives.
 
     Raises:
-        ValueError: a model not using ``mmbalance_varlen``, a bad ``max_tokens_per_rank`` or
-            ``cost``, the handle applied twice.
+        ValueError: a model not using ``mmbalance_varlen``, a multimodal model the sharding does
+            not support (the message lists those it does), a bad ``max_tokens_per_rank``,
+            ``cost`` or ``encoder_cost`` (a callable ``cost`` for a vision-language model needs
+            ``encoder_cost=None``), the handle applied twice.
         TypeError: ``model`` is not a ``torch.nn.Module``.
     """
     if not isinstance(model, torch.nn.Module):
@@ -565,6 +627,9 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
         raise TypeError(f"max_tokens_per_rank must be an int, got {type(max_tokens_per_rank).__name__}")
     if max_tokens_per_rank < 1:
         raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
+    from .dynamic_cp_vlm import vlm_family
+
+    family = vlm_family(model)
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTENTION_NAME:
@@ -575,7 +640,14 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
         )
     if getattr(model, "_mmbalance_dynamic_cp", None) is not None:
         raise ValueError("model: apply_dynamic_cp was already applied to this model (handle.remove() first)")
+    if not (encoder_cost is None or encoder_cost == "auto" or callable(encoder_cost)):
+        raise ValueError(f"encoder_cost must be 'auto', None or a callable, got {encoder_cost!r}")
     costm = cost_model_of(model, cost)
+    if family is not None and encoder_cost is not None and not isinstance(costm, CostModel):
+        raise ValueError(
+            "cost: a callable cost cannot take the encoder phase of a vision-language model into account; "
+            "pass a CostModel (or 'quadratic'), or encoder_cost=None to plan the language model alone"
+        )
     own = pool = None
     if dist.is_available() and dist.is_initialized():
         world_of(group)
@@ -588,8 +660,9 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
                 "max_tokens_per_rank": int(max_tokens_per_rank),
                 "cost": _cost_key(costm),
                 "model": type(model).__name__,
+                "encoder_cost": encoder_cost if not callable(encoder_cost) else "callable",
             }
         e.agree()
-    handle = DynamicCPHandle(model, int(max_tokens_per_rank), costm, group, own, pool)
+    handle = DynamicCPHandle(model, int(max_tokens_per_rank), costm, group, own, pool, family, encoder_cost)
     model._mmbalance_dynamic_cp = handle
     return handle
