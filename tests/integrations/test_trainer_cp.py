@@ -51,7 +51,9 @@ def test_trainer_with_context_parallel_trains_like_without_it_and_resumes():
     # (every member of a group loads the group's examples)
     slots = len(logs["cp", 0]["batches"])
     per_epoch = slots // S.EPOCHS
-    plain_slots = [set().union(*(set(logs["plain", r]["batches"][k]) for r in range(4))) for k in range(slots)]
+    plain_slots = [
+        set().union(*(set(logs["plain", r]["batches"][k]) for r in range(4))) for k in range(slots)
+    ]
     cp_slots = [set().union(*(set(logs["cp", r]["batches"][k]) for r in range(4))) for k in range(slots)]
     assert cp_slots == plain_slots, "each micro-batch slot trains the same examples as without CP"
     for e in range(S.EPOCHS):
@@ -95,7 +97,11 @@ def test_streamed_data_in_trainer_and_plain_loop_matches_the_replay(world):
     names = ("stream", "stream-cp", "loop")
     with tempfile.TemporaryDirectory() as tmp:
         launch(SCRIPT, nproc=world, timeout=600, env={"MMB_TMP": tmp, "MMB_MODE": "stream"})
-        logs = {(n, r): json.loads((Path(tmp) / f"{n}-rank{r}.json").read_text()) for n in names for r in range(world)}
+        logs = {
+            (n, r): json.loads((Path(tmp) / f"{n}-rank{r}.json").read_text())
+            for n in names
+            for r in range(world)
+        }
         w = {n: torch.load(Path(tmp) / f"{n}.pt") for n in names}
     for n in names:
         drawn = [logs[n, r]["drawn"] for r in range(world)]
@@ -108,4 +114,6 @@ def test_streamed_data_in_trainer_and_plain_loop_matches_the_replay(world):
     budget = 48 if world >= 4 else 50
     for n in ("stream-cp", "loop"):
         assert max(logs[n, r]["max_tokens"] for r in range(world)) <= budget
-    assert any(max(d) >= 2 for r in range(world) for d in logs["loop", r]["degrees"]), "some sequence is split"
+    assert any(max(d) >= 2 for r in range(world) for d in logs["loop", r]["degrees"]), (
+        "some sequence is split"
+    )

@@ -46,7 +46,12 @@ def example(i: int, length: int) -> dict:
     ids = torch.randint(3, VOCAB, (length,), generator=g)
     labels = ids.clone()
     labels[: min(2, length)] = -100  # a prompt
-    return {"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels, "idx": i}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(length, dtype=torch.long),
+        "labels": labels,
+        "idx": i,
+    }
 
 
 def collate(rows: list[dict]) -> dict:
@@ -122,7 +127,9 @@ def train(name: str, cp: bool, resume: str | None = None):
     from mmbalance.integrations.hf import balance_trainer
 
     tmp = os.environ["MMB_TMP"]
-    args = args_for(tmp, num_train_epochs=EPOCHS, save_strategy="steps" if cp and not resume else "no", save_steps=3)
+    args = args_for(
+        tmp, num_train_epochs=EPOCHS, save_strategy="steps" if cp and not resume else "no", save_steps=3
+    )
     model = build_model()
     seen = watch(model)
     data = Logged()
@@ -134,7 +141,9 @@ def train(name: str, cp: bool, resume: str | None = None):
     with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
         json.dump({"batches": data.log, "max_tokens": max(seen), "forwards": len(seen)}, f)
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt"))
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")
+        )
 
 
 def stream(name: str, cp: bool):
@@ -156,7 +165,9 @@ def stream(name: str, cp: bool):
     with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
         json.dump({"drawn": data.drawn, "max_tokens": max(seen)}, f)
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt"))
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")
+        )
 
 
 def stream_budget() -> int:
@@ -195,7 +206,9 @@ def loop(name: str):
     with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
         json.dump({"drawn": data.drawn, "max_tokens": max(seen), "degrees": degrees}, f)
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt"))
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")
+        )
     handle.remove()
 
 

@@ -455,7 +455,9 @@ class DynamicCPHandle:
         while True:
             batch = next(it, None)
             if self._own is not None:
-                flag = torch.tensor([0 if batch is None else 1], dtype=torch.int64, device=_comm_device(self._own))
+                flag = torch.tensor(
+                    [0 if batch is None else 1], dtype=torch.int64, device=_comm_device(self._own)
+                )
                 run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=self._own)
                 more = bool(flag.item())
             else:

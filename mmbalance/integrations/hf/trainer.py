@@ -130,9 +130,13 @@ def balance_trainer(
     if not isinstance(context_parallel, bool):
         raise TypeError(f"context_parallel must be a bool, got {type(context_parallel).__name__}")
     if context_parallel and max_tokens_per_rank is None:
-        raise ValueError("context_parallel=True needs max_tokens_per_rank (tokens a rank may hold in a forward)")
+        raise ValueError(
+            "context_parallel=True needs max_tokens_per_rank (tokens a rank may hold in a forward)"
+        )
     if max_tokens_per_rank is not None and (
-        isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1
+        isinstance(max_tokens_per_rank, bool)
+        or not isinstance(max_tokens_per_rank, int)
+        or max_tokens_per_rank < 1
     ):
         raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
     args = trainer.args
@@ -156,7 +160,9 @@ def balance_trainer(
         _check_cp_model(trainer)
     if streaming:
         if lengths is not None:
-            raise ValueError("lengths: a streamed train_dataset is measured as it is drawn; leave lengths=None")
+            raise ValueError(
+                "lengths: a streamed train_dataset is measured as it is drawn; leave lengths=None"
+            )
         if args.max_steps is None or args.max_steps <= 0:
             raise ValueError("a streamed train_dataset has no length: set TrainingArguments(max_steps=...)")
         _warn_tokens(args)
