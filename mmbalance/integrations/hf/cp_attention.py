@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from mmbalance.collectives.group import group_timeout
 from mmbalance.collectives.ring import ring_attention
 from mmbalance.pyops.attention import attention_block
 
@@ -61,12 +63,35 @@ class CPShard:
     max_seqlen: int = 0
     device_cu: dict = field(default_factory=dict, repr=False)
     anchor: Tensor | None = field(default=None, repr=False)
+    #: global ranks of this rank's group, and every group of degree > 1 of the step (sorted): a
+    #: shard made where no process group can be made (a data-loader worker) names its group by
+    #: ranks; the first attention call creates the step's groups, in one order on every rank
+    ranks: tuple[int, ...] = ()
+    step_groups: tuple[tuple[int, ...], ...] = ()
+
+    def process_group(self):
+        """The ring's process group (created at first use from :attr:`step_groups`)."""
+        if self.group is None and self.step_groups:
+            for ranks in self.step_groups:
+                if ranks not in _GROUPS:
+                    timeout = group_timeout()
+                    kw = {} if timeout is None else {"timeout": timeout}
+                    _GROUPS[ranks] = dist.new_group(list(ranks), **kw)  # type: ignore[arg-type]
+            if self.degree > 1:
+                self.group = _GROUPS[self.ranks]
+            self.step_groups = ()
+        return self.group
 
     def __repr__(self) -> str:
         return (
             f"CPShard(degree={self.degree}, group_rank={self.group_rank}, sequences={len(self.cu_seqlens) - 1}, "
             f"tokens={self.tokens})"
         )
+
+
+# ring groups named by ranks (CPShard.step_groups): created once per rank set, in the same order on
+# every rank (every rank's shards of a step list the same sets), reused afterwards
+_GROUPS: dict[tuple[int, ...], object] = {}
 
 
 def _not_run(feature: str) -> NotImplementedError:
@@ -135,6 +160,7 @@ def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
         raise TypeError(
             f"{ATTENTION_NAME}: {CP_KEYWORD} must be a CPShard (from handle.shard), got {type(shard).__name__}"
         )
+    group = shard.process_group()  # on every rank, whatever its degree: groups are made collectively
     err = refusal(module, attention_mask, kwargs)
     if err is not None:
         raise err
@@ -166,7 +192,7 @@ def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     else:
         out = ring_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), shard.cu_seqlens, causal=True, softmax_scale=scale,
-            group=shard.group, layout="zigzag",
+            group=group, layout="zigzag",
         )  # fmt: skip
     out = out.unsqueeze(0)
     if width != dv:

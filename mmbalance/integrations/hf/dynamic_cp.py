@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,19 +38,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mmbalance.balancing import CostModel, Plan, cp_schedule
+from mmbalance.balancing import CostModel, Plan, cp_schedule, post_balance
+from mmbalance.balancing.cp_schedule import CPGroup
 from mmbalance.collectives import GroupPool, rebalance
 from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.alltoall import gather_table
 from mmbalance.collectives.group import world_of
-from mmbalance.collectives.inflight import gather_objects, mark_distributed_run
+from mmbalance.collectives.inflight import gather_objects, mark_distributed_run, run
 from mmbalance.collectives.ring_plan import ring_plan
 
 from .attention_mask import ATTENTION_NAME
 from .balance import own_group
 from .cp_attention import CP_KEYWORD, CPShard
 
-__all__ = ["DynamicCPHandle", "apply_dynamic_cp", "cost_model_of", "split_sequences", "Sequences"]
+__all__ = [
+    "DynamicCPHandle", "Sequences", "apply_dynamic_cp", "cost_model_of", "make_handle", "pad_id", "plan_layout",
+    "split_sequences",
+]  # fmt: skip
 
 IGNORE = -100
 # batch keys that describe the packing of the input (recomputed for the shard, so dropped)
@@ -270,10 +274,19 @@ def _pieces(lengths: np.ndarray, src: np.ndarray, schedule, world: int):
     return np.concatenate(lens)[order], src[seq[order]], np.concatenate(dsts)[order], tokens
 
 
-def plan_layout(lengths: np.ndarray, src: np.ndarray, world: int, budget: int, cost) -> _Layout:
+def plan_layout(lengths: np.ndarray, src: np.ndarray, world: int, budget: int | None, cost,
+                context_parallel: bool = True) -> _Layout:  # fmt: skip
     """The schedule under ``budget`` tokens per rank, zigzag rounding included (re-planned with a
-    smaller nominal budget until every real shard fits). Identical on every rank."""
+    smaller nominal budget until every real shard fits). Identical on every rank.
+
+    ``context_parallel=False``: degree 1 everywhere, every sequence whole on one rank
+    (OrchMLLM's post-balancing of the LLM phase, :func:`~mmbalance.balancing.post_balance` with
+    the cost's linear and attention terms); ``budget`` may then be ``None`` (no limit).
+    """
     t0 = time.perf_counter()
+    if not context_parallel:
+        return _degree_one(lengths, src, world, budget, cost, t0)
+    assert budget is not None
     longest = int(lengths.max(initial=0))
     if longest > world * budget:
         raise ValueError(
@@ -308,21 +321,50 @@ def plan_layout(lengths: np.ndarray, src: np.ndarray, world: int, budget: int, c
             f"max_tokens_per_rank={budget}: zigzag shards of the step's sequences do not fit (the busiest rank "
             f"would hold {budget + over} tokens)"
         )
+    return _finish(list(schedule), lengths, src, world, t0, (plen, psrc, pdst, tokens))
+
+
+def _finish(schedule: list, lengths, src, world: int, t0: float, pieces=None) -> _Layout:
+    plen, psrc, pdst, tokens = _pieces(lengths, src, schedule, world) if pieces is None else pieces
     group_of = np.full(world, -1, dtype=np.int64)
     rank_in = np.zeros(world, dtype=np.int64)
     for gi, g in enumerate(schedule):
         for j, r in enumerate(g.ranks):
             group_of[r], rank_in[r] = gi, j
-    return _Layout(list(schedule), group_of, rank_in, plen, psrc, pdst, tokens, time.perf_counter() - t0)
+    return _Layout(schedule, group_of, rank_in, plen, psrc, pdst, tokens, time.perf_counter() - t0)
+
+
+def _degree_one(lengths, src, world: int, budget: int | None, cost, t0: float) -> _Layout:
+    """Every sequence whole on one rank, the ranks' costs balanced (post-balancing)."""
+    if isinstance(cost, CostModel):
+        alpha, beta = float(cost.linear), float(cost.attention * (1.0 + cost.eta))
+    else:
+        alpha, beta = 1.0, 0.0
+    policy = "quadratic" if beta > 0 else "sum"
+    plan = post_balance(lengths, world, policy, src_ranks=src, alpha=alpha, beta=beta if beta > 0 else None)
+    groups = []
+    for r in range(world):
+        members = np.flatnonzero(plan.dst_rank == r).astype(np.int64)
+        if members.size:
+            t = cost.time(lengths[members]) if isinstance(cost, CostModel) else float(lengths[members].sum())
+            groups.append(CPGroup(1, (r,), members, float(t)))
+    lay = _finish(groups, lengths, src, world, t0)
+    if budget is not None and int(lay.shard_tokens.max(initial=0)) > budget:
+        raise ValueError(
+            f"max_tokens_per_rank={budget}: whole sequences do not fit (the busiest rank would hold "
+            f"{int(lay.shard_tokens.max())} tokens); switch context parallelism on"
+        )
+    return lay
 
 
 # ---------------------------------------------------------------------------------- the handle
 class DynamicCPHandle:
     """What :func:`apply_dynamic_cp` returns: :meth:`shard` per step, :attr:`stats`, :meth:`remove`."""
 
-    def __init__(self, model, budget: int, cost, group, own, pool: GroupPool | None, vlm=None,
-                 encoder_cost="auto"):  # fmt: skip
+    def __init__(self, model, budget: int | None, cost, group, own, pool: GroupPool | None,
+                 context_parallel: bool = True, vlm=None, encoder_cost="auto"):  # fmt: skip
         self.model = model
+        self.context_parallel = bool(context_parallel)
         self.max_tokens_per_rank = budget
         self.cost = cost
         self.encoder_cost = encoder_cost
@@ -396,7 +438,7 @@ class DynamicCPHandle:
         table, src = gather_table(table_in, self._own, entry=e)
         assert seqs is not None
         lengths, labelled = table[:, 0], table[:, 1]
-        layout = plan_layout(lengths, src, world, self.max_tokens_per_rank, self.cost)
+        layout = plan_layout(lengths, src, world, self.max_tokens_per_rank, self.cost, self.context_parallel)
         rank = dist.get_rank(self._own)
         groups = self._ring_groups(layout)
         payload = torch.stack(
@@ -411,20 +453,53 @@ class DynamicCPHandle:
         shard = shard_of(layout, lengths, rank, groups, int(out.shape[0]))
         if shard is None:
             shard = idle_shard()
-            out = torch.tensor([[_pad_id(self.model), IGNORE, IGNORE, 0]], dtype=torch.int64)
+            out = torch.tensor([[pad_id(self.model), IGNORE, IGNORE, 0]], dtype=torch.int64)
         self._record(lengths, src, labelled, layout, world, plan)
+        self.stats["local_sequences"] = int(seqs.lengths.size)
         return _kwargs(out, shard, int(labelled.sum()), seqs.has_labels, device)
+
+    def batches(self, loader) -> Iterator[dict]:
+        """:meth:`shard` of every batch of this rank's ``loader`` (any iterable of batches), until
+        every rank's loader has ended: a rank whose loader ends first takes part with empty
+        batches, so no draw is lost and no rank waits for one that has stopped. One small
+        all-reduce per batch agrees on the end. :attr:`stats` ``"drawn"`` counts the sequences
+        this rank has drawn so far."""
+        it = iter(loader)
+        drawn = 0
+        labels = True
+        while True:
+            batch = next(it, None)
+            if self._own is not None:
+                flag = torch.tensor(
+                    [0 if batch is None else 1], dtype=torch.int64, device=_comm_device(self._own)
+                )
+                run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=self._own)
+                more = bool(flag.item())
+            else:
+                more = batch is not None
+            if not more:
+                return
+            if batch is None:
+                batch = {"input_ids": torch.zeros((1, 0), dtype=torch.int64)}
+                if labels:
+                    batch["labels"] = torch.zeros((1, 0), dtype=torch.int64)
+            else:
+                labels = batch.get("labels") is not None
+            kw = self.shard(batch)
+            drawn += int(self.stats.get("local_sequences", 0))
+            self.stats["drawn"] = drawn
+            yield kw
 
     def _single(self, seqs: Sequences, device) -> dict:
         lengths = seqs.lengths
         budget = self.max_tokens_per_rank
-        if int(lengths.sum()) > budget:
+        if budget is not None and int(lengths.sum()) > budget:
             raise ValueError(
                 f"max_tokens_per_rank={budget}: one process holds all {int(lengths.sum())} tokens of the batch"
             )
         payload = torch.stack([seqs.input_ids, seqs.labels, seqs.shift_labels, _positions(lengths)], dim=1)
         if not lengths.size:
-            payload = torch.tensor([[_pad_id(self.model), IGNORE, IGNORE, 0]], dtype=torch.int64)
+            payload = torch.tensor([[pad_id(self.model), IGNORE, IGNORE, 0]], dtype=torch.int64)
             lengths = np.array([1], dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         shard = CPShard(
@@ -435,6 +510,7 @@ class DynamicCPHandle:
             "degrees": [1], "largest_shard": int(cu[-1]), "before": 1.0, "after": 1.0, "max_before": t,
             "mean_before": t, "max_after": t, "mean_after": t, "moved_tokens": 0, "plan_ms": 0.0,
             "sequences": int(seqs.lengths.size), "num_items_in_batch": int(seqs.labelled.sum()),
+            "local_sequences": int(seqs.lengths.size),
         }  # fmt: skip
         return _kwargs(payload, shard, int(seqs.labelled.sum()), seqs.has_labels, device)
 
@@ -540,7 +616,7 @@ def _text_config(model):
     return get() if callable(get) else config
 
 
-def _pad_id(model) -> int:
+def pad_id(model) -> int:
     pad = getattr(_text_config(model), "pad_token_id", None)
     return int(pad) if isinstance(pad, int) and pad >= 0 else 0
 
@@ -629,7 +705,7 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
         raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
     from .dynamic_cp_vlm import vlm_family
 
-    family = vlm_family(model)
+    vlm_family(model)  # an unsupported multimodal model is refused by name before anything else
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTENTION_NAME:
@@ -642,6 +718,16 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
         raise ValueError("model: apply_dynamic_cp was already applied to this model (handle.remove() first)")
     if not (encoder_cost is None or encoder_cost == "auto" or callable(encoder_cost)):
         raise ValueError(f"encoder_cost must be 'auto', None or a callable, got {encoder_cost!r}")
+    return make_handle(model, int(max_tokens_per_rank), cost, group, True, encoder_cost)
+
+
+def make_handle(model, budget: int | None, cost, group, context_parallel: bool,
+                encoder_cost="auto") -> DynamicCPHandle:  # fmt: skip
+    """The handle behind :func:`apply_dynamic_cp` (``context_parallel=False``: degree 1
+    everywhere, the streamed post-balancing of ``balance_trainer``; ``budget`` may be ``None``)."""
+    from .dynamic_cp_vlm import vlm_family
+
+    family = vlm_family(model)
     costm = cost_model_of(model, cost)
     if family is not None and encoder_cost is not None and not isinstance(costm, CostModel):
         raise ValueError(
@@ -657,12 +743,13 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
         mark_distributed_run()
         with Entry("apply_dynamic_cp", own) as e:
             e.fields = {
-                "max_tokens_per_rank": int(max_tokens_per_rank),
+                "max_tokens_per_rank": budget,
                 "cost": _cost_key(costm),
                 "model": type(model).__name__,
+                "context_parallel": context_parallel,
                 "encoder_cost": encoder_cost if not callable(encoder_cost) else "callable",
             }
         e.agree()
-    handle = DynamicCPHandle(model, int(max_tokens_per_rank), costm, group, own, pool, family, encoder_cost)
+    handle = DynamicCPHandle(model, budget, costm, group, own, pool, context_parallel, family, encoder_cost)
     model._mmbalance_dynamic_cp = handle
     return handle

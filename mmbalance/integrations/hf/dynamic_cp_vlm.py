@@ -65,10 +65,10 @@ from .dynamic_cp import (
     _comm_device,
     _cost_key,
     _model_device,
-    _pad_id,
     _positions,
     _text_config,
     idle_shard,
+    pad_id,
     plan_layout,
     shard_of,
     split_sequences,
@@ -773,7 +773,9 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     cost = handle.cost
     if enc_seq.any() and eh is None and handle.encoder_cost is not None and isinstance(cost, CostModel):
         cost = group_cost(cost, enc_seq)
-    layout = plan_layout(lengths, step.seq_src, world, handle.max_tokens_per_rank, cost)
+    layout = plan_layout(
+        lengths, step.seq_src, world, handle.max_tokens_per_rank, cost, handle.context_parallel
+    )
     groups = handle._ring_groups(layout) if handle._own is not None else {}
 
     # ---- the token columns to their pieces
@@ -791,7 +793,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     shard = shard_of(layout, lengths, rank, groups, int(out.shape[0]))
     if shard is None:
         shard = idle_shard()
-        stand_in = [_pad_id(model), IGNORE, IGNORE, 0] + ([0, 0, 0] if family.mrope else [])
+        stand_in = [pad_id(model), IGNORE, IGNORE, 0] + ([0, 0, 0] if family.mrope else [])
         out = torch.tensor([stand_in], dtype=torch.int64)
     ids = out[:, 0].numpy()
     for name, token in family.streams(model):
@@ -817,6 +819,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     }
     handle.stats["split_items"] = media.split_items
     handle.stats["encoded_rows"] = media.encoded_rows
+    handle.stats["local_sequences"] = int(seqs.lengths.size)
 
     out = out.to(_model_device(model))
     kw: dict = {"input_ids": out[:, 0].unsqueeze(0), "use_cache": False, CP_KEYWORD: shard}
