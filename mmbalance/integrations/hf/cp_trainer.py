@@ -8,7 +8,10 @@ slot's examples with the dynamic-CP planner (``dynamic_cp.plan_layout``: CP grou
 under ``max_tokens_per_rank``). Every rank loads only its group's examples, whole, and its
 collator cuts this rank's zigzag shard out of them (:class:`CPCollator`): nothing is exchanged,
 and the batch the model gets is already the shard, so Trainer counts the step's labelled tokens
-(``shift_labels``) on the shards, once each.
+(``shift_labels``) on the shards, once each. For a vision-language model the collator also gives
+the M-RoPE positions of the whole sequences and the encoder work of this rank
+(:class:`~.dynamic_cp_vlm.PendingMedia`), which a forward pre-hook runs: every image and frame is
+encoded by one member of its group, and one all-to-all over the group moves the feature rows.
 
 Streaming data (:class:`StreamLoader`): every rank draws its own examples from its slice of the
 stream, and :meth:`~mmbalance.integrations.hf.dynamic_cp.DynamicCPHandle.batches` post-balances
@@ -30,6 +33,7 @@ from mmbalance.integrations.data import BalancedBatchSampler
 
 from .cp_attention import CP_KEYWORD, CPShard
 from .dynamic_cp import IGNORE, plan_layout, split_sequences
+from .dynamic_cp_vlm import MEDIA_KEYWORD
 
 __all__ = ["CPBatchSampler", "CPCollator", "SlotMeta", "StreamLoader", "TaggedDataset", "RankSlice"]
 
@@ -141,9 +145,12 @@ class CPCollator:
     by ranks and created at the first attention call.
     """
 
-    def __init__(self, collate: Callable, pad_id: int = 0):
+    def __init__(self, collate: Callable, pad_id: int = 0, vlm=None):
         self.collate = collate
         self.pad_id = int(pad_id)
+        #: a vision-language model's GroupCutter (dynamic_cp_vlm.py): the shard then also carries
+        #: M-RoPE positions ``[4, 1, T]`` and the PendingMedia the forward encodes
+        self.vlm = vlm
 
     def __call__(self, items: list) -> dict:
         meta: SlotMeta = items[0][1]
@@ -152,9 +159,20 @@ class CPCollator:
                             1, ranks=meta.ranks, step_groups=meta.step_groups)  # fmt: skip
             one = torch.tensor([[self.pad_id]], dtype=torch.int64)
             ignore = torch.full((1, 1), IGNORE, dtype=torch.int64)
-            return {"input_ids": one, "position_ids": torch.zeros((1, 1), dtype=torch.int64), "labels": ignore,
+            idle = {"input_ids": one, "position_ids": torch.zeros((1, 1), dtype=torch.int64), "labels": ignore,
                     "shift_labels": ignore.clone(), "use_cache": False, CP_KEYWORD: shard}  # fmt: skip
-        seqs = split_sequences(self.collate([row for row, _ in items]))
+            if self.vlm is not None:  # no media: the forward encodes a stand-in item
+                _, _, media = self.vlm.cut({"input_ids": torch.zeros((1, 0), dtype=torch.int64)}, 1, 0)
+                if self.vlm.family.mrope:
+                    idle["position_ids"] = torch.zeros((4, 1, 1), dtype=torch.int64)
+                idle[MEDIA_KEYWORD] = media
+            return idle
+        batch = self.collate([row for row, _ in items])
+        mrope = pending = None
+        if self.vlm is not None:
+            seqs, mrope, pending = self.vlm.cut(batch, meta.degree, meta.group_rank)
+        else:
+            seqs = split_sequences(batch)
         cu = np.concatenate([[0], np.cumsum(seqs.lengths)]).astype(np.int64)
         rp = ring_plan(cu, meta.degree, "zigzag")
         index = torch.from_numpy(rp.global_index(meta.group_rank))
@@ -175,6 +193,10 @@ class CPCollator:
         if seqs.has_labels:
             out["labels"] = seqs.labels[index].unsqueeze(0)
             out["shift_labels"] = seqs.shift_labels[index].unsqueeze(0)
+        if pending is not None:
+            if mrope is not None:  # [4, 1, T]: the position in the sequence, then the M-RoPE rows
+                out["position_ids"] = torch.cat([pos.unsqueeze(0), mrope[index].t()]).unsqueeze(1)
+            out[MEDIA_KEYWORD] = pending
         return out
 
 

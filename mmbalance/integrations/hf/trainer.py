@@ -89,7 +89,15 @@ def balance_trainer(
             shard (no data exchange). Gradients are averaged over the whole world (DDP or FSDP2)
             and the loss normalized by Trainer (``average_tokens_across_devices``), so training
             equals the run without it. ``cost`` is then ``"quadratic"`` (the model's shape),
-            ``"linear"``, a :class:`~mmbalance.balancing.CostModel` or a callable.
+            ``"linear"``, a :class:`~mmbalance.balancing.CostModel` or a callable. For the
+            vision-language models of ``apply_dynamic_cp`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+            LLaVA) the collator also computes every sequence's M-RoPE positions whole
+            (``get_rope_index``) and leaves the media to the forward: each member of a group
+            encodes its share of the group's images and frames (a stand-in where it has none)
+            and one all-to-all over the group sends the feature rows to the members holding their
+            placeholders. The slots are scheduled on the LLM tokens (``lengths``, vision tokens
+            included) under ``cost``; the encoder phase is not in this schedule's cost, and
+            ``apply_encoder_balance`` on the model finds nothing left to balance.
         max_tokens_per_rank: tokens a rank may hold in a forward (required with
             ``context_parallel``).
 
@@ -280,12 +288,17 @@ def _balanced_train_dataloader(self):
     if self._mmbalance_cp is not None:
         from .cp_trainer import CPBatchSampler, CPCollator, TaggedDataset
         from .dynamic_cp import pad_id
+        from .dynamic_cp_vlm import GroupCutter, install_media_hook, vlm_family
 
         budget, cost = self._mmbalance_cp
         batch_sampler = CPBatchSampler(sampler, budget, cost)
         self.cp_sampler = batch_sampler
         dataset = TaggedDataset(dataset)
-        collator = CPCollator(collator, pad_id(self.model))
+        vlm = None
+        if vlm_family(self.model) is not None:
+            vlm = GroupCutter(self.model, cost)
+            install_media_hook(self.model)
+        collator = CPCollator(collator, pad_id(self.model), vlm)
     args = self.args
     params = {
         "batch_sampler": batch_sampler,
