@@ -201,3 +201,25 @@ def test_placeholder_counts_before_any_offset(runs, data):
     for k in (1, 2):
         want = np.array([int((kind[:v] == k).sum()) for v in x])
         assert counted.before(0, k, x).tolist() == want.tolist()
+
+
+def test_balance_trainer_refuses_an_unsupported_vlm_by_name(tmp_path):
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from mmbalance.integrations.hf import balance_trainer
+
+    register_attention()
+    model = hf_zoo.build("llava_next")
+    model.set_attn_implementation("mmbalance_varlen")
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=1
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": torch.ones(4, dtype=torch.long)}] * 4
+    )
+    with pytest.raises(ValueError) as info:
+        balance_trainer(trainer, context_parallel=True, max_tokens_per_rank=64)
+    assert "LlavaNextForConditionalGeneration" in str(
+        info.value
+    ) and "Qwen2VLForConditionalGeneration" in str(info.value)

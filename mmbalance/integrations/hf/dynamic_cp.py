@@ -382,7 +382,11 @@ class DynamicCPHandle:
         #: statistics of the last :meth:`shard`: ``degrees`` (every group's degree), ``largest_shard``
         #: (tokens of the busiest rank), ``before``/``after`` (max/mean over ranks of the modelled
         #: time as sampled and as planned), ``max_before``, ``mean_before``, ``max_after``,
-        #: ``mean_after``, ``moved_tokens``, ``plan_ms``, ``sequences``, ``num_items_in_batch``
+        #: ``mean_after``, ``moved_tokens``, ``plan_ms``, ``sequences``, ``num_items_in_batch``;
+        #: for a vision-language model (the modelled times then include every rank's encoding)
+        #: also ``encoders`` (per encoder: ``items``, ``rows``, and ``before``/``after``, max/mean
+        #: of the encoding over the ranks), ``split_items`` (per stream, the images or frames whose
+        #: feature rows reach more than one rank) and ``encoded_rows`` (input rows this rank encoded)
         self.stats: dict = {}
 
     # ----------------------------------------------------------------------------- the step

@@ -747,7 +747,11 @@ def _media(handle, family: VLMFamily, adapters, local: _Local, step: _Step, layo
             _, ranks_per_item = np.unique(pairs[:, :2], axis=0, return_counts=True)
             name = streams[st][0]
             res.split_items[name] = res.split_items.get(name, 0) + int((ranks_per_item > 1).sum())
-        res.encoders[adapter.encoder] = {"items": int(n_items), "rows": int(rows.sum())}
+        mine_home = np.bincount(step.src[k], weights=seconds[k], minlength=world)
+        mine_load = np.bincount(enc, weights=seconds[k], minlength=world)
+        res.encoders[adapter.encoder] = {
+            "items": int(n_items), "rows": int(rows.sum()), "before": _ratio(mine_home), "after": _ratio(mine_load),
+        }  # fmt: skip
     return res
 
 
@@ -813,10 +817,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     if before is not None and after is not None:
         before, after = before + media.home, after + media.load
     handle._record(lengths, step.seq_src, labelled, layout, world, plan, before, after)
-    handle.stats["encoders"] = {
-        name: {**v, "before": _ratio(media.home), "after": _ratio(media.load)}
-        for name, v in media.encoders.items()
-    }
+    handle.stats["encoders"] = media.encoders
     handle.stats["split_items"] = media.split_items
     handle.stats["encoded_rows"] = media.encoded_rows
     handle.stats["local_sequences"] = int(seqs.lengths.size)

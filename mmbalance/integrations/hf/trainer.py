@@ -219,6 +219,9 @@ def _warn_tokens(args) -> int:
 
 def _check_cp_model(trainer) -> None:
     from .attention_mask import ATTENTION_NAME
+    from .dynamic_cp_vlm import vlm_family
+
+    vlm_family(trainer.model)  # a multimodal model the sharding does not support is refused by name
 
     impl = getattr(getattr(trainer.model, "config", None), "_attn_implementation", None)
     if impl != ATTENTION_NAME:
