@@ -53,8 +53,8 @@ import math
 import torch
 from torch import Tensor
 
-from mmbalance.kernels import attention as _fwd_kernels
 from mmbalance.kernels import attention_bwd as _bwd_kernels
+from mmbalance.kernels import attention_fwd as _fwd_kernels
 from mmbalance.kernels import merge as _merge_kernels
 from mmbalance.kernels.dispatch import Backend, select_backend
 
