@@ -25,7 +25,7 @@ from mmbalance.kernels import _launch
 from mmbalance.kernels import attention_bwd as KB
 from mmbalance.kernels import attention_fwd as KF
 from mmbalance.kernels import merge as KM
-from mmbalance.pyops import attention as ops
+from mmbalance.pyops import attention_ops as ops
 from tests.pyops.attention_expected import attention_f64, merge_f64, varlen_batch
 from tests.tolerances import assert_close_lowp, tol
 
