@@ -244,19 +244,9 @@ def select_merge_backend(backend: str, inputs: MergeInputs) -> str:
 
 # -------------------------------------------------------------------------------- flash-attn path
 def flash_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_q: Tensor,
-    cu_k: Tensor,
-    max_q: int,
-    max_k: int,
-    scale: float,
-    causal: bool,
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float, causal: bool,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The block forward on flash-attn: ``out`` in q's dtype and the float32 ``lse [H, Tq]`` with
     ``-inf`` for rows without keys (this library's convention)."""
     fai = _flash_attn_interface()
@@ -281,22 +271,9 @@ def flash_fwd(
 
 
 def flash_bwd(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_q: Tensor,
-    cu_k: Tensor,
-    max_q: int,
-    max_k: int,
-    scale: float,
-    causal: bool,
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+    max_k: int, scale: float, causal: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The block backward on flash-attn (after a flash-attn forward); float32 ``dq``, ``dk``, ``dv``."""
     fai = _flash_attn_interface()
     fn = fai._flash_attn_varlen_backward
