@@ -4,7 +4,7 @@ Balanced batches are best run without padding: each rank's examples packed back 
 rows, sequence boundaries where ``position_ids`` restart (as transformers' packing collators
 produce them, ``DataCollatorWithFlattening``), or given directly as ``cu_seq_lens_q/k``. This
 backend runs such batches through mmbalance's varlen attention op
-(:func:`mmbalance.pyops.attention.attention_block`): the Triton flash-style kernel on CUDA
+(:func:`mmbalance.pyops.attention_ops.attention_block`): the Triton flash-style kernel on CUDA
 (flash-attn when installed and the call allows it), the reference on CPU tensors. So packed
 training needs neither flash-attn nor padding.
 
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmbalance.pyops.attention import attention_block, merge_attention_states
+from mmbalance.pyops.attention_ops import attention_block, merge_attention_states
 from mmbalance.pyops.varlen import cu_seqlens_from_lengths
 
 from .attention_mask import ATTENTION_NAME, VarlenMask, varlen_mask

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from mmbalance.collectives.group import group_timeout
 from mmbalance.collectives.ring import ring_attention
-from mmbalance.pyops.attention import attention_block
+from mmbalance.pyops.attention_ops import attention_block
 
 from .attention_mask import ATTENTION_NAME, VarlenMask
 
