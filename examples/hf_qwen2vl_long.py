@@ -5,14 +5,16 @@
 Every step each rank draws its own examples, as a processor gives them: one rank a long video
 (more tokens than two ranks may hold), another a document of page images, the others short
 chats with or without an image. ``handle.shard`` gathers the lengths, groups the ranks into CP
-groups of any degree for this step (a video over 3 ranks, the rest whole on the fourth),
-computes the M-RoPE positions of every sequence whole, encodes every image and frame once
+groups of any degree for this step, computes the M-RoPE positions of every sequence whole, encodes every image and frame once
 (spread over the group's members, or over the world with ``--encoder-balance``), sends the
 feature rows straight to the ranks that hold their placeholder tokens and returns this rank's
 model keywords. No rank's language model holds more than ``--budget`` tokens, vision tokens
 included. Each step prints the groups' degrees, the largest shard and the modelled max/mean time
-over the ranks as drawn and as planned (encoding included). The loss of every rank is its tokens'
-loss over the global count, so the gradients summed over the ranks are those of the whole step.
+over the ranks as drawn and as planned (encoding included). Where the group's members encode its
+media, encoding the video is most of the step, so the planner spreads it over all 4 ranks; with
+``--encoder-balance`` the encoding is balanced over the world whatever the groups, and the video
+takes 3 ranks while the fourth runs the rest whole. The loss of every rank is its tokens' loss over
+the global count, so the gradients summed over the ranks are those of the whole step.
 """
 
 from __future__ import annotations
