@@ -94,7 +94,7 @@ def _inputs(cfg: BlockConfig, device: str, requires_grad: bool):
 
 
 def _providers(cfg: BlockConfig, device: str) -> dict:
-    from mmbalance.pyops.attention import attention_block
+    from mmbalance.pyops.attention_ops import attention_block
 
     def ours(backend):
         def run(q, k, v, cu):
@@ -166,7 +166,7 @@ def _rss_kib(field: str) -> int:
 def _long_worker(provider: str, seqlen: int, heads: int, head_dim: int, timed: int) -> dict:
     """One variant in this (fresh) process: peak memory of the first forward + backward, then the
     median time of ``timed`` more."""
-    from mmbalance.pyops.attention import attention_block
+    from mmbalance.pyops.attention_ops import attention_block
 
     def inputs(length: int):
         g = torch.Generator().manual_seed(0)
@@ -278,7 +278,7 @@ def _ring_worker(rank: int, world: int, cfg: RingConfig, reps: int) -> dict[str,
 
     from mmbalance.collectives import cp_shard, ring_attention
     from mmbalance.collectives.ring import make_ring, ring_forward
-    from mmbalance.pyops.attention import attention_block
+    from mmbalance.pyops.attention_ops import attention_block
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     backend = dist.get_backend()

@@ -19,7 +19,7 @@ from torch import nn
 
 from mmbalance.collectives import ColumnParallelLinear, RowParallelLinear, ring_attention
 from mmbalance.pyops import pack, unpack
-from mmbalance.pyops.attention import attention_block
+from mmbalance.pyops.attention_ops import attention_block
 
 PATCH_DIM, FRAME_DIM, VOCAB = 24, 16, 256
 VISION_DOWNSAMPLE, AUDIO_DOWNSAMPLE = 4, 2

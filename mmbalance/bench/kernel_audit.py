@@ -10,8 +10,8 @@ tensor-core instructions appear (``mma.sync``, ``wgmma``, ``tcgen05``). This is 
 floor of DESIGN.md on CPU-only machines: bandwidth kernels must show 128-bit global loads and
 stores and zero spills.
 
-Registry. Every public module ``kernels/<op>.py`` may define ``AUDIT_CONFIGS``, a list whose
-entries are either a tuple ``(kernel, signature, constexprs, name)`` or a dict with keys
+Registry. The entries are listed in ``kernel_audit_variants.py`` (``variants(capability)``), each
+a dict with keys
 
     name             str, unique in the report
     kernel           the ``@triton.jit`` function
@@ -24,20 +24,16 @@ entries are either a tuple ``(kernel, signature, constexprs, name)`` or a dict w
     expect           checks that fail the audit: "load_bits", "store_bits" (minimum widest
                      width), "spill_bytes" (maximum), "mma" (True: tensor-core instructions required)
 
-A module may instead define ``audit_configs(capability) -> list`` (same entries): the audit then
-calls it with the target's capability (90 for sm_90), so launch configurations chosen per
-architecture are audited as they launch there. Adding a kernel to the audit is adding an entry
-there. The exit status is 1 when any expectation
-fails or a kernel does not compile.
+The list is built for the target's capability (90 for sm_90), so launch configurations chosen per
+architecture are audited as they launch there. Adding a kernel to the audit is adding its entries
+there. The exit status is 1 when any expectation fails or a kernel does not compile.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
-import pkgutil
 import re
 import shutil
 import subprocess
@@ -173,44 +169,28 @@ def resource_usage(ptx: str, cubin: bytes, arch: str, capability: int) -> dict:
     return out
 
 
-def _normalise(entry, module: str) -> dict:
-    if isinstance(entry, dict):
-        cfg = dict(entry)
-    else:
-        kernel, signature, constexprs, name = entry
-        cfg = {"kernel": kernel, "signature": signature, "constexprs": constexprs, "name": name}
-    cfg.setdefault("name", cfg["kernel"].__name__)
+def _normalise(entry: dict) -> dict:
+    cfg = dict(entry)
     cfg.setdefault("num_warps", 4)
     cfg.setdefault("num_stages", 3)
     cfg.setdefault("expect", {})
-    cfg["module"] = module
+    cfg["module"] = cfg["kernel"].__module__.rsplit(".", 1)[-1]
     return cfg
 
 
 def discover(only: str | None = None, capability: int = 90) -> tuple[list[dict], list[dict]]:
-    """All audit entries of ``kernels/*.py`` (private ``_*`` modules skipped), plus import errors.
+    """The entries of ``kernel_audit_variants.variants(capability)`` whose name contains ``only``
+    (all when None), plus an error row when the kernels do not import.
 
-    ``capability`` is handed to a module's ``audit_configs`` (per-architecture launch choices).
+    ``capability`` picks the launch configurations (per-architecture choices of the launchers).
     """
-    import mmbalance.kernels as pkg
-
-    configs, errors = [], []
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        module = f"mmbalance.kernels.{info.name}"
-        try:
-            mod = importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 - report every broken module, keep auditing the rest
-            errors.append({"name": module, "error": f"import failed: {e!r}"})
-            continue
-        per_arch = getattr(mod, "audit_configs", None)
-        entries = per_arch(capability) if callable(per_arch) else getattr(mod, "AUDIT_CONFIGS", [])
-        for entry in entries:
-            cfg = _normalise(entry, info.name)
-            if only is None or only in cfg["name"]:
-                configs.append(cfg)
-    return configs, errors
+    try:
+        # imported here, not at the top: ``main`` clears TRITON_INTERPRET before the kernels load
+        from .kernel_audit_variants import variants
+    except Exception as e:  # noqa: BLE001 - a broken kernel module is a failed row, not a crash
+        return [], [{"name": "mmbalance.bench.kernel_audit_variants", "error": f"import failed: {e!r}"}]
+    configs = [_normalise(entry) for entry in variants(capability)]
+    return [cfg for cfg in configs if only is None or only in cfg["name"]], []
 
 
 def _arch(arch: str) -> tuple[int, str]:

@@ -26,6 +26,7 @@ first (in plan order), then reduce pieces chunk by chunk.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "ReduceHandle",
     "Transport",
     "TorchTransport",
+    "OverlapInputs",
     "resolve_backend",
     "make_transport",
     "gather_matmul",
@@ -187,15 +189,30 @@ class TorchTransport:
         return _TorchReduce(self, n_cols, dtype, device)
 
 
-def _copy_engine_reasons(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[str]:
+@dataclass(frozen=True, eq=False)
+class OverlapInputs:
+    """What the transport choice reads of a call: the local shard and the process group."""
+
+    tensor: torch.Tensor
+    group: dist.ProcessGroup | None
+
+    def __str__(self) -> str:
+        group = "the default group" if self.group is None else f"a group of {dist.get_world_size(self.group)}"
+        return f"a {self.tensor.dtype} shard on {self.tensor.device}, {group}"
+
+
+def _copy_engine_reasons(inputs: OverlapInputs) -> list[str]:
     from . import _copy_engine
 
-    if not tensor.is_cuda:
-        return _copy_engine.not_supported_reasons(tensor)
-    return _copy_engine.group_supported(group, tensor.device)
+    if not inputs.tensor.is_cuda:
+        return _copy_engine.not_supported_reasons(inputs.tensor)
+    return _copy_engine.group_supported(inputs.group, inputs.tensor.device)
 
 
-_BACKENDS = (Backend("copy_engine", _copy_engine_reasons), Backend("torch", lambda tensor, group: []))
+_BACKENDS: tuple[Backend[OverlapInputs], ...] = (
+    Backend("copy_engine", _copy_engine_reasons),
+    Backend("torch", lambda inputs: []),
+)
 
 
 def resolve_backend(backend: str | None, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> str:
@@ -208,7 +225,11 @@ def resolve_backend(backend: str | None, tensor: torch.Tensor, group: dist.Proce
     reasons. Every rank must make the same choice: pass the same ``backend`` everywhere.
     """
     return select_backend(
-        "all-gather/GEMM overlap", _BACKENDS, backend, tensor, group, env="MMBALANCE_OVERLAP_BACKEND"
+        "all-gather/GEMM overlap",
+        _BACKENDS,
+        backend,
+        OverlapInputs(tensor, group),
+        env="MMBALANCE_OVERLAP_BACKEND",
     )
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmbalance.pyops.attention import attention_block, attention_block_backward, merge_attention_states
+from mmbalance.pyops.attention_ops import attention_block, attention_block_backward, merge_attention_states
 
 from .agreement import Entry
 from .group import world_of
@@ -385,7 +385,7 @@ def ring_attention(
         softmax_scale: default ``D ** -0.5``.
         group: the CP process group (default: the world); any size, uneven shards allowed.
         layout: ``"zigzag"`` (balanced causal work) or ``"contiguous"``; as used by ``cp_shard``.
-        backend: block-op backend (``pyops.attention``): ``"auto"``, ``"triton"``,
+        backend: block-op backend (``pyops/attention_ops.py``): ``"auto"``, ``"triton"``,
             ``"flash_attn"`` or ``"reference"``.
         return_lse: also return the LSE ``[H, T_r]`` float32 (differentiable).
 

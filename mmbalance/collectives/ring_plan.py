@@ -10,7 +10,7 @@ Lengths need not be multiples of ``n``: chunks differ by at most one token, shor
 empty chunks, nothing is padded. On a rank the tokens are sequence-major (all of sequence 0's
 tokens on that rank, then sequence 1's ...), in position order, so each local sequence is at most
 two runs of consecutive positions: exactly the ``(start0, len0, start1)`` runs the attention block
-kernels take (``kernels/attention.py``). The plan is a pure function of (lengths, degree, layout),
+kernels take (``kernels/attention_common.py``). The plan is a pure function of (lengths, degree, layout),
 computed on the host with numpy and cached, so every rank derives identical shapes for the ring's
 send/receive buffers without any communication.
 """

@@ -18,12 +18,12 @@ each block's share of the gradient of the merged output: ``p`` is then the block
 global softmax. Rows with ``lse = -inf`` (no key anywhere) have ``p = 0``: the kernels read them
 as ``+inf``.
 
-Kernels. ``_attn_bwd_preprocess_kernel`` computes ``delta [H, Tq]`` (float32). The gradients come
-from two kernels so no atomics are needed and the result is deterministic: ``_attn_bwd_dq_kernel``
-owns a block of query rows of one head and walks the key blocks; ``_attn_bwd_dkdv_kernel`` owns a
+Kernels. ``attn_bwd_preprocess_kernel`` computes ``delta [H, Tq]`` (float32). The gradients come
+from two kernels so no atomics are needed and the result is deterministic: ``attn_bwd_dq_kernel``
+owns a block of query rows of one head and walks the key blocks; ``attn_bwd_dkdv_kernel`` owns a
 block of keys of one kv head, walks the ``H / Hkv`` query heads that share it (GQA) and their query
 blocks. Both reuse the forward's loop bounds: positions of a sequence are increasing (one or two
-runs, see ``kernels/attention.py``), so the rows and keys a block can see are closed-form prefix
+runs, see ``attention_common.py``), so the rows and keys a block can see are closed-form prefix
 counts and blocks nobody sees are never loaded. With a window the dq kernel walks the forward's
 three key ranges, and a dk/dv program walks only the query rows whose windows reach its keys
 (from the first row whose upper bound reaches the block to the last whose lower bound does), so
@@ -47,14 +47,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention_bwd_dkdv import _attn_bwd_dkdv_kernel
-from ._attention_launch import _features, block_d, bwd_config, dot_precision  # noqa: F401 - bwd_config: public here
 from ._launch import INTERPRET, launchable
-from .attention import _row_bounds, _run_position, _tanh
+from .attention_bwd_dkdv import attn_bwd_dkdv_kernel
+from .attention_common import block_d, bwd_config, dot_precision, feature_args, row_bounds, run_position, tanh
+
+__all__ = ["attn_bwd", "attn_bwd_dq_kernel", "attn_bwd_preprocess_kernel"]
 
 
 @triton.jit
-def _attn_bwd_preprocess_kernel(
+def attn_bwd_preprocess_kernel(
     out_ptr,
     dout_ptr,
     dlse_ptr,
@@ -140,13 +141,13 @@ def _attn_bwd_dq_inner(
             vt = tl.load(vt_ptrs)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:
-            th = _tanh(qk)
+            th = tanh(qk)
             qk = th * softcap_log2e
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
             allowed = col_ok[None, :]
             if CAUSAL or WIN_RIGHT or WIN_LEFT:
-                kpos = _run_position(cols, k_start0, k_len0, k_start1)
+                kpos = run_position(cols, k_start0, k_len0, k_start1)
                 if CAUSAL or WIN_RIGHT:
                     allowed = allowed & (kpos[None, :] <= qpos[:, None])
                 if WIN_LEFT:
@@ -237,21 +238,10 @@ def _attn_bwd_dq_block(
     k_base = k_ptr + k_beg.to(tl.int64) * stride_k_tok + pid_hk * stride_k_head
     v_base = v_ptr + k_beg.to(tl.int64) * stride_v_tok + pid_hk * stride_v_head
 
-    if CAUSAL or WIN_LEFT or WIN_RIGHT:
-        qpos, qlo, n_full, n_end, lo_first, lo_last, k_start0, k_len0, k_start1 = _row_bounds(
-            m0, seqlen_q, seqlen_k, q_runs_ptr, k_runs_ptr, pid_b, causal_offset, window_left,
-            window_right, offs_m, BLOCK_M, CAUSAL, HAS_RUNS, WIN_LEFT, WIN_RIGHT,
-        )  # fmt: skip
-    else:
-        k_start0 = 0
-        k_len0 = seqlen_k
-        k_start1 = 0
-        qpos = offs_m
-        qlo = offs_m
-        n_full = seqlen_k
-        n_end = seqlen_k
-        lo_first = 0
-        lo_last = 0
+    qpos, qlo, n_full, n_end, lo_first, lo_last, k_start0, k_len0, k_start1 = row_bounds(
+        m0, seqlen_q, seqlen_k, q_runs_ptr, k_runs_ptr, pid_b, causal_offset, window_left,
+        window_right, offs_m, BLOCK_M, CAUSAL, HAS_RUNS, WIN_LEFT, WIN_RIGHT,
+    )  # fmt: skip
     n_split = (n_full // BLOCK_N) * BLOCK_N
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -282,7 +272,7 @@ def _attn_bwd_dq_block(
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(
+def attn_bwd_dq_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -385,12 +375,12 @@ def attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch preprocess, dq and dk/dv kernels; returns float32 ``dq``, ``dk``, ``dv``.
 
-    Inputs are assumed validated (``pyops.attention`` does it); ``dout`` and ``out`` are
+    Inputs are assumed validated (``pyops/attention_ops.py`` does it); ``dout`` and ``out`` are
     ``[Tq, H, D]``, ``lse`` (and ``dlse``) ``[H, Tq]`` float32. ``grads`` may pass preallocated
     float32 ``(dq, dk, dv)``. Keys no query can see get zero gradients; an empty batch launches
     nothing. ``window_left``/``window_right``/``softcap`` must be the forward's; attention sinks
     need nothing here (``lse`` includes them; their own gradient is the caller's, see
-    ``kernels/attention.py``).
+    ``attention_fwd.py``).
     """
     tq, n_heads, head_dim = q.shape
     tk, n_kv_heads = k.shape[0], k.shape[1]
@@ -407,13 +397,13 @@ def attn_bwd(
         dk.zero_()
         dv.zero_()
         return dq, dk, dv
-    feats = _features(causal, window_left, window_right, softcap, softmax_scale)
+    feats = feature_args(causal, window_left, window_right, softcap, softmax_scale)
     window = feats["WIN_LEFT"] or feats["WIN_RIGHT"]
     cfg = dict(config or bwd_config(head_dim, dev, q.dtype, window=window, softcap=feats["SOFTCAP"]))
     bd = block_d(head_dim)
     delta = torch.empty((n_heads, tq), dtype=torch.float32, device=dev)
     block_t = 16 if INTERPRET else 64
-    launchable(_attn_bwd_preprocess_kernel)[(triton.cdiv(tq, block_t), n_heads)](
+    launchable(attn_bwd_preprocess_kernel)[(triton.cdiv(tq, block_t), n_heads)](
         out, dout, dlse if dlse is not None else delta, delta, tq,
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
         dlse.stride(0) if dlse is not None else 0, delta.stride(0),
@@ -436,7 +426,7 @@ def attn_bwd(
     for overflow, m_grid in ((False, dq_blocks), (True, 1)):
         launch = dict(cfg, **cfg.get("overflow", {})) if overflow else cfg
         if m_grid:
-            launchable(_attn_bwd_dq_kernel)[(m_grid, n_heads, batch)](
+            launchable(attn_bwd_dq_kernel)[(m_grid, n_heads, batch)](
                 q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), delta.stride(0),
@@ -448,7 +438,7 @@ def attn_bwd(
     for overflow, n_grid in ((False, kv_blocks), (True, 1)):
         launch = dict(cfg, **cfg.get("overflow", {})) if overflow else cfg
         if n_grid:
-            launchable(_attn_bwd_dkdv_kernel)[(n_grid, n_kv_heads, batch)](
+            launchable(attn_bwd_dkdv_kernel)[(n_grid, n_kv_heads, batch)](
                 q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_runs_arg, k_runs_arg,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
@@ -457,16 +447,3 @@ def attn_bwd(
                 OVERFLOW=overflow, **common,
             )  # fmt: skip
     return dq, dk, dv
-
-
-def audit_configs(capability: int) -> list[dict]:
-    """The backward variants the kernel audit compiles for ``sm_<capability>`` (see
-    ``_attention_audit.bwd_audit_configs``)."""
-    from ._attention_audit import bwd_audit_configs
-
-    return bwd_audit_configs(capability)
-
-
-# Read by ``bench/kernel_audit.py`` through ``audit_configs(capability)``; this list (sm_90) is
-# what the registry tests inspect.
-AUDIT_CONFIGS: list[dict] = audit_configs(90)

@@ -30,7 +30,7 @@ from ._launch import INTERPRET, launchable
 
 
 @triton.jit
-def _merge_attn_fwd_kernel(
+def merge_attn_fwd_kernel(
     out_a_ptr,
     lse_a_ptr,
     out_b_ptr,
@@ -103,7 +103,7 @@ def merge_attn_fwd(
     """Launch the merge; returns float32 ``out [T, H, D]`` and ``lse [H, T]``.
 
     ``out``/``lse`` may be given (float32, e.g. ``out_a``/``lse_a`` for an in-place update);
-    otherwise they are allocated. Inputs are assumed validated by ``pyops.attention``.
+    otherwise they are allocated. Inputs are assumed validated by ``pyops/attention_ops.py``.
     """
     n_tokens, n_heads, head_dim = out_a.shape
     if out is None:
@@ -114,7 +114,7 @@ def merge_attn_fwd(
         return out, lse
     cfg = merge_config(head_dim)
     grid = (triton.cdiv(n_tokens, cfg["BLOCK_T"]), n_heads)
-    launchable(_merge_attn_fwd_kernel)[grid](
+    launchable(merge_attn_fwd_kernel)[grid](
         out_a, lse_a, out_b, lse_b, out, lse, n_tokens,
         out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1), out.stride(0), out.stride(1),
         lse_a.stride(0), lse_b.stride(0), lse.stride(0),
@@ -122,21 +122,3 @@ def merge_attn_fwd(
         num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out, lse
-
-
-AUDIT_CONFIGS: list[dict] = [
-    dict(
-        name=f"merge_attn_fwd_{dtype_b}_d{head_dim}",
-        kernel=_merge_attn_fwd_kernel,
-        signature={
-            name: ("*" + (dtype_b if name == "out_b_ptr" else "fp32")) if name.endswith("_ptr") else "i32"
-            for name in _merge_attn_fwd_kernel.arg_names
-            if not name.isupper()
-        },
-        constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_T=4096 // head_dim),
-        num_warps=4,
-        expect={"spill_bytes": 0, "load_bits": 128, "store_bits": 128},
-    )
-    for dtype_b in ("bf16", "fp32")
-    for head_dim in (64, 128)
-]

@@ -45,7 +45,7 @@ from ._launch import launchable
 # to cover memory latency, small enough that many programs share an SM.
 _TILE_BYTES = 16384
 _MAX_ROW_CHUNK_BYTES = 8192
-_NUM_WARPS = 4
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def _find_segment(cu_ptr, toks, n_segments, n_iters):
 
 
 @triton.jit
-def _pack_fwd_kernel(
+def pack_fwd_kernel(
     padded_ptr,
     cu_ptr,
     out_ptr,
@@ -104,7 +104,7 @@ def _pack_fwd_kernel(
 
 
 @triton.jit
-def _unpack_fwd_kernel(
+def unpack_fwd_kernel(
     packed_ptr,
     cu_ptr,
     out_ptr,
@@ -142,7 +142,7 @@ def _unpack_fwd_kernel(
 
 
 @triton.jit
-def _segment_gather_fwd_kernel(
+def segment_gather_fwd_kernel(
     src_ptr,
     src_cu_ptr,
     dst_cu_ptr,
@@ -215,7 +215,7 @@ def pack_fwd(padded, cu_seqlens, out) -> None:
         return
     block_t, block_r = tile_shape(total, row_elems, out.element_size())
     grid = (triton.cdiv(total, block_t), triton.cdiv(row_elems, block_r))
-    launchable(_pack_fwd_kernel)[grid](
+    launchable(pack_fwd_kernel)[grid](
         padded,
         cu_seqlens,
         out,
@@ -229,7 +229,7 @@ def pack_fwd(padded, cu_seqlens, out) -> None:
         out.stride(0),
         BLOCK_T=block_t,
         BLOCK_R=block_r,
-        num_warps=_NUM_WARPS,
+        num_warps=NUM_WARPS,
     )
 
 
@@ -245,7 +245,7 @@ def unpack_fwd(packed, cu_seqlens, out, pad) -> None:
         return
     block_t, block_r = tile_shape(n_rows, row_elems, out.element_size())
     grid = (triton.cdiv(n_rows, block_t), triton.cdiv(row_elems, block_r))
-    launchable(_unpack_fwd_kernel)[grid](
+    launchable(unpack_fwd_kernel)[grid](
         packed,
         cu_seqlens,
         out,
@@ -259,7 +259,7 @@ def unpack_fwd(packed, cu_seqlens, out, pad) -> None:
         out.stride(1),
         BLOCK_T=block_t,
         BLOCK_R=block_r,
-        num_warps=_NUM_WARPS,
+        num_warps=NUM_WARPS,
     )
 
 
@@ -279,7 +279,7 @@ def segment_gather_fwd(src, src_cu_seqlens, dst_cu_seqlens, order, out) -> None:
         return
     block_t, block_r = tile_shape(total, row_elems, out.element_size())
     grid = (triton.cdiv(total, block_t), triton.cdiv(row_elems, block_r))
-    launchable(_segment_gather_fwd_kernel)[grid](
+    launchable(segment_gather_fwd_kernel)[grid](
         src,
         src_cu_seqlens,
         dst_cu_seqlens,
@@ -295,49 +295,5 @@ def segment_gather_fwd(src, src_cu_seqlens, dst_cu_seqlens, order, out) -> None:
         out.stride(0),
         BLOCK_T=block_t,
         BLOCK_R=block_r,
-        num_warps=_NUM_WARPS,
+        num_warps=NUM_WARPS,
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Representative compile settings for ``python -m mmbalance.bench.kernel_audit`` (see its docstring for the
-# entry format): rows of 1-8 K elements as in LLM/encoder hidden states, tiles as the launchers
-# pick them, 16-byte-divisible pointers, row lengths and strides as Triton specialises them at a
-# real launch. Bandwidth kernels must compile to 128-bit global loads/stores with no spills.
-
-_TRITON_TYPES = {"fp32": 4, "fp16": 2, "bf16": 2, "i8": 1, "i64": 8}
-
-
-def _audit(kernel, payload: str, row_elems: int, index: str = "i32") -> dict:
-    block_t, block_r = tile_shape(1 << 20, row_elems, _TRITON_TYPES[payload])
-    signature = {}
-    for arg in kernel.arg_names:
-        if arg in ("BLOCK_T", "BLOCK_R"):
-            signature[arg] = "constexpr"
-        elif arg in ("cu_ptr", "src_cu_ptr", "dst_cu_ptr"):
-            signature[arg] = f"*{index}"
-        elif arg == "order_ptr":
-            signature[arg] = "*i64"
-        elif arg.endswith("_ptr"):
-            signature[arg] = f"*{payload}"
-        else:
-            signature[arg] = "i32"
-    divisible = [
-        a for a in kernel.arg_names if a.endswith("_ptr") or a.startswith("stride") or a == "row_elems"
-    ]
-    return {
-        "name": f"{kernel.__name__}[{payload},row={row_elems}]",
-        "kernel": kernel,
-        "signature": signature,
-        "constexprs": {"BLOCK_T": block_t, "BLOCK_R": block_r},
-        "divisible_by_16": divisible,
-        "num_warps": _NUM_WARPS,
-        "expect": {"load_bits": 128, "store_bits": 128, "spill_bytes": 0},
-    }
-
-
-AUDIT_CONFIGS = [
-    _audit(kernel, payload, row_elems)
-    for kernel in (_pack_fwd_kernel, _unpack_fwd_kernel, _segment_gather_fwd_kernel)
-    for payload, row_elems in (("bf16", 1024), ("fp16", 4096), ("fp32", 8192))
-] + [_audit(_segment_gather_fwd_kernel, "i8", 4096, index="i64")]

@@ -28,4 +28,4 @@ __all__ = [
 ]
 
 # attention block ops (registers mmbalance::attention_block_fwd/_bwd and merge_attention_states)
-from .attention import attention_block, attention_block_backward, merge_attention_states  # noqa: E402, F401
+from .attention_ops import attention_block, attention_block_backward, merge_attention_states  # noqa: E402, F401

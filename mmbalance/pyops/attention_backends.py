@@ -1,15 +1,20 @@
-"""Which implementation runs an attention block call, and the flash-attn path.
+"""Which implementation runs an attention op call, and the flash-attn path.
 
-Three backends, in ``"auto"``'s order of preference: flash-attn (CUDA, when installed and the call
-is one it supports: ``flash_attn_unsupported_reasons`` says why not), the Triton kernels (CUDA, or
-CPU tensors under ``TRITON_INTERPRET=1``; not float64) and the torch reference, which runs
-everything. The choice goes through :func:`mmbalance.kernels.dispatch.select_backend`, so a forced
-backend that cannot run a call raises with the reasons, and ``MMBALANCE_ATTN_BACKEND`` forces one
-for a whole run.
+A call is described by one frozen dataclass, ``AttentionInputs`` for the block ops (shapes, dtype,
+device and the features the call uses) and ``MergeInputs`` for the merge, and every backend's
+``not_supported_reasons`` reads it (xformers' ``Inputs``). Three backends run the block ops, in
+``"auto"``'s order of preference: flash-attn (CUDA, when installed and the call is one it supports:
+``flash_attn_unsupported_reasons`` says why not), the Triton kernels (CUDA, or CPU tensors under
+``TRITON_INTERPRET=1``; not float64) and the torch reference, which runs everything; the merge has
+the last two. The choice goes through :func:`mmbalance.kernels.dispatch.select_backend`, so a forced
+backend that cannot run a call raises with the call and the reasons, a call no backend can run
+raises with every backend and its reasons, and ``MMBALANCE_ATTN_BACKEND`` forces one for a whole
+run of the block ops.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -19,9 +24,133 @@ from torch import Tensor
 
 from mmbalance.kernels.dispatch import Backend, select_backend, triton_unsupported_reasons
 
-__all__ = ["flash_attn_unsupported_reasons"]
+__all__ = [
+    "AttentionInputs",
+    "MergeInputs",
+    "flash_attn_unsupported_reasons",
+    "triton_attention_reasons",
+    "ATTENTION_BACKENDS",
+    "MERGE_BACKENDS",
+    "BACKENDS",
+    "select_attention_backend",
+    "select_merge_backend",
+    "flash_fwd",
+    "flash_bwd",
+]
 
 
+# ------------------------------------------------------------------------------- what a call is
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """One call of ``attention_block_fwd`` or ``attention_block_bwd`` as the backends judge it.
+
+    ``q_shape`` is ``(Tq, H, D)`` and ``k_shape`` ``(Tk, Hkv, D)``; q, k and v share ``dtype`` and
+    ``device``. The features: ``causal`` with ``causal_offset``, position runs (``has_runs``),
+    whether queries and keys share one ``cu_seqlens`` tensor (``same_cu_seqlens``), the sliding
+    window (``-1``: unbounded), ``softcap`` (``0``: off) and attention sinks (``has_sinks``); for
+    the backward op (``backward``), whether a gradient reaches the LSE (``has_dlse``).
+    """
+
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    causal: bool = False
+    causal_offset: int = 0
+    has_runs: bool = False
+    same_cu_seqlens: bool = True
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    has_sinks: bool = False
+    backward: bool = False
+    has_dlse: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        q: Tensor,
+        k: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        *,
+        causal: bool,
+        causal_offset: int,
+        q_runs: Tensor | None,
+        window_left: int,
+        window_right: int,
+        softcap: float,
+        sinks: Tensor | None = None,
+        backward: bool = False,
+        dlse: Tensor | None = None,
+    ) -> AttentionInputs:
+        """The description of a validated call from its arguments."""
+        return cls(
+            q_shape=tuple(q.shape),
+            k_shape=tuple(k.shape),
+            dtype=q.dtype,
+            device=q.device,
+            causal=bool(causal),
+            causal_offset=int(causal_offset),
+            has_runs=q_runs is not None,
+            same_cu_seqlens=cu_seqlens_q is cu_seqlens_k,
+            window_left=int(window_left),
+            window_right=int(window_right),
+            softcap=float(softcap),
+            has_sinks=sinks is not None,
+            backward=backward,
+            has_dlse=dlse is not None,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_shape[-1]
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    def __str__(self) -> str:
+        parts = [
+            f"{'backward' if self.backward else 'forward'}: q {list(self.q_shape)}, k/v {list(self.k_shape)}, "
+            f"{self.dtype} on {self.device}"
+        ]
+        if self.causal:
+            parts.append(f"causal (offset {self.causal_offset})" if self.causal_offset else "causal")
+        if self.has_runs:
+            parts.append("position runs")
+        if not self.same_cu_seqlens:
+            parts.append("separate cu_seqlens_q/cu_seqlens_k")
+        if self.windowed:
+            parts.append(f"window ({self.window_left}, {self.window_right})")
+        if self.softcap > 0:
+            parts.append(f"softcap {self.softcap:g}")
+        if self.has_sinks:
+            parts.append("sinks")
+        if self.has_dlse:
+            parts.append("a gradient of the LSE")
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeInputs:
+    """One call of ``merge_attention_states``: ``out_a``'s shape ``(T, H, D)``, the dtypes of
+    ``out_a``, ``lse_a``, ``out_b`` and ``lse_b``, and their device."""
+
+    shape: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    device: torch.device
+
+    @classmethod
+    def of(cls, out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> MergeInputs:
+        return cls(tuple(out_a.shape), (out_a.dtype, lse_a.dtype, out_b.dtype, lse_b.dtype), out_a.device)
+
+    def __str__(self) -> str:
+        dtypes = ", ".join(str(d) for d in self.dtypes)
+        return f"out [{', '.join(map(str, self.shape))}], dtypes (out_a, lse_a, out_b, lse_b) {dtypes} on {self.device}"
+
+
+# ------------------------------------------------------------------------- why a backend cannot
 @functools.lru_cache(maxsize=1)
 def _flash_attn_interface():
     try:
@@ -36,89 +165,92 @@ def _flash_attn_interface():
 _FLASH_LSE_PACKED: dict[str, bool] = {}
 
 
-def flash_attn_unsupported_reasons(
-    q: Tensor,
-    causal: bool,
-    causal_offset: int,
-    has_runs: bool,
-    same_cu: bool,
-    has_dlse: bool = False,
-    backward: bool = False,
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-    has_sinks: bool = False,
-) -> list[str]:
+def flash_attn_unsupported_reasons(inputs: AttentionInputs) -> list[str]:
     """Why flash-attn cannot run this block call (empty list: it can).
 
     flash-attn aligns causal masks and windows bottom-right per sequence, so only masks over
     identical query and key boundaries without offsets or runs (where both alignments agree) map
     onto it. flash-attn 2 has no attention sinks.
     """
-    if not q.is_cuda:
+    if inputs.device.type != "cuda":
         return ["flash-attn needs CUDA tensors"]
     reasons = []
-    if _flash_attn_interface() is None:
-        reasons.append("flash-attn is not installed")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"flash-attn supports float16/bfloat16, not {q.dtype}")
-    if q.shape[-1] > 256 or q.shape[-1] % 8:
-        reasons.append(f"flash-attn needs a head dim <= 256 and a multiple of 8, got {q.shape[-1]}")
-    windowed = window_left >= 0 or window_right >= 0
-    if (causal or windowed) and (has_runs or causal_offset != 0 or not same_cu):
-        reasons.append("flash-attn has no position runs / causal offset (needs identical cu_seqlens)")
     fai = _flash_attn_interface()
+    if fai is None:
+        reasons.append("flash-attn is not installed")
+    if inputs.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"flash-attn supports float16/bfloat16, not {inputs.dtype}")
+    if inputs.head_dim > 256 or inputs.head_dim % 8:
+        reasons.append(f"flash-attn needs a head dim <= 256 and a multiple of 8, got {inputs.head_dim}")
+    masked = inputs.causal or inputs.windowed
+    if masked and (inputs.has_runs or inputs.causal_offset != 0 or not inputs.same_cu_seqlens):
+        reasons.append("flash-attn has no position runs / causal offset (needs identical cu_seqlens)")
     if fai is not None:
         params = inspect.signature(fai.flash_attn_varlen_func).parameters
-        if windowed and "window_size" not in params:
+        if inputs.windowed and "window_size" not in params:
             reasons.append("the installed flash-attn has no sliding window (window_size)")
-        if softcap > 0 and "softcap" not in params:
+        if inputs.softcap > 0 and "softcap" not in params:
             reasons.append("the installed flash-attn has no softcap")
-    if has_sinks:
+    if inputs.has_sinks:
         reasons.append("flash-attn 2 has no attention sinks")
-    if has_dlse:
+    if inputs.has_dlse:
         reasons.append("flash-attn's backward takes no gradient of the LSE")
-    if backward and not _FLASH_LSE_PACKED.get("packed", False):
+    if inputs.backward and not _FLASH_LSE_PACKED.get("packed", False):
         reasons.append(
             "flash-attn's backward is used only after a flash-attn forward returned a packed [H, Tq] LSE"
         )
     return reasons
 
 
-def _triton_reasons(*tensors: Tensor) -> list[str]:
-    reasons = triton_unsupported_reasons(tensors[0])
-    if any(t.dtype == torch.float64 for t in tensors):
+def triton_attention_reasons(inputs: AttentionInputs | MergeInputs) -> list[str]:
+    """Why the Triton kernels cannot run this block or merge call (empty list: they can)."""
+    reasons = triton_unsupported_reasons(inputs.device)
+    dtypes = inputs.dtypes if isinstance(inputs, MergeInputs) else (inputs.dtype,)
+    if torch.float64 in dtypes:
         reasons.append("the Triton kernels take float16, bfloat16 and float32, not float64")
     return reasons
 
 
-def _select_backend(
-    backend: str,
-    q: Tensor,
-    causal,
-    causal_offset,
-    has_runs,
-    same_cu,
-    has_dlse=False,
-    backward=False,
-    **features,
-) -> str:
-    """The backend that runs this call (:func:`mmbalance.kernels.dispatch.select_backend`: flash-attn,
-    then Triton, then the reference); ``features``: ``flash_attn_unsupported_reasons``' keywords."""
-    call = (q, causal, causal_offset, has_runs, same_cu, has_dlse, backward)
-    backends = (
-        Backend("flash_attn", lambda: flash_attn_unsupported_reasons(*call, **features)),
-        Backend("triton", lambda: _triton_reasons(q)),
-        Backend("reference", lambda: []),
+def _runs_everything(inputs: object) -> list[str]:
+    return []
+
+
+ATTENTION_BACKENDS: tuple[Backend[AttentionInputs], ...] = (
+    Backend("flash_attn", flash_attn_unsupported_reasons),
+    Backend("triton", triton_attention_reasons),
+    Backend("reference", _runs_everything),
+)
+MERGE_BACKENDS: tuple[Backend[MergeInputs], ...] = (
+    Backend("triton", triton_attention_reasons),
+    Backend("reference", _runs_everything),
+)
+# what the block ops' ``backend=`` accepts
+BACKENDS: tuple[str, ...] = ("auto", *(b.name for b in ATTENTION_BACKENDS))
+
+
+def select_attention_backend(backend: str, inputs: AttentionInputs) -> str:
+    """The backend that runs this block call: ``backend`` when it is a name, otherwise
+    ``MMBALANCE_ATTN_BACKEND``'s, otherwise flash-attn, then Triton, then the reference."""
+    return select_backend(
+        "attention_block", ATTENTION_BACKENDS, backend, inputs, env="MMBALANCE_ATTN_BACKEND"
     )
-    return select_backend("attention_block", backends, backend, env="MMBALANCE_ATTN_BACKEND")
 
 
-def _flash_fwd(
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left=-1, window_right=-1, softcap=0.0
-):
+def select_merge_backend(backend: str, inputs: MergeInputs) -> str:
+    """The backend that runs this merge: ``backend`` when it is a name, otherwise Triton, then the
+    reference."""
+    return select_backend("merge_attention_states", MERGE_BACKENDS, backend, inputs)
+
+
+# -------------------------------------------------------------------------------- flash-attn path
+def flash_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float, causal: bool,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The block forward on flash-attn: ``out`` in q's dtype and the float32 ``lse [H, Tq]`` with
+    ``-inf`` for rows without keys (this library's convention)."""
     fai = _flash_attn_interface()
-    extra = {}
+    extra: dict = {}
     # only what the call needs, so releases without these arguments still run plain calls
     if window_left >= 0 or window_right >= 0:
         extra["window_size"] = (window_left, window_right)
@@ -138,23 +270,11 @@ def _flash_fwd(
     return out, torch.where(lse == math.inf, -math.inf, lse.float()).contiguous()
 
 
-def _flash_bwd(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_q,
-    cu_k,
-    max_q,
-    max_k,
-    scale,
-    causal,
-    window_left=-1,
-    window_right=-1,
-    softcap=0.0,
-):
+def flash_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+    max_k: int, scale: float, causal: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The block backward on flash-attn (after a flash-attn forward); float32 ``dq``, ``dk``, ``dv``."""
     fai = _flash_attn_interface()
     fn = fai._flash_attn_varlen_backward
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

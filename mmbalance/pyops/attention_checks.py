@@ -1,6 +1,7 @@
-"""Input validation of the attention block ops: shapes, dtypes, devices, ``cu_seqlens`` and run
-tensors, the optional features (windows, softcap, sinks) and the merge inputs. Checks that read
-tensor values follow the one rule of every ``pyops`` module (``pyops/checks.py``).
+"""Input validation of the attention ops: the host scalars of the public functions (checked before
+the dispatcher sees them), shapes, dtypes, devices, ``cu_seqlens`` and run tensors, the optional
+features (windows, softcap, sinks), the backward's saved tensors and the merge inputs. Checks that
+read tensor values follow the one rule of every ``pyops`` module (``pyops/checks.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,18 @@ import math
 import torch
 
 from .checks import value_checks_enabled
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_host_int",
+    "check_host_args",
+    "check_host_features",
+    "check_block_args",
+    "check_bwd_args",
+    "check_lse",
+    "check_merge_args",
+    "check_features",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -85,6 +98,35 @@ def check_host_int(name: str, val, minimum: int | None = None) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {val}")
 
 
+def check_host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale) -> float:
+    """Check the host scalars of a block call before the dispatcher sees them (it would coerce or
+    reject them with a schema error); returns the softmax scale (default ``D ** -0.5``)."""
+    check_host_int("max_seqlen_q", max_seqlen_q, 0)
+    check_host_int("max_seqlen_k", max_seqlen_k, 0)
+    check_host_int("causal_offset", causal_offset)
+    if softmax_scale is None:
+        if isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[-1] == 0:
+            raise ValueError("q must have a head dim >= 1, got shape " + str(tuple(q.shape)))
+        return q.shape[-1] ** -0.5 if isinstance(q, torch.Tensor) and q.dim() == 3 else 1.0
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    return float(softmax_scale)
+
+
+def check_host_features(window_left, window_right, softcap, sinks=None) -> float:
+    """Check the feature scalars (and that ``sinks`` is a tensor or None) before the dispatcher
+    sees them; returns ``softcap`` as a float."""
+    check_host_int("window_left", window_left, -1)
+    check_host_int("window_right", window_right, -1)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 turns it off), got {softcap!r}")
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    return float(softcap)
+
+
 def check_block_args(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs
 ) -> None:
@@ -123,6 +165,28 @@ def check_block_args(
         _check_runs("k_runs", k_runs, cu_seqlens_k, q.device)
 
 
+def check_bwd_args(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, q_runs, k_runs, dlse) -> None:
+    """Validate the inputs of the backward block op: the forward's, plus ``dout`` (q's shape and
+    dtype), ``out`` (q's shape, any float dtype), ``lse`` and ``dlse`` (``[H, Tq]``)."""
+    check_block_args(q, k, v, cu_q, cu_k, max_q, max_k, scale, q_runs, k_runs)
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if dout.dtype != q.dtype:
+        raise TypeError(f"dout must have q's dtype {q.dtype}, got {dout.dtype}")
+    if not out.is_floating_point():
+        raise TypeError(f"out must be a float tensor, got {out.dtype}")
+    check_lse("lse", lse, q.shape[1], q.shape[0], q.device)
+    if dlse is not None:
+        check_lse("dlse", dlse, q.shape[1], q.shape[0], q.device)
+
+
 def check_lse(name: str, lse: torch.Tensor, n_heads: int, n_tokens: int, device: torch.device) -> None:
     """``lse`` must be a floating ``[H, T]`` tensor on ``device``."""
     _check_tensor(name, lse, 2)
@@ -158,12 +222,7 @@ def check_features(q, window_left, window_right, softcap, sinks) -> None:
     ``window_left``/``window_right``: host ints >= -1 (-1: unbounded); ``softcap``: a finite float
     >= 0 (0: off); ``sinks``: ``None`` or a floating ``[H]`` tensor on q's device (finite values).
     """
-    check_host_int("window_left", window_left, -1)
-    check_host_int("window_right", window_right, -1)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite float >= 0 (0 turns it off), got {softcap!r}")
+    check_host_features(window_left, window_right, softcap, sinks)
     if sinks is None:
         return
     _check_tensor("sinks", sinks, 1)

@@ -1,10 +1,10 @@
 """Torch implementations of the attention block ops (the CPU path); their input validation is in
-``attention_checks.py``.
+``attention_checks.py``, the ops themselves in ``attention_ops.py``.
 
 These are the CPU path of ``torch.ops.mmbalance.attention_block_fwd``, ``attention_block_bwd`` and
 ``merge_attention_states`` (the path for float64 on any device too), with the masking, empty-row,
 GQA, window, softcap and sink semantics of the Triton kernels documented in
-``kernels/attention.py`` and ``pyops/attention.py``.
+``kernels/attention_fwd.py`` and ``pyops/attention_ops.py``.
 
 The block ops are blockwise, like FlashAttention-2 (Dao, 2023) in torch: per sequence, a block of
 queries (all query heads of a kv head together, one batched product per kv head) meets the
@@ -25,15 +25,6 @@ import math
 import threading
 
 import torch
-
-from .attention_checks import (  # noqa: F401 - the validators, public here as before
-    FLOAT_DTYPES,
-    check_block_args,
-    check_features,
-    check_host_int,
-    check_lse,
-    check_merge_args,
-)
 
 
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:

@@ -171,7 +171,7 @@ def test_plan_rejects_bad_input(kwargs, match):
 def test_degree_one_ring_is_plain_attention():
     """One rank: no transfers, the forward and backward loops reduce to one block."""
     from mmbalance.collectives.ring import ring_backward, ring_forward
-    from mmbalance.pyops.attention import attention_block
+    from mmbalance.pyops.attention_ops import attention_block
     from tests.pyops.attention_expected import varlen_batch
 
     q, k, v, cu, _ = varlen_batch([5, 0, 9], [5, 0, 9], 4, 2, 8, torch.float64, seed=0)

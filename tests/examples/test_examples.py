@@ -53,3 +53,25 @@ def test_hf_trainer_balances_the_padded_micro_batches():
         assert re.search(r"last loss: [0-9.]+", out)
         per_step[bool(flag)] = float(pattern.search(out).group(1))
     assert per_step[False] < 0.6 * per_step[True]
+
+
+def test_hf_qwen2vl_long_splits_the_video_and_keeps_the_losses():
+    pytest.importorskip("transformers", minversion="5.18")
+    pattern = re.compile(
+        r"step (\d+)  degrees \[([0-9, ]+)\]  largest shard (\d+) of (\d+) tokens  "
+        r"max/mean ([0-9.]+) -> ([0-9.]+)  loss ([0-9.]+)  images and frames split over ranks (\d+)"
+    )
+    losses = {}
+    for flag in ((), ("--encoder-balance",)):
+        out = _launch("hf_qwen2vl_long.py", "--steps", "2", *flag, nproc=4)
+        rows = [pattern.match(line) for line in out.splitlines() if line.startswith("step")]
+        assert len(rows) == 2 and all(rows), out[-2000:]
+        for m in rows:
+            degrees = [int(d) for d in m.group(2).split(",")]
+            assert max(degrees) >= 3 and sum(degrees) <= 4  # the video over 3 ranks or more
+            assert int(m.group(3)) <= int(m.group(4)) == 128  # no shard over the budget
+            assert float(m.group(6)) < float(m.group(5))  # max/mean as planned below as drawn
+            assert int(m.group(8)) >= 1  # some image or frame straddles shards
+        losses[bool(flag)] = [float(m.group(7)) for m in rows]
+    # encoder balancing moves the encoding, not the result
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -448,3 +448,36 @@ def hf_faults(rank: int, world: int) -> dict:
     out["wrong dtype"] = dict(ok, reference=ref)
     handle.remove()
     return out
+
+
+def dynamic_cp_faults(rank: int, world: int) -> dict:
+    """``apply_dynamic_cp`` / ``handle.shard`` with one rank's batch or settings wrong."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mmbalance.integrations.hf import apply_dynamic_cp, register_attention
+
+    register_attention()
+    bad = rank == FAULTY
+    out: dict = {}
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation="mmbalance_varlen")
+    out["different budget"] = attempt(lambda: apply_dynamic_cp(model, max_tokens_per_rank=32 if bad else 64))
+    model.__dict__.pop("_mmbalance_dynamic_cp", None)  # rank 1's handle may exist: start over everywhere
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=64)
+    ids = torch.arange(1, 13).reshape(1, 12) % 50 + 1
+    good = {
+        "input_ids": ids,
+        "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]]),
+        "labels": ids,
+    }
+    broken = dict(good, position_ids=torch.tensor([[0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7, 8]]))
+    out["bad position_ids"] = attempt(lambda: handle.shard(broken if bad else good))
+    out["missing labels"] = attempt(
+        lambda: handle.shard({k: v for k, v in good.items() if k != "labels"} if bad else good)
+    )
+    ok = attempt(lambda: sorted(handle.shard(good)["position_ids"][0].tolist()))
+    out["healthy"] = ok
+    handle.remove()
+    return out

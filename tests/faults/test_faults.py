@@ -93,12 +93,15 @@ RAISES = [
     ("tp_module_faults", "wrong lengths", ["shard_sizes"]),
     ("hf_faults", "wrong lengths", ["image_grid_thw", "pixel_values"]),
     ("hf_faults", "different plan", ["cost differs"]),
+    ("dynamic_cp_faults", "different budget", ["max_tokens_per_rank"]),
+    ("dynamic_cp_faults", "bad position_ids", ["position_ids", "restart at 0"]),
+    ("dynamic_cp_faults", "missing labels", ["labels"]),
 ]
 
 
 @pytest.mark.parametrize(("scenario", "fault", "words"), RAISES, ids=[f"{s[:-7]}-{f}" for s, f, _ in RAISES])
 def test_fault_raises_on_every_rank(scenario, fault, words):
-    if scenario.startswith("hf"):
+    if scenario.startswith(("hf", "dynamic_cp")):
         pytest.importorskip("transformers", minversion="5.18")
     for r, row in enumerate(rows(scenario, fault)):
         assert row["raised"], f"rank {r} returned normally from '{fault}'"
@@ -326,3 +329,12 @@ def test_a_lost_rank_makes_every_other_rank_raise(entry, how):
         assert o.exited_cleanly, (
             f"rank {o.rank} raised as it should, then its process ended with {o.exit_status}"
         )
+
+
+def test_dynamic_cp_shard_works_after_refused_faults():
+    """After the refused batches the handle still shards: the group is usable and nothing moved."""
+    got = [row["value"] for row in rows("dynamic_cp_faults", "healthy")]
+    for row in rows("dynamic_cp_faults", "healthy"):
+        assert not row["raised"], row["message"]
+    # 3 ranks x sequences of 5 and 7 tokens: 36 tokens in all, each rank's positions within a sequence
+    assert sum(len(v) for v in got) == 36

@@ -350,3 +350,28 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
             out.update(input_features=f, feature_attention_mask=m)
         return out
     raise ValueError(name)
+
+
+def collate(batches: list[dict], left=False) -> dict:
+    """One padded batch of one-row batches (``batch(name, model, [spec])``), as a processor gives
+    it: rows padded on the right (``left=True``: on the left; a list of bools: per row), the media
+    of every row in order."""
+    width = max(int(b["input_ids"].shape[1]) for b in batches)
+    lefts = left if isinstance(left, (list, tuple)) else [left] * len(batches)
+    out: dict = {}
+    for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
+        if key not in batches[0]:
+            continue
+        fill = -100 if key == "labels" else 0
+        rows = []
+        for b, on_left in zip(batches, lefts):
+            t = b[key][0]
+            pad = torch.full((width - t.numel(),), fill, dtype=t.dtype)
+            rows.append(torch.cat([pad, t]) if on_left else torch.cat([t, pad]))
+        out[key] = torch.stack(rows)
+    media = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    for key in media:
+        parts = [b[key] for b in batches if key in b]
+        if parts:
+            out[key] = torch.cat(parts)
+    return out

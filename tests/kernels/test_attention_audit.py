@@ -14,35 +14,41 @@ import pytest
 import torch
 
 from mmbalance.bench import kernel_audit
-from mmbalance.kernels import _attention_bwd_dkdv, attention, attention_bwd, merge
+from mmbalance.bench import kernel_audit_variants as variants
+from mmbalance.kernels import attention_bwd, attention_bwd_dkdv, attention_common, attention_fwd, merge
 
 REPO = Path(__file__).resolve().parents[2]
 
+AUDITED = {
+    "fwd": ((attention_fwd,), variants.attention_fwd_variants(90)),
+    "bwd": ((attention_bwd, attention_bwd_dkdv), variants.attention_bwd_variants(90)),
+    "merge": ((merge,), variants.merge_variants()),
+}
 
-def test_every_attention_kernel_is_registered_at_both_head_dims():
-    assert hasattr(attention_bwd, "_attn_bwd_dkdv_kernel") and _attention_bwd_dkdv  # the dk/dv part
-    for module in (attention, attention_bwd, merge):
-        kernels = {
-            n for n, obj in vars(module).items() if n.endswith("_kernel") and hasattr(obj, "arg_names")
-        }
-        # defined in the module or in its private parts (kernels/_attention_bwd_dkdv.py)
-        own = {module.__name__, module.__name__.replace(".attention_bwd", "._attention_bwd_dkdv")}
-        kernels = {n for n in kernels if getattr(module, n).__module__ in own}
-        audited = {cfg["kernel"].__name__ for cfg in module.AUDIT_CONFIGS}
-        assert kernels == audited, module.__name__
-        for cfg in module.AUDIT_CONFIGS:
-            assert cfg["expect"]["spill_bytes"] == 0
-            tensor_cores = (
-                "preprocess" not in cfg["name"] and "fp32" not in cfg["name"] and module is not merge
-            )
-            assert cfg["expect"].get("mma", False) == tensor_cores, cfg["name"]
-        dims = {cfg["constexprs"]["HEAD_DIM"] for cfg in module.AUDIT_CONFIGS}
-        assert dims == {64, 128}
+
+@pytest.mark.parametrize("part", list(AUDITED))
+def test_every_attention_kernel_is_audited_at_both_head_dims(part):
+    modules, entries = AUDITED[part]
+    kernels = {
+        name
+        for module in modules
+        for name, obj in vars(module).items()
+        if name.endswith("_kernel") and hasattr(obj, "arg_names") and obj.__module__ == module.__name__
+    }
+    assert kernels and kernels == {cfg["kernel"].__name__ for cfg in entries}
+    for cfg in entries:
+        assert cfg["expect"]["spill_bytes"] == 0
+        tensor_cores = "preprocess" not in cfg["name"] and "fp32" not in cfg["name"] and part != "merge"
+        assert cfg["expect"].get("mma", False) == tensor_cores, cfg["name"]
+    assert {cfg["constexprs"]["HEAD_DIM"] for cfg in entries} == {64, 128}
+
+
+def test_the_audit_lists_the_attention_variants_once():
     configs, errors = kernel_audit.discover("attn")
-    assert not [e for e in errors if "attention" in e["name"] or "merge" in e["name"]]
-    assert len(configs) == len(attention.AUDIT_CONFIGS) + len(attention_bwd.AUDIT_CONFIGS) + len(
-        merge.AUDIT_CONFIGS
-    )
+    assert not errors
+    names = [c["name"] for c in configs]
+    assert len(names) == len(set(names)) == sum(len(entries) for _, entries in AUDITED.values())
+    assert {c["module"] for c in configs} == {"attention_fwd", "attention_bwd", "attention_bwd_dkdv", "merge"}
 
 
 @pytest.mark.slow
@@ -75,7 +81,7 @@ def test_attention_kernels_use_tensor_cores_without_spills(tmp_path, arch, only)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["kernels"]
-    assert {r["kernel"] for r in rows} == {"_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"}
+    assert {r["kernel"] for r in rows} == {"attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"}
     assert any(r["name"].endswith("_overflow") for r in rows) and len(rows) >= 6
     for r in rows:
         assert r["tensor_cores"] in ("wgmma", "mma") and r["spill_bytes"] == 0 and r["local_bytes"] == 0, r
@@ -84,22 +90,24 @@ def test_attention_kernels_use_tensor_cores_without_spills(tmp_path, arch, only)
 def test_feature_variants_are_audited_per_architecture():
     """Windows (causal and two-sided), softcap and sinks are in the audit with their overflow
     tails, and each architecture's entries carry the configuration the launcher picks there."""
-    for module, features in ((attention, ("window", "window2", "softcap", "sinks")),
-                             (attention_bwd, ("window", "window2", "softcap"))):  # fmt: skip
-        names = {cfg["name"] for cfg in module.AUDIT_CONFIGS}
+    for part, features in (
+        ("fwd", ("window", "window2", "softcap", "sinks")),
+        ("bwd", ("window", "window2", "softcap")),
+    ):
+        names = {cfg["name"] for cfg in AUDITED[part][1]}
         for feature in features:
             assert any(f"_{feature}_runs" in n and not n.endswith("_overflow") for n in names), (
-                module,
+                part,
                 feature,
             )
-            assert any(f"_{feature}_runs" in n and n.endswith("_overflow") for n in names), (module, feature)
-    sm80 = {c["name"]: c for c in attention.audit_configs(80)}
-    sm90 = {c["name"]: c for c in attention.audit_configs(90)}
+            assert any(f"_{feature}_runs" in n and n.endswith("_overflow") for n in names), (part, feature)
+    sm80 = {c["name"]: c for c in variants.attention_fwd_variants(80)}
+    sm90 = {c["name"]: c for c in variants.attention_fwd_variants(90)}
     assert sm80.keys() == sm90.keys()
     window = "attn_fwd_bf16_d128_causal_window_runs"
     cuda = torch.device("cuda")
     for arch, table in ((80, sm80), (90, sm90)):
-        want = attention.fwd_config(128, cuda, torch.bfloat16, capability=arch, window=True)
+        want = attention_common.fwd_config(128, cuda, torch.bfloat16, capability=arch, window=True)
         got = table[window]
         assert (got["constexprs"]["BLOCK_N"], got["num_stages"]) == (want["BLOCK_N"], want["num_stages"])
         tail = table[window + "_overflow"]

@@ -22,15 +22,15 @@ import math
 import pytest
 import torch
 
-from mmbalance.kernels import _launch
-from mmbalance.kernels import attention as KF
+from mmbalance.kernels import _launch, attention_common
 from mmbalance.kernels import attention_bwd as KB
+from mmbalance.kernels import attention_fwd as KF
 from tests.tolerances import assert_close_lowp, tol
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
-if not (HAS_CUDA or (_launch.INTERPRET and type(KF._attn_fwd_kernel).__name__ == "InterpretedFunction")):
+if not (HAS_CUDA or (_launch.INTERPRET and type(KF.attn_fwd_kernel).__name__ == "InterpretedFunction")):
     pytest.skip(
         "kernels need TRITON_INTERPRET=1 at import (run via test_under_interpreter.py) or CUDA",
         allow_module_level=True,
@@ -271,7 +271,7 @@ def test_bottom_right_alignment_per_sequence(window_left):
     lq = [3, 17, 0, 9, 20, 1]
     lk = [19, 17, 6, 0, 7, 1]  # decode-like, square, empty queries, empty keys, Lq > Lk, single token
     q, k, v, cu_q, cu_k, _ = _batch(lq, lk, 2, 1, 32, torch.float32, seed=11)
-    q_runs, k_runs = KF.bottom_right_runs(cu_q, cu_k)
+    q_runs, k_runs = attention_common.bottom_right_runs(cu_q, cu_k)
     spec = dict(causal=True, window_left=window_left, q_runs=q_runs.tolist(), k_runs=k_runs.tolist())
     out, lse, _ = _check_all(q, k, v, cu_q, cu_k, 0.25, spec, None, seed=12, mask_fn=_bottom_right)
     # Lq > Lk: the first Lq - Lk rows see nothing (out = 0, lse = -inf), as in flash-attn

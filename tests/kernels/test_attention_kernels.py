@@ -22,17 +22,17 @@ import torch
 from mmbalance.collectives.ring import make_ring, ring_forward
 from mmbalance.collectives.ring_plan import ring_plan
 from mmbalance.kernels import _launch
-from mmbalance.kernels import attention as KF
 from mmbalance.kernels import attention_bwd as KB
+from mmbalance.kernels import attention_fwd as KF
 from mmbalance.kernels import merge as KM
-from mmbalance.pyops import attention as ops
+from mmbalance.pyops import attention_ops as ops
 from tests.pyops.attention_expected import attention_f64, merge_f64, varlen_batch
 from tests.tolerances import assert_close_lowp, tol
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
-if not (HAS_CUDA or (_launch.INTERPRET and type(KF._attn_fwd_kernel).__name__ == "InterpretedFunction")):
+if not (HAS_CUDA or (_launch.INTERPRET and type(KF.attn_fwd_kernel).__name__ == "InterpretedFunction")):
     pytest.skip(
         "kernels need TRITON_INTERPRET=1 at import (run via test_under_interpreter.py) or CUDA",
         allow_module_level=True,

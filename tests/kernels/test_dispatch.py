@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from mmbalance.kernels.dispatch import Backend, select_backend
+from mmbalance.kernels.dispatch import Backend, describe_inputs, select_backend
 
 FAST = Backend("fast", lambda x: [] if x > 0 else ["fast needs x > 0"])
 SAFE = Backend("safe", lambda x: [])
@@ -19,8 +20,14 @@ def test_auto_takes_the_first_backend_that_can_run(monkeypatch):
 
 def test_a_forced_backend_that_cannot_run_says_why():
     assert select_backend("op", ORDER, "safe", 1) == "safe"
-    with pytest.raises(ValueError, match=r"op: backend='fast' cannot run this call: fast needs x > 0"):
+    with pytest.raises(ValueError) as err:
         select_backend("op", ORDER, "fast", 0)
+    assert str(err.value).splitlines() == [
+        "op: backend='fast' cannot run this call with inputs:",
+        "    0",
+        "`fast` cannot run it because:",
+        "    fast needs x > 0",
+    ]
 
 
 def test_the_environment_forces_a_backend_like_the_argument(monkeypatch):
@@ -40,3 +47,27 @@ def test_unknown_names_and_no_runnable_backend_are_errors():
         select_backend("op", ORDER, "quick", 1, argument="impl")
     with pytest.raises(ValueError, match="no backend can run this call"):
         select_backend("op", (FAST,), None, 0)
+
+
+def test_no_runnable_backend_lists_every_backend_with_its_reasons():
+    picky = Backend("picky", lambda x: ["picky wants a string", f"picky got {type(x).__name__}"])
+    with pytest.raises(ValueError) as err:
+        select_backend("op", (FAST, picky), "auto", -2)
+    assert str(err.value).splitlines() == [
+        "op: no backend can run this call with inputs:",
+        "    -2",
+        "`fast` cannot run it because:",
+        "    fast needs x > 0",
+        "`picky` cannot run it because:",
+        "    picky wants a string",
+        "    picky got int",
+    ]
+
+
+def test_a_tensor_is_described_by_shape_dtype_and_device_not_values():
+    t = torch.full((2, 3), 7.0)
+    assert describe_inputs(t) == "a torch.float32 tensor of shape (2, 3) on cpu"
+    never = Backend("never", lambda t: ["no"])
+    with pytest.raises(ValueError, match=r"a torch.float32 tensor of shape \(2, 3\) on cpu") as err:
+        select_backend("op", (never,), None, t)
+    assert "7." not in str(err.value)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import mmbalance.kernels
 from mmbalance.bench import kernel_audit
+from mmbalance.bench import kernel_audit_variants as variants
 from mmbalance.kernels import varlen
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,11 +54,32 @@ def test_every_varlen_kernel_is_registered():
     kernels = {
         name for name, obj in vars(varlen).items() if name.endswith("_kernel") and hasattr(obj, "arg_names")
     }
-    audited = {cfg["kernel"].__name__ for cfg in varlen.AUDIT_CONFIGS}
+    audited = {cfg["kernel"].__name__ for cfg in variants.varlen_variants()}
     assert kernels == audited
     configs, errors = kernel_audit.discover("fwd_kernel[")
-    assert not [e for e in errors if "varlen" in e["name"]]
-    assert {c["name"] for c in varlen.AUDIT_CONFIGS} <= {c["name"] for c in configs}
+    assert not errors
+    assert {c["name"] for c in variants.varlen_variants()} <= {c["name"] for c in configs}
+
+
+def test_every_kernel_of_the_kernels_package_is_audited():
+    """A ``@triton.jit`` kernel (``*_kernel``) added to any module of ``kernels/`` fails this until
+    ``bench/kernel_audit_variants.py`` lists it; the kernel modules build no audit entries."""
+    audited = {id(cfg["kernel"]) for cfg in variants.variants(90)}
+    found = []
+    for info in pkgutil.iter_modules(mmbalance.kernels.__path__):
+        module = importlib.import_module(f"mmbalance.kernels.{info.name}")
+        assert not hasattr(module, "AUDIT_CONFIGS") and not hasattr(module, "audit_configs"), info.name
+        for name, obj in vars(module).items():
+            if name.endswith("_kernel") and hasattr(obj, "arg_names") and obj.__module__ == module.__name__:
+                found.append(name)
+                assert id(obj) in audited, f"{info.name}.{name} is not in the kernel audit"
+    assert len(found) == len(audited) == 8
+
+
+def test_a_broken_kernel_import_is_a_failed_row(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mmbalance.bench.kernel_audit_variants", None)
+    configs, errors = kernel_audit.discover()
+    assert configs == [] and errors and "import failed" in errors[0]["error"]
 
 
 @pytest.mark.slow
@@ -78,6 +103,6 @@ def test_audit_compiles_varlen_kernels_to_128_bit_accesses(tmp_path, arch="sm_90
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["kernels"]
     names = {r["name"] for r in rows}
-    assert {"_pack_fwd_kernel[fp16,row=4096]", "_unpack_fwd_kernel[fp16,row=4096]"} <= names
+    assert {"pack_fwd_kernel[fp16,row=4096]", "unpack_fwd_kernel[fp16,row=4096]"} <= names
     for r in rows:
         assert r["load_bits"] == 128 and r["store_bits"] == 128 and r["spill_bytes"] == 0, r

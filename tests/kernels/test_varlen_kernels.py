@@ -41,7 +41,7 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 def kernels_runnable() -> bool:
     if HAS_CUDA:
         return True
-    return _launch.INTERPRET and type(K._pack_fwd_kernel).__name__ == "InterpretedFunction"
+    return _launch.INTERPRET and type(K.pack_fwd_kernel).__name__ == "InterpretedFunction"
 
 
 if not kernels_runnable():

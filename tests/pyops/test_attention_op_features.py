@@ -10,7 +10,6 @@ to write fails the comparison.
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from torch.library import opcheck
 
 import mmbalance.pyops  # noqa: F401 - registers the ops
 from mmbalance.kernels import _launch
-from mmbalance.pyops import attention as ops
+from mmbalance.pyops import attention_ops as ops
 from mmbalance.pyops import attention_ref as ref
+from mmbalance.pyops.attention_backends import AttentionInputs, flash_attn_unsupported_reasons
 from tests.pyops.attention_dense import dense_attention
 from tests.tolerances import tol
 
@@ -318,10 +318,10 @@ def test_bad_feature_raises_naming_it(case):
 
 
 def test_flash_attn_refuses_sinks_and_offset_windows_by_name():
-    cuda_q = types.SimpleNamespace(is_cuda=True, dtype=torch.float16, shape=(4, 2, 64))
-    reasons = ops.flash_attn_unsupported_reasons(cuda_q, False, 0, False, True, has_sinks=True)
+    cuda = dict(q_shape=(4, 2, 64), k_shape=(4, 2, 64), dtype=torch.float16, device=torch.device("cuda"))
+    reasons = flash_attn_unsupported_reasons(AttentionInputs(**cuda, has_sinks=True))
     assert any("sinks" in r for r in reasons)
-    reasons = ops.flash_attn_unsupported_reasons(cuda_q, False, 3, False, True, window_left=2)
+    reasons = flash_attn_unsupported_reasons(AttentionInputs(**cuda, causal_offset=3, window_left=2))
     assert any("causal offset" in r for r in reasons)
-    reasons = ops.flash_attn_unsupported_reasons(cuda_q, False, 0, False, True, window_left=2, softcap=1.0)
+    reasons = flash_attn_unsupported_reasons(AttentionInputs(**cuda, window_left=2, softcap=1.0))
     assert not any("causal offset" in r or "sinks" in r for r in reasons)

@@ -10,7 +10,7 @@ import torch
 
 import mmbalance.pyops  # noqa: F401 - registers the ops
 from mmbalance.kernels import _launch
-from mmbalance.pyops import attention as ops
+from mmbalance.pyops import attention_ops as ops
 from tests.pyops.test_attention_op_features import (
     SCALE,
     _assert_lse,

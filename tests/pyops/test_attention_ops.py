@@ -15,7 +15,15 @@ from torch.library import opcheck
 
 import mmbalance.pyops  # noqa: F401 - registers the ops
 from mmbalance.kernels import _launch
-from mmbalance.pyops import attention as ops
+from mmbalance.kernels.dispatch import select_backend
+from mmbalance.pyops import attention_ops as ops
+from mmbalance.pyops.attention_backends import (
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    AttentionInputs,
+    flash_attn_unsupported_reasons,
+    select_attention_backend,
+)
 from tests.pyops.attention_expected import attention_f64, merge_f64, varlen_batch
 from tests.tolerances import tol
 
@@ -194,25 +202,125 @@ def test_empty_batches():
     assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
 
 
+def _inputs(**features) -> AttentionInputs:
+    """A call described without tensors (a CUDA call needs no GPU to be described)."""
+    base = dict(q_shape=(6, 4, 8), k_shape=(5, 2, 8), dtype=torch.float32, device=torch.device("cpu"))
+    return AttentionInputs(**{**base, **features})
+
+
+def _refusal(message: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The headline and inputs lines of a refusal, and each backend's reasons."""
+    lines = message.splitlines()
+    head, why, current = lines[:2], {}, None
+    for line in lines[2:]:
+        if line.startswith("`"):
+            current = line.split("`")[1]
+            assert line == f"`{current}` cannot run it because:", line
+            why[current] = []
+        else:
+            assert line.startswith("    ") and current is not None, line
+            why[current].append(line.strip())
+    return head, why
+
+
 @reference_only
 def test_backend_selection(monkeypatch):
-    q = torch.zeros(3, 2, 4)
-    assert ops._select_backend("auto", q, True, 0, False, True) == "reference"
+    cpu = _inputs(causal=True)
+    assert select_attention_backend("auto", cpu) == "reference"
     with pytest.raises(ValueError, match="flash_attn"):
-        ops._select_backend("flash_attn", q, False, 0, False, True)
+        select_attention_backend("flash_attn", _inputs())
     with pytest.raises(ValueError, match="triton"):
-        ops._select_backend("triton", q, False, 0, False, True)
+        select_attention_backend("triton", _inputs())
     monkeypatch.setenv("MMBALANCE_ATTN_BACKEND", "reference")
-    assert ops._select_backend("auto", q, False, 0, False, True) == "reference"
+    assert select_attention_backend("auto", _inputs()) == "reference"
     monkeypatch.setenv("MMBALANCE_ATTN_BACKEND", "bogus")
     with pytest.raises(ValueError, match="MMBALANCE_ATTN_BACKEND"):
-        ops._select_backend("auto", q, False, 0, False, True)
-    assert ops.flash_attn_unsupported_reasons(q, True, 2, False, True) == ["flash-attn needs CUDA tensors"]
-    meta = torch.empty(3, 2, 4, device="meta")
-    meta.is_cuda  # noqa: B018 - meta tensors are not CUDA: the reasons stop at the device
-    assert ops.flash_attn_unsupported_reasons(meta, False, 0, False, True) == [
+        select_attention_backend("auto", _inputs())
+    assert set(BACKENDS) == {"auto", "flash_attn", "triton", "reference"}
+
+
+def test_the_inputs_of_a_call_are_read_from_its_arguments():
+    q, k, v, cu_q, cu_k = varlen_batch([3, 4], [2, 5], 4, 2, 8, torch.float32, seed=0)
+    runs = torch.zeros(2, 3, dtype=torch.int32)
+    inputs = AttentionInputs.of(q, k, cu_q, cu_k, causal=True, causal_offset=2, q_runs=runs, window_left=3,
+                                window_right=-1, softcap=0.5, sinks=torch.zeros(4), backward=True,
+                                dlse=torch.zeros(4, 7))  # fmt: skip
+    assert inputs == AttentionInputs(q_shape=(7, 4, 8), k_shape=(7, 2, 8), dtype=torch.float32,
+                                     device=torch.device("cpu"), causal=True, causal_offset=2, has_runs=True,
+                                     same_cu_seqlens=False, window_left=3, softcap=0.5, has_sinks=True,
+                                     backward=True, has_dlse=True)  # fmt: skip
+    same = AttentionInputs.of(q, q, cu_q, cu_q, causal=False, causal_offset=0, q_runs=None, window_left=-1,
+                              window_right=-1, softcap=0.0)  # fmt: skip
+    assert same.same_cu_seqlens and not same.windowed and not same.backward and same.head_dim == 8
+    # meta tensors are not CUDA tensors: flash-attn's reasons stop at the device
+    meta = torch.empty(3, 2, 8, device="meta")
+    on_meta = AttentionInputs.of(meta, meta, cu_q, cu_q, causal=False, causal_offset=0, q_runs=None,
+                                 window_left=-1, window_right=-1, softcap=0.0)  # fmt: skip
+    assert flash_attn_unsupported_reasons(on_meta) == ["flash-attn needs CUDA tensors"]
+    assert flash_attn_unsupported_reasons(_inputs(causal=True, causal_offset=2)) == [
         "flash-attn needs CUDA tensors"
     ]
+
+
+def test_a_forced_backend_that_cannot_run_names_the_call_and_its_reasons():
+    inputs = _inputs(dtype=torch.float64, causal=True, window_left=3, has_sinks=True)
+    with pytest.raises(ValueError) as err:
+        select_attention_backend("triton", inputs)
+    head, why = _refusal(str(err.value))
+    assert head == ["attention_block: backend='triton' cannot run this call with inputs:", f"    {inputs}"]
+    assert head[1].strip() == (
+        "forward: q [6, 4, 8], k/v [5, 2, 8], torch.float64 on cpu, causal, window (3, -1), sinks"
+    )
+    cuda = [] if _launch.INTERPRET else [
+        "the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1, set before import), got cpu"
+    ]  # fmt: skip
+    # only the forced backend is asked
+    assert why == {"triton": [*cuda, "the Triton kernels take float16, bfloat16 and float32, not float64"]}
+
+
+def test_when_no_backend_can_run_every_backend_says_why():
+    inputs = _inputs(q_shape=(6, 4, 12), k_shape=(5, 2, 12), dtype=torch.float64, device=torch.device("cuda"),
+                     causal=True, causal_offset=2, has_sinks=True, backward=True, has_dlse=True)  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        select_backend("attention_block", ATTENTION_BACKENDS[:2], "auto", inputs)
+    head, why = _refusal(str(err.value))
+    assert head[0] == "attention_block: no backend can run this call with inputs:"
+    assert head[1].strip().startswith("backward: q [6, 4, 12], k/v [5, 2, 12], torch.float64 on cuda")
+    assert "causal (offset 2)" in head[1] and "a gradient of the LSE" in head[1]
+    assert list(why) == ["flash_attn", "triton"]
+    flash = why["flash_attn"]
+    for reason in (
+        "flash-attn supports float16/bfloat16, not torch.float64",
+        "flash-attn needs a head dim <= 256 and a multiple of 8, got 12",
+        "flash-attn has no position runs / causal offset (needs identical cu_seqlens)",
+        "flash-attn 2 has no attention sinks",
+        "flash-attn's backward takes no gradient of the LSE",
+    ):
+        assert reason in flash, (reason, flash)
+    assert why["triton"] == ["the Triton kernels take float16, bfloat16 and float32, not float64"]
+
+
+def test_the_ops_refuse_a_forced_backend_with_the_call_and_the_reasons():
+    q, k, v, cu_q, cu_k = varlen_batch([3, 4], [2, 5], 4, 2, 8, torch.float64, seed=0)
+    with pytest.raises(ValueError) as err:
+        ops.attention_block(q, k, v, cu_q, cu_k, 4, 5, causal=True, backend="flash_attn")
+    head, why = _refusal(str(err.value))
+    assert head[0] == "attention_block: backend='flash_attn' cannot run this call with inputs:"
+    assert (
+        head[1].strip() == "forward: q [7, 4, 8], k/v [7, 2, 8], torch.float64 on cpu, causal, separate "
+        "cu_seqlens_q/cu_seqlens_k"
+    )
+    assert why == {"flash_attn": ["flash-attn needs CUDA tensors"]}
+    out, lse = ops.attention_block(q, k, v, cu_q, cu_k, 4, 5, backend="reference")
+    with pytest.raises(ValueError) as err:
+        ops.merge_attention_states(out, lse, out, lse, backend="triton")
+    head, why = _refusal(str(err.value))
+    assert head == [
+        "merge_attention_states: backend='triton' cannot run this call with inputs:",
+        "    out [7, 4, 8], dtypes (out_a, lse_a, out_b, lse_b) torch.float64, torch.float64, torch.float64, "
+        "torch.float64 on cpu",
+    ]
+    assert why["triton"][-1] == "the Triton kernels take float16, bfloat16 and float32, not float64"
 
 
 def _bad_inputs():

@@ -8,6 +8,13 @@
       loss = model(**batch).loss                      # unchanged training loop (Trainer, DDP, FSDP2 ...)
       handle.stats["vision"]                          # {"before": 1.9, "after": 1.01, "moved": 0.3}
 
+* :func:`apply_dynamic_cp`: dynamic context parallelism of any degree for long sequences: every
+  step, each rank's batch is post-balanced over the ranks into CP groups of any integer degree
+  (ring attention inside ``mmbalance_varlen``)::
+
+      handle = apply_dynamic_cp(model, max_tokens_per_rank=8192)
+      loss = model(**handle.shard(batch)).loss
+
 * :class:`EncoderAdapter` / :func:`register_adapter`: teach it a model class it does not know
   (the built-in adapters are in ``models/``, one file per family).
 * :func:`register_attention`: a packed (padding-free) varlen attention backend for transformers'
@@ -46,14 +53,17 @@ _require_transformers()
 
 from .attention import ATTENTION_NAME, register_attention  # noqa: E402
 from .balance import EncoderBalanceHandle, apply_encoder_balance  # noqa: E402
+from .dynamic_cp import DynamicCPHandle, apply_dynamic_cp  # noqa: E402
 from .encoder_adapter import EncoderAdapter, Items, register_adapter, registered_adapters  # noqa: E402
 from .trainer import balance_trainer  # noqa: E402
 
 __all__ = [
     "ATTENTION_NAME",
+    "DynamicCPHandle",
     "EncoderAdapter",
     "EncoderBalanceHandle",
     "Items",
+    "apply_dynamic_cp",
     "apply_encoder_balance",
     "balance_trainer",
     "register_adapter",

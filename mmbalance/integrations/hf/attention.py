@@ -4,7 +4,7 @@ Balanced batches are best run without padding: each rank's examples packed back 
 rows, sequence boundaries where ``position_ids`` restart (as transformers' packing collators
 produce them, ``DataCollatorWithFlattening``), or given directly as ``cu_seq_lens_q/k``. This
 backend runs such batches through mmbalance's varlen attention op
-(:func:`mmbalance.pyops.attention.attention_block`): the Triton flash-style kernel on CUDA
+(:func:`mmbalance.pyops.attention_ops.attention_block`): the Triton flash-style kernel on CUDA
 (flash-attn when installed and the call allows it), the reference on CPU tensors. So packed
 training needs neither flash-attn nor padding.
 
@@ -43,10 +43,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmbalance.pyops.attention import attention_block, merge_attention_states
+from mmbalance.pyops.attention_ops import attention_block, merge_attention_states
 from mmbalance.pyops.varlen import cu_seqlens_from_lengths
 
 from .attention_mask import ATTENTION_NAME, VarlenMask, varlen_mask
+from .cp_attention import CP_KEYWORD, cp_attention
 
 __all__ = ["ATTENTION_NAME", "register_attention", "varlen_attention", "varlen_mask", "VarlenMask"]
 
@@ -59,7 +60,7 @@ _IMPLEMENTED = {
 _INERT = {
     "cache_position", "use_cache", "past_key_values", "past_key_value", "output_hidden_states",
     "output_router_logits", "return_dict", "num_items_in_batch", "layer_idx", "seq_idx",
-    "position_embeddings", "target_dtype", "labels",
+    "position_embeddings", "target_dtype", "labels", "shift_labels",
 }  # fmt: skip
 # keywords refused whenever they ask for something (not None / False)
 _REFUSED = {
@@ -415,8 +416,15 @@ def varlen_attention(
     **kwargs,
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature: ``query [B, H, Lq, D]``, ``key``/``value``
-    ``[B, Hkv, Lk, D]`` (GQA: ``H % Hkv == 0``); returns ``(out [B, Lq, H, Dv], None)``."""
+    ``[B, Hkv, Lk, D]`` (GQA: ``H % Hkv == 0``); returns ``(out [B, Lq, H, Dv], None)``.
+
+    With a dynamic context-parallel shard in the keywords (``mmbalance_cp``, from
+    :meth:`~mmbalance.integrations.hf.dynamic_cp.DynamicCPHandle.shard`) it runs the shard's ring
+    or varlen attention instead (``cp_attention.py``)."""
+    shard = kwargs.pop(CP_KEYWORD, None)
     _check_keywords(module, dropout, kwargs)
+    if shard is not None:
+        return cp_attention(module, query, key, value, attention_mask, scaling, shard, kwargs)
     b, h, lq, d = query.shape
     lk, dv = key.shape[2], value.shape[-1]
     causal = kwargs.get("is_causal")

@@ -318,6 +318,11 @@ class EncoderBalanceHandle:
             return kwargs
         return adapter.restore(model, kwargs, mine, back)
 
+    def item_costs(self, adapter: EncoderAdapter, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The cost this handle balances for every item of ``adapter`` (float64 ``[n]``), from the
+        gathered item table: what :func:`apply_encoder_balance`'s ``cost`` says."""
+        return self._costs(adapter, meta, rows)
+
     def _costs(self, adapter: EncoderAdapter, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
         if callable(self.cost):
             costs = np.asarray(self.cost(adapter.encoder, meta, rows), dtype=np.float64).reshape(-1)
@@ -346,7 +351,7 @@ class EncoderBalanceHandle:
                 raise ValueError(f"payload[{k}] has {t.shape[0]} rows, the items {total}")
 
 
-def _own_group(base):
+def own_group(base):
     """A process group with ``base``'s ranks used by the balancing alone: its all-to-alls (also
     those of the backward, which autograd schedules) then never interleave with DDP's or FSDP's
     collectives on a shared communicator. It takes ``base``'s timeout. ``new_group`` is collective
@@ -442,7 +447,7 @@ def apply_encoder_balance(
     for a in chosen:
         if not split_frames and a.splits_frames:
             a.splits_frames = False  # on this instance only
-    own = _own_group(base)
+    own = own_group(base)
     # One agreement on the new group before anything uses it: every rank has connected to it
     # (so no rank can tear it down while a peer still connects), and every rank balances alike.
     with Entry("apply_encoder_balance", own) as e:

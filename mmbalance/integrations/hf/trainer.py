@@ -23,6 +23,8 @@ import numpy as np
 from mmbalance.collectives.inflight import mark_distributed_run
 from mmbalance.integrations.data import BalancedBatchSampler
 
+from .dynamic_cp import cost_model_of
+
 __all__ = ["balance_trainer"]
 
 
@@ -61,7 +63,9 @@ def _packed(trainer) -> bool:
     return bool(getattr(args, "padding_free", False) or getattr(args, "packing", False))
 
 
-def balance_trainer(trainer, lengths=None, *, cost="quadratic", padding=None):
+def balance_trainer(
+    trainer, lengths=None, *, cost="quadratic", padding=None, context_parallel=False, max_tokens_per_rank=None
+):
     """Make ``trainer.train()`` train on balanced batches; returns ``trainer``.
 
     Args:
@@ -77,6 +81,32 @@ def balance_trainer(trainer, lengths=None, *, cost="quadratic", padding=None):
             micro-batch costs ``examples * h(longest)``). Default (``None``): packed when the
             collator is transformers' ``DataCollatorWithFlattening`` or the arguments say
             ``padding_free`` / ``packing`` (TRL), padded otherwise.
+        context_parallel: dynamic context parallelism of any degree
+            (:func:`~mmbalance.integrations.hf.apply_dynamic_cp`'s scheme; the model must use
+            ``attn_implementation="mmbalance_varlen"``). Each micro-batch slot of a step (the same
+            examples as without it) is scheduled into CP groups under ``max_tokens_per_rank``;
+            every rank loads only its group's examples and its collator cuts this rank's zigzag
+            shard (no data exchange). Gradients are averaged over the whole world (DDP or FSDP2)
+            and the loss normalized by Trainer (``average_tokens_across_devices``), so training
+            equals the run without it. ``cost`` is then ``"quadratic"`` (the model's shape),
+            ``"linear"``, a :class:`~mmbalance.balancing.CostModel` or a callable. For the
+            vision-language models of ``apply_dynamic_cp`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+            LLaVA) the collator also computes every sequence's M-RoPE positions whole
+            (``get_rope_index``) and leaves the media to the forward: each member of a group
+            encodes its share of the group's images and frames (a stand-in where it has none)
+            and one all-to-all over the group sends the feature rows to the members holding their
+            placeholders. The slots are scheduled on the LLM tokens (``lengths``, vision tokens
+            included) under ``cost``; the encoder phase is not in this schedule's cost, and
+            ``apply_encoder_balance`` on the model finds nothing left to balance.
+        max_tokens_per_rank: tokens a rank may hold in a forward (required with
+            ``context_parallel``).
+
+    Streaming: with an ``IterableDataset``, every rank reads its slice of the stream (examples
+    ``rank, rank + world, ...``), batches ``per_device_train_batch_size`` of them with the
+    trainer's collator, and each micro-batch is post-balanced over the ranks by one all-to-all
+    (:meth:`~mmbalance.integrations.hf.dynamic_cp.DynamicCPHandle.batches`): degree 1 everywhere
+    (OrchMLLM's LLM-phase post-balancing) unless ``context_parallel``. Every drawn example is
+    trained once; the loader has no length, so set ``max_steps``.
 
     The sampler takes ``per_device_train_batch_size * world_size * gradient_accumulation_steps``
     examples per optimizer step (seeded by ``args.data_seed`` or ``args.seed``, a new order each
@@ -98,18 +128,25 @@ def balance_trainer(trainer, lengths=None, *, cost="quadratic", padding=None):
         raise TypeError(
             f"trainer must be a transformers.Trainer (or a subclass), got {type(trainer).__name__}"
         )
+    import torch
+
     dataset = trainer.train_dataset
     if dataset is None:
         raise ValueError("trainer.train_dataset is None: balance_trainer needs the training data")
-    try:
-        n = len(dataset)
-    except TypeError:
-        raise ValueError(
-            "trainer.train_dataset has no length (an IterableDataset?): balanced batches need every "
-            "example's length up front"
-        ) from None
     if padding is not None and not isinstance(padding, bool):
         raise TypeError(f"padding must be a bool or None, got {type(padding).__name__}")
+    if not isinstance(context_parallel, bool):
+        raise TypeError(f"context_parallel must be a bool, got {type(context_parallel).__name__}")
+    if context_parallel and max_tokens_per_rank is None:
+        raise ValueError(
+            "context_parallel=True needs max_tokens_per_rank (tokens a rank may hold in a forward)"
+        )
+    if max_tokens_per_rank is not None and (
+        isinstance(max_tokens_per_rank, bool)
+        or not isinstance(max_tokens_per_rank, int)
+        or max_tokens_per_rank < 1
+    ):
+        raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
     args = trainer.args
     acc = trainer.accelerator
     for name in ("split_batches", "dispatch_batches"):
@@ -118,21 +155,34 @@ def balance_trainer(trainer, lengths=None, *, cost="quadratic", padding=None):
                 f"accelerate is set to {name}=True, which splits one global batch per step over the ranks; "
                 "balanced batches are already per rank: set it to False in args.accelerator_config"
             )
+    streaming = isinstance(dataset, torch.utils.data.IterableDataset)
+    if not streaming:
+        try:
+            n = len(dataset)
+        except TypeError:
+            raise ValueError(
+                "trainer.train_dataset has no length and is not an IterableDataset: balanced batches need "
+                "every example's length up front, or a stream to post-balance"
+            ) from None
+    if context_parallel or streaming:
+        _check_cp_model(trainer)
+    if streaming:
+        if lengths is not None:
+            raise ValueError(
+                "lengths: a streamed train_dataset is measured as it is drawn; leave lengths=None"
+            )
+        if args.max_steps is None or args.max_steps <= 0:
+            raise ValueError("a streamed train_dataset has no length: set TrainingArguments(max_steps=...)")
+        _warn_tokens(args)
+        trainer._mmbalance_stream = (context_parallel, max_tokens_per_rank, cost)
+        trainer.get_train_dataloader = types.MethodType(_stream_train_dataloader, trainer)
+        return trainer
     if lengths is None:
         lengths = _lengths_of(trainer, dataset)
     count = len(lengths)
     if count != n:
         raise ValueError(f"lengths has {count} entries but trainer.train_dataset has {n} examples")
-    world = max(1, args.world_size)
-    if world > 1:
-        mark_distributed_run()  # the exit hook that lets gloo's workers finish (collectives/inflight.py)
-    if world > 1 and not args.average_tokens_across_devices:
-        warnings.warn(
-            "average_tokens_across_devices is off: with balanced batches the ranks' micro-batches hold "
-            "different numbers of tokens, so a per-rank loss normalization weights tokens by the batch they "
-            "landed in; set TrainingArguments(average_tokens_across_devices=True)",
-            stacklevel=2,
-        )
+    world = _warn_tokens(args)
     seed = args.data_seed if args.data_seed is not None else args.seed
     options: dict[str, Any] = dict(
         num_replicas=world,
@@ -145,8 +195,78 @@ def balance_trainer(trainer, lengths=None, *, cost="quadratic", padding=None):
     )
     trainer.balanced_sampler = BalancedBatchSampler(lengths, trainer._train_batch_size, **options)
     trainer._mmbalance_options = options
+    trainer._mmbalance_cp = None
+    if context_parallel:
+        assert max_tokens_per_rank is not None
+        trainer._mmbalance_cp = (int(max_tokens_per_rank), cost_model_of(trainer.model, cost))
     trainer.get_train_dataloader = types.MethodType(_balanced_train_dataloader, trainer)
     return trainer
+
+
+def _warn_tokens(args) -> int:
+    world = max(1, args.world_size)
+    if world > 1:
+        mark_distributed_run()  # the exit hook that lets gloo's workers finish (collectives/inflight.py)
+    if world > 1 and not args.average_tokens_across_devices:
+        warnings.warn(
+            "average_tokens_across_devices is off: with balanced batches the ranks' micro-batches hold "
+            "different numbers of tokens, so a per-rank loss normalization weights tokens by the batch they "
+            "landed in; set TrainingArguments(average_tokens_across_devices=True)",
+            stacklevel=3,
+        )
+    return world
+
+
+def _check_cp_model(trainer) -> None:
+    from .attention_mask import ATTENTION_NAME
+    from .dynamic_cp_vlm import vlm_family
+
+    vlm_family(trainer.model)  # a multimodal model the sharding does not support is refused by name
+
+    impl = getattr(getattr(trainer.model, "config", None), "_attn_implementation", None)
+    if impl != ATTENTION_NAME:
+        raise ValueError(
+            f"trainer.model: context parallelism and streamed post-balancing run in the {ATTENTION_NAME!r} "
+            f"attention, the model uses {impl!r}: register_attention() and "
+            f"model.set_attn_implementation({ATTENTION_NAME!r}) before building the Trainer"
+        )
+
+
+def _collator_of(self, dataset):
+    """The trainer's collator with unused columns removed, and the dataset as Trainer reads it."""
+    from transformers.utils import is_datasets_available
+
+    collator = self.data_collator
+    if is_datasets_available():
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            return self._remove_unused_columns(dataset, description="Training"), collator
+    return dataset, self._get_collator_with_removed_columns(collator, description="Training")
+
+
+def _stream_train_dataloader(self):
+    """``Trainer.get_train_dataloader`` for a streamed dataset: this rank's slice, batched by the
+    trainer's collator, post-balanced by all-to-all (bound to the instance)."""
+    from torch.utils.data import DataLoader
+
+    from .cp_trainer import RankSlice, StreamLoader
+    from .dynamic_cp import make_handle
+
+    context_parallel, budget, cost = self._mmbalance_stream
+    handle = getattr(self, "_mmbalance_stream_handle", None)
+    if handle is None:
+        handle = make_handle(self.model, budget, cost, None, context_parallel)
+        self._mmbalance_stream_handle = handle
+    args = self.args
+    world = max(1, args.world_size)
+    dataset, collator = _collator_of(self, self.train_dataset)
+    part = RankSlice(dataset, args.process_index if world > 1 else 0, world)
+    loader = DataLoader(
+        part, batch_size=self._train_batch_size, collate_fn=collator, num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory, drop_last=False,
+    )  # fmt: skip
+    return StreamLoader(loader, handle, part)
 
 
 def _balanced_train_dataloader(self):
@@ -155,7 +275,6 @@ def _balanced_train_dataloader(self):
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader
     from transformers.trainer_utils import seed_worker
-    from transformers.utils import is_datasets_available
 
     dataset = self.train_dataset
     sampler: BalancedBatchSampler = self.balanced_sampler
@@ -167,19 +286,25 @@ def _balanced_train_dataloader(self):
     if sampler.batch_size != self._train_batch_size:  # auto_find_batch_size lowered it: same lengths
         sampler = BalancedBatchSampler(sampler.table, self._train_batch_size, **self._mmbalance_options)
         self.balanced_sampler = sampler
-    collator = self.data_collator
-    if is_datasets_available():
-        import datasets
+    dataset, collator = _collator_of(self, dataset)
+    batch_sampler: Any = sampler
+    if self._mmbalance_cp is not None:
+        from .cp_trainer import CPBatchSampler, CPCollator, TaggedDataset
+        from .dynamic_cp import pad_id
+        from .dynamic_cp_vlm import GroupCutter, install_media_hook, vlm_family
 
-        if isinstance(dataset, datasets.Dataset):
-            dataset = self._remove_unused_columns(dataset, description="Training")
-        else:
-            collator = self._get_collator_with_removed_columns(collator, description="Training")
-    else:
-        collator = self._get_collator_with_removed_columns(collator, description="Training")
+        budget, cost = self._mmbalance_cp
+        batch_sampler = CPBatchSampler(sampler, budget, cost)
+        self.cp_sampler = batch_sampler
+        dataset = TaggedDataset(dataset)
+        vlm = None
+        if vlm_family(self.model) is not None:
+            vlm = GroupCutter(self.model, cost)
+            install_media_hook(self.model)
+        collator = CPCollator(collator, pad_id(self.model), vlm)
     args = self.args
     params = {
-        "batch_sampler": sampler,
+        "batch_sampler": batch_sampler,
         "collate_fn": collator,
         "num_workers": args.dataloader_num_workers,
         "pin_memory": args.dataloader_pin_memory,

@@ -1,13 +1,15 @@
-"""The dk/dv pass of the attention backward (see ``kernels/attention_bwd.py`` for the math and
-the layout): one program per block of keys of one kv head, walking the query heads that share it
-(GQA) and their query blocks. Launched and audited by ``attention_bwd``."""
+"""The dk/dv pass of the attention backward (see ``attention_bwd.py`` for the math and the
+layout): one program per block of keys of one kv head, walking the query heads that share it (GQA)
+and their query blocks. ``attention_bwd.attn_bwd`` launches it after the dq pass."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .attention import _count_at_most, _load_runs, _run_position, _tanh
+from .attention_common import count_at_most, load_runs, run_position, tanh
+
+__all__ = ["attn_bwd_dkdv_kernel"]
 
 
 @triton.jit
@@ -63,11 +65,11 @@ def _attn_bwd_dkdv_inner(
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         kq = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:
-            th = _tanh(kq)
+            th = tanh(kq)
             kq = th * softcap_log2e
         pt = tl.math.exp2(kq - lse2[None, :])
         if MASKED:
-            qpos = _run_position(rows, q_start0, q_len0, q_start1)
+            qpos = run_position(rows, q_start0, q_len0, q_start1)
             if CAUSAL:
                 allowed = kpos[:, None] <= qpos[None, :]
                 if WIN_LEFT:
@@ -154,22 +156,22 @@ def _attn_bwd_dkdv_block(
     )
 
     if CAUSAL or WIN_LEFT or WIN_RIGHT:
-        q_start0, q_len0, q_start1 = _load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
-        k_start0, k_len0, k_start1 = _load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
-        kpos = _run_position(offs_n, k_start0, k_len0, k_start1)
-        k_first_pos = _run_position(n0, k_start0, k_len0, k_start1)
+        q_start0, q_len0, q_start1 = load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
+        k_start0, k_len0, k_start1 = load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
+        kpos = run_position(offs_n, k_start0, k_len0, k_start1)
+        k_first_pos = run_position(n0, k_start0, k_len0, k_start1)
         # rows before m_lo see no key of this block (row i sees key j only if pos_k(j) <= its
         # upper bound: pos_q(i) when causal, pos_q(i) + window_right for a right window)
         if CAUSAL:
-            m_lo = _count_at_most(k_first_pos - 1, seqlen_q, q_start0, q_len0, q_start1)
+            m_lo = count_at_most(k_first_pos - 1, seqlen_q, q_start0, q_len0, q_start1)
         elif WIN_RIGHT:
-            m_lo = _count_at_most(k_first_pos - window_right - 1, seqlen_q, q_start0, q_len0, q_start1)
+            m_lo = count_at_most(k_first_pos - window_right - 1, seqlen_q, q_start0, q_len0, q_start1)
         else:
             m_lo = 0
         if WIN_LEFT:
             # rows from m_hi on have their window start past this block's last key
-            k_last_pos = _run_position(tl.minimum(n0 + BLOCK_N, seqlen_k) - 1, k_start0, k_len0, k_start1)
-            m_hi = _count_at_most(k_last_pos + window_left, seqlen_q, q_start0, q_len0, q_start1)
+            k_last_pos = run_position(tl.minimum(n0 + BLOCK_N, seqlen_k) - 1, k_start0, k_len0, k_start1)
+            m_hi = count_at_most(k_last_pos + window_left, seqlen_q, q_start0, q_len0, q_start1)
         else:
             m_hi = seqlen_q
     else:
@@ -205,7 +207,7 @@ def _attn_bwd_dkdv_block(
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(
+def attn_bwd_dkdv_kernel(
     q_ptr,
     k_ptr,
     v_ptr,

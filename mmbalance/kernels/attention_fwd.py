@@ -22,35 +22,10 @@ softcap, ``tanh(scale / softcap * qk) * softcap * log2(e)``), the accumulator re
 ``m = -inf``; the update then uses 0 in place of ``m`` so no ``-inf - -inf`` NaN appears. With a
 sink the row starts at ``m = sink, l = 1`` instead of ``m = -inf, l = 0``.
 
-Masks. Key ``j`` is allowed for query ``i`` iff, with absolute positions ``pq = pos_q(i)`` and
-``pk = pos_k(j)``,
-
-    (not causal or pk <= pq) and (window_left < 0 or pk >= pq - window_left)
-                             and (window_right < 0 or pk <= pq + window_right)
-
-flash-attn's sliding window (negative: unbounded on that side; inclusive bounds, so ``(4, 0)`` is
-the query and the 4 keys before it). transformers' flash path passes ``sliding_window = W`` as
-``(W - 1, W - 1)``, i.e. ``window_left = W - 1`` for a causal decoder (a right window never adds
-to a causal mask, so the kernels drop it there). Windows apply without causality too (an encoder's
-symmetric window). The positions of one sequence are at most two runs of consecutive integers,
-``(start0, len0, start1)``: token ``t`` sits at ``start0 + t`` for ``t < len0`` and at ``start1 +
-(t - len0)`` after, with ``start1 >= start0 + len0``. Without run tensors, queries sit at
-``causal_offset + i`` and keys at ``j`` (query ``i`` sees ``j <= i + causal_offset``, top-left
-aligned; ``causal_offset = Lk - Lq`` is flash-attn's bottom-right). ``causal_offset`` is one
-number for the batch; bottom-right alignment per sequence (a KV cache, chunked prefill, each
-sequence with its own ``Lq``, ``Lk``) is the query run ``(Lk - Lq, Lq, Lk)`` against the key run
-``(0, Lk, Lk)``; with ``Lq > Lk`` the first ``Lq - Lk`` rows see no key, as in flash-attn.
-Two runs are what ring attention needs: a zigzag shard holds chunks ``r`` and ``2d - 1 - r`` of
-every sequence, so any (query shard, key shard) pair of a ring step is one launch.
-
-Loop bounds. Because the positions are increasing, "keys with position <= t" is a prefix whose
-length is closed-form (``_count_at_most``), so every program computes its loop bounds without a
-search, and every row's allowed keys are one contiguous range ``[lo_i, hi_i)``. For a block of
-rows: keys ``[n_full_lo, n_full)`` are visible to every row (no mask arithmetic), keys
-``[n_full, n_end)`` (the diagonal band, the right window edge, the ragged tail) and, with a left
-window, ``[lo_first, n_full_lo)`` (where the rows' windows start) are masked element-wise, and
-keys outside ``[lo_first, n_end)`` are never loaded: with a window ``W`` a long sequence costs
-``O(L * W)``, not ``O(L^2)``. Without a window ``n_full_lo = lo_first = 0``.
+Masks, positions and loop bounds are the backward's too and live in ``attention_common.py``: key
+``j`` is allowed for query ``i`` by causality and a sliding window on absolute positions (a
+sequence's positions are one or two runs of consecutive integers, so a ring step's zigzag shards
+are one launch), and every block of rows loads only the keys some row of it may see.
 
 Specialisation. Causality, each window side, the softcap and the sinks are ``tl.constexpr``
 switches (``CAUSAL``, ``WIN_LEFT``, ``WIN_RIGHT``, ``SOFTCAP``, ``SINKS``): a variant that does
@@ -79,52 +54,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention_launch import (  # noqa: F401 - launch configurations, public here as before
-    LOG2E,
-    _features,
-    block_d,
-    device_capability,
-    dot_precision,
-    fwd_config,
-)
 from ._launch import launchable
+from .attention_common import (
+    block_d,
+    dot_precision,
+    feature_args,
+    fwd_config,
+    row_bounds,
+    run_position,
+    tanh,
+)
 
-LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _run_position(t, start0, len0, start1):
-    """Absolute position of token(s) ``t`` of a sequence laid out as two runs."""
-    return tl.where(t < len0, start0 + t, start1 + (t - len0))
-
-
-@triton.jit
-def _count_at_most(t, length, start0, len0, start1):
-    """How many tokens of a two-run sequence have position <= ``t`` (they form a prefix)."""
-    first = tl.minimum(tl.maximum(t - start0 + 1, 0), len0)
-    second = tl.minimum(tl.maximum(t - start1 + 1, 0), length - len0)
-    return first + second
-
-
-@triton.jit
-def _tanh(x):
-    """``tanh(x)`` as ``2 / (1 + exp(-2x)) - 1``: one exp2 and one division, exact limits +-1 at
-    +-inf, absolute error of a few float32 ulps (the logits it feeds are compared absolutely)."""
-    return 2.0 / (1.0 + tl.math.exp2(x * -2.8853900817779268)) - 1.0
-
-
-@triton.jit
-def _load_runs(runs_ptr, b, length, default_start, HAS_RUNS: tl.constexpr):
-    """``(start0, len0, start1)`` of sequence ``b``: from the run tensor, or one run at ``default_start``."""
-    if HAS_RUNS:
-        start0 = tl.load(runs_ptr + 3 * b)
-        len0 = tl.minimum(tl.load(runs_ptr + 3 * b + 1), length)
-        start1 = tl.load(runs_ptr + 3 * b + 2)
-    else:
-        start0 = default_start
-        len0 = length
-        start1 = default_start + length
-    return start0, len0, start1
+__all__ = ["attn_fwd", "attn_fwd_kernel"]
 
 
 @triton.jit
@@ -180,11 +121,11 @@ def _attn_fwd_inner(
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:
             # qk_scale = scale / softcap here: s = softcap * tanh(scale * qk / softcap), base 2
-            qk = _tanh(qk) * softcap_log2e
+            qk = tanh(qk) * softcap_log2e
         if MASKED:
             allowed = col_ok[None, :]
             if CAUSAL or WIN_RIGHT or WIN_LEFT:
-                kpos = _run_position(cols, k_start0, k_len0, k_start1)
+                kpos = run_position(cols, k_start0, k_len0, k_start1)
                 if CAUSAL or WIN_RIGHT:
                     allowed = allowed & (kpos[None, :] <= qpos[:, None])
                 if WIN_LEFT:
@@ -208,59 +149,6 @@ def _attn_fwd_inner(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
-
-
-@triton.jit
-def _row_bounds(
-    m0,
-    seqlen_q,
-    seqlen_k,
-    q_runs_ptr,
-    k_runs_ptr,
-    pid_b,
-    causal_offset,
-    window_left,
-    window_right,
-    offs_m,
-    BLOCK_M: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_RUNS: tl.constexpr,
-    WIN_LEFT: tl.constexpr,
-    WIN_RIGHT: tl.constexpr,
-):
-    """Key bounds of query rows ``[m0, m0 + BLOCK_M)``: per row, the highest (``qhi``) and lowest
-    (``qlo``) visible key position; for the block, the key prefix counts ``n_full`` (keys below it
-    are under every row's upper bound), ``n_end`` (no row sees a key from it on), ``lo_first`` (no
-    row sees a key below it) and ``lo_last`` (every row's lower bound is at or below it), and the
-    key runs for the element-wise mask. Positions are increasing, so every bound is a closed-form
-    count (``_count_at_most``)."""
-    q_start0, q_len0, q_start1 = _load_runs(q_runs_ptr, pid_b, seqlen_q, causal_offset, HAS_RUNS)
-    k_start0, k_len0, k_start1 = _load_runs(k_runs_ptr, pid_b, seqlen_k, 0, HAS_RUNS)
-    qpos = _run_position(offs_m, q_start0, q_len0, q_start1)
-    m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
-    q_first_pos = _run_position(m0, q_start0, q_len0, q_start1)
-    q_last_pos = _run_position(m_last, q_start0, q_len0, q_start1)
-    if CAUSAL:
-        qhi = qpos
-        n_full = _count_at_most(q_first_pos, seqlen_k, k_start0, k_len0, k_start1)
-        n_end = _count_at_most(q_last_pos, seqlen_k, k_start0, k_len0, k_start1)
-    elif WIN_RIGHT:
-        qhi = qpos + window_right
-        n_full = _count_at_most(q_first_pos + window_right, seqlen_k, k_start0, k_len0, k_start1)
-        n_end = _count_at_most(q_last_pos + window_right, seqlen_k, k_start0, k_len0, k_start1)
-    else:
-        qhi = qpos
-        n_full = seqlen_k
-        n_end = seqlen_k
-    if WIN_LEFT:
-        qlo = qpos - window_left
-        lo_first = _count_at_most(q_first_pos - window_left - 1, seqlen_k, k_start0, k_len0, k_start1)
-        lo_last = _count_at_most(q_last_pos - window_left - 1, seqlen_k, k_start0, k_len0, k_start1)
-    else:
-        qlo = qpos
-        lo_first = 0
-        lo_last = 0
-    return qhi, qlo, n_full, n_end, lo_first, lo_last, k_start0, k_len0, k_start1
 
 
 @triton.jit
@@ -318,21 +206,10 @@ def _attn_fwd_block(
     k_base = k_ptr + k_beg.to(tl.int64) * stride_k_tok + pid_hk * stride_k_head
     v_base = v_ptr + k_beg.to(tl.int64) * stride_v_tok + pid_hk * stride_v_head
 
-    if CAUSAL or WIN_LEFT or WIN_RIGHT:
-        qpos, qlo, n_full, n_end, lo_first, lo_last, k_start0, k_len0, k_start1 = _row_bounds(
-            m0, seqlen_q, seqlen_k, q_runs_ptr, k_runs_ptr, pid_b, causal_offset, window_left,
-            window_right, offs_m, BLOCK_M, CAUSAL, HAS_RUNS, WIN_LEFT, WIN_RIGHT,
-        )  # fmt: skip
-    else:
-        k_start0 = 0
-        k_len0 = seqlen_k
-        k_start1 = 0
-        qpos = offs_m
-        qlo = offs_m
-        n_full = seqlen_k
-        n_end = seqlen_k
-        lo_first = 0
-        lo_last = 0
+    qpos, qlo, n_full, n_end, lo_first, lo_last, k_start0, k_len0, k_start1 = row_bounds(
+        m0, seqlen_q, seqlen_k, q_runs_ptr, k_runs_ptr, pid_b, causal_offset, window_left,
+        window_right, offs_m, BLOCK_M, CAUSAL, HAS_RUNS, WIN_LEFT, WIN_RIGHT,
+    )  # fmt: skip
     n_split = (n_full // BLOCK_N) * BLOCK_N
 
     if SINKS:
@@ -384,7 +261,7 @@ def _attn_fwd_block(
 
 
 @triton.jit
-def _attn_fwd_kernel(
+def attn_fwd_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -483,7 +360,7 @@ def attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel; returns ``out [Tq, H, D]`` (``out_dtype``, default q's) and ``lse [H, Tq]``.
 
-    Inputs are assumed validated (``pyops.attention`` does it). ``out``/``lse`` may be passed
+    Inputs are assumed validated (``pyops/attention_ops.py`` does it). ``out``/``lse`` may be passed
     preallocated (last dim contiguous; ``lse`` float32). Rows of sequences with no allowed key get
     ``out = 0`` and ``lse = -inf`` (``lse = sink`` with ``sinks``); an empty batch launches nothing.
     ``window_left``/``window_right`` (negative: unbounded), ``softcap`` (``> 0``: on) and ``sinks``
@@ -498,7 +375,7 @@ def attn_fwd(
         lse = torch.empty((n_heads, tq), dtype=torch.float32, device=q.device)
     if tq == 0 or batch == 0:
         return out, lse
-    feats = _features(causal, window_left, window_right, softcap, softmax_scale)
+    feats = feature_args(causal, window_left, window_right, softcap, softmax_scale)
     window = feats["WIN_LEFT"] or feats["WIN_RIGHT"]
     cfg = dict(config or fwd_config(head_dim, q.device, q.dtype, window=window, softcap=feats["SOFTCAP"]))
     has_runs = q_runs is not None
@@ -511,7 +388,7 @@ def attn_fwd(
         if m_grid == 0:
             continue
         launch = dict(cfg, **cfg.get("overflow", {})) if overflow else cfg
-        launchable(_attn_fwd_kernel)[(m_grid, n_heads, batch)](
+        launchable(attn_fwd_kernel)[(m_grid, n_heads, batch)](
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
             q_runs if has_runs else cu_seqlens_q, k_runs if has_runs else cu_seqlens_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -525,31 +402,3 @@ def attn_fwd(
             num_warps=launch["num_warps"], num_stages=launch["num_stages"],
         )  # fmt: skip
     return out, lse
-
-
-def bottom_right_runs(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_runs, k_runs)`` int32 ``[B, 3]`` that align every sequence bottom-right (flash-attn's
-    causal convention for ``Lq != Lk``: the last query sits with the last key; a KV cache, chunked
-    prefill): query run ``(Lk - Lq, Lq, Lk)``, key run ``(0, Lk, Lk)``, from each sequence's own
-    lengths. With ``Lq > Lk`` the first ``Lq - Lk`` queries see no key. Tensor ops only (no host
-    sync), on ``cu_seqlens_q``'s device."""
-    lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
-    lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32).to(lq.device)
-    q_runs = torch.stack([lk - lq, lq, lk], 1)
-    k_runs = torch.stack([torch.zeros_like(lk), lk, lk], 1)
-    return q_runs.contiguous(), k_runs.contiguous()
-
-
-def audit_configs(capability: int) -> list[dict]:
-    """The forward variants the kernel audit compiles for ``sm_<capability>`` (see
-    ``_attention_audit.fwd_audit_configs``)."""
-    from ._attention_audit import fwd_audit_configs
-
-    return fwd_audit_configs(capability)
-
-
-# Read by ``bench/kernel_audit.py`` through ``audit_configs(capability)``; this list (sm_90) is
-# what the registry tests inspect.
-AUDIT_CONFIGS: list[dict] = audit_configs(90)

@@ -1,5 +1,6 @@
 """Attention block ops for ring attention: ``torch.ops.mmbalance.attention_block_fwd``/``_bwd`` and
-``merge_attention_states``.
+``merge_attention_states``. The file reads like flash-attn's interface: the ops with their fake
+implementations, then autograd, then the public functions.
 
 Ops (schemas)::
 
@@ -15,12 +16,12 @@ Ops (schemas)::
     mmbalance::merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, str backend)
         -> (Tensor out, Tensor lse)
 
-Semantics (shapes, masks, empty rows) are those of ``kernels/attention.py``: packed ``q [Tq, H, D]``,
-``k``/``v [Tk, Hkv, D]`` (``H`` a multiple of ``Hkv``), int32 ``cu_seqlens`` ``[B + 1]``,
-``lse [H, Tq]`` float32 in natural log, ``-inf`` (and ``out = 0``) for rows that see no key.
-Causal masks compare absolute positions, ``pos_k <= pos_q``; without run tensors query ``i`` sits
-at ``i + causal_offset`` and key ``j`` at ``j`` (top-left aligned); ``q_runs``/``k_runs`` int32
-``[B, 3]`` give each sequence's positions as two runs ``(start0, len0, start1)``.
+Semantics (shapes, masks, empty rows) are those of ``kernels/attention_fwd.py``: packed
+``q [Tq, H, D]``, ``k``/``v [Tk, Hkv, D]`` (``H`` a multiple of ``Hkv``), int32 ``cu_seqlens``
+``[B + 1]``, ``lse [H, Tq]`` float32 in natural log, ``-inf`` (and ``out = 0``) for rows that see no
+key. Causal masks compare absolute positions, ``pos_k <= pos_q``; without run tensors query ``i``
+sits at ``i + causal_offset`` and key ``j`` at ``j`` (top-left aligned); ``q_runs``/``k_runs``
+int32 ``[B, 3]`` give each sequence's positions as two runs ``(start0, len0, start1)``.
 
 Optional features (defaults: off), flash-attn's semantics on these positions: a sliding window
 (key ``j`` allowed for query ``i`` only if ``pos_q(i) - window_left <= pos_k(j) <= pos_q(i) +
@@ -31,10 +32,11 @@ row with no allowed key has ``lse = sinks[h]`` and ``out = 0``). The backward op
 it recomputes the probabilities from the ``lse`` that includes them; their gradient is
 ``sinks_backward``'s, in torch.
 
-Backends (``backend=``): ``"auto"`` picks flash-attn on CUDA when it is installed and supports the
-call (see ``flash_attn_unsupported_reasons``), the Triton kernels on other CUDA calls and on CPU
-under ``TRITON_INTERPRET=1``, and the torch reference (``pyops/attention_ref.py``) otherwise and
-for float64. ``"triton"``, ``"flash_attn"`` and ``"reference"`` force one and raise ValueError with
+Backends (``backend=``, chosen in ``attention_backends.py`` from an ``AttentionInputs`` that
+describes the call): ``"auto"`` picks flash-attn on CUDA when it is installed and supports the call
+(see ``flash_attn_unsupported_reasons``), the Triton kernels on other CUDA calls and on CPU under
+``TRITON_INTERPRET=1``, and the torch reference (``attention_ref.py``) otherwise and for float64.
+``"triton"``, ``"flash_attn"`` and ``"reference"`` force one and raise ValueError with the call and
 the reasons when it cannot run. ``MMBALANCE_ATTN_BACKEND`` sets what ``"auto"`` means for a run.
 
 Autograd: ``attention_block`` (the forward op) differentiates to ``attention_block_bwd``, including
@@ -49,34 +51,43 @@ them runs the same code as before they existed.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from mmbalance.kernels import attention as _fwd_kernels
-from mmbalance.kernels import attention_bwd as _bwd_kernels
-from mmbalance.kernels import merge as _merge_kernels
-from mmbalance.kernels.dispatch import Backend, select_backend
+from mmbalance.kernels import attention_bwd, attention_fwd, merge
 
-from . import attention_ref as _ref
 from .attention_backends import (
-    _flash_bwd,
-    _flash_fwd,
-    _select_backend,
-    _triton_reasons,
-    flash_attn_unsupported_reasons,
+    AttentionInputs,
+    MergeInputs,
+    flash_bwd,
+    flash_fwd,
+    select_attention_backend,
+    select_merge_backend,
+)
+from .attention_checks import (
+    check_block_args,
+    check_bwd_args,
+    check_features,
+    check_host_args,
+    check_host_features,
+    check_merge_args,
+)
+from .attention_ref import (
+    acc_dtype,
+    attention_block_bwd_ref,
+    attention_block_fwd_ref,
+    merge_attention_states_ref,
+    sinks_grad,
 )
 
 __all__ = [
     "attention_block",
     "attention_block_backward",
     "merge_attention_states",
-    "flash_attn_unsupported_reasons",
     "sinks_backward",
-    "BACKENDS",
 ]
-
-BACKENDS = ("auto", "triton", "flash_attn", "reference")
 
 
 def _new_output(shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -84,7 +95,7 @@ def _new_output(shape: tuple, dtype: torch.dtype, device: torch.device) -> Tenso
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-# ------------------------------------------------------------------------------- forward block op
+# ------------------------------------------------------------------- ops and their fake kernels
 @torch.library.custom_op("mmbalance::attention_block_fwd", mutates_args=())
 def _attention_block_fwd_op(
     q: Tensor,
@@ -106,39 +117,36 @@ def _attention_block_fwd_op(
     softcap: float = 0.0,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    _ref.check_block_args(
+    check_block_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs
     )
-    _ref.check_features(q, window_left, window_right, softcap, sinks)
-    same_cu = cu_seqlens_q is cu_seqlens_k
+    check_features(q, window_left, window_right, softcap, sinks)
+    inputs = AttentionInputs.of(
+        q, k, cu_seqlens_q, cu_seqlens_k, causal=causal, causal_offset=causal_offset, q_runs=q_runs,
+        window_left=window_left, window_right=window_right, softcap=softcap, sinks=sinks,
+    )  # fmt: skip
     # the kernels index cu_seqlens through its raw pointer: any strided view becomes contiguous
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    window = dict(window_left=window_left, window_right=window_right, softcap=softcap)
-    chosen = _select_backend(
-        backend, q, causal, causal_offset, q_runs is not None, same_cu, has_sinks=sinks is not None, **window
-    )
+    window: dict[str, Any] = dict(window_left=window_left, window_right=window_right, softcap=softcap)
+    chosen = select_attention_backend(backend, inputs)
     if chosen == "reference":
-        return _ref.attention_block_fwd_ref(
+        return attention_block_fwd_ref(
             q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset, q_runs, k_runs,
             out_dtype, window_left, window_right, softcap, sinks,
         )  # fmt: skip
     if chosen == "flash_attn":
-        out, lse = _flash_fwd(
+        out, lse = flash_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, **window
         )
         return out.to(out_dtype or q.dtype), lse
     out = _new_output(q.shape, out_dtype or q.dtype, q.device)
     lse = _new_output((q.shape[1], q.shape[0]), torch.float32, q.device)
     sinks32 = None if sinks is None else sinks.to(torch.float32).contiguous()
-    _fwd_kernels.attn_fwd(
+    attention_fwd.attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, causal_offset, q_runs, k_runs,
-        out=out, lse=lse, sinks=sinks32, window_left=window_left, window_right=window_right, softcap=softcap,
+        out=out, lse=lse, sinks=sinks32, **window,
     )  # fmt: skip
     return out, lse
-
-
-def _lse_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @_attention_block_fwd_op.register_fake
@@ -146,14 +154,102 @@ def _attention_block_fwd_fake(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, causal_offset,
     q_runs, k_runs, out_dtype, backend, window_left=-1, window_right=-1, softcap=0.0, sinks=None,
 ):  # fmt: skip
-    _ref.check_block_args(
+    check_block_args(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs
     )
-    _ref.check_features(q, window_left, window_right, softcap, sinks)
+    check_features(q, window_left, window_right, softcap, sinks)
     out = q.new_empty(q.shape, dtype=out_dtype or q.dtype)
-    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=acc_dtype(q))
 
 
+@torch.library.custom_op("mmbalance::attention_block_bwd", mutates_args=())
+def _attention_block_bwd_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    causal_offset: int,
+    q_runs: Tensor | None,
+    k_runs: Tensor | None,
+    dlse: Tensor | None,
+    backend: str,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    check_bwd_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                   q_runs, k_runs, dlse)  # fmt: skip
+    check_features(q, window_left, window_right, softcap, None)
+    inputs = AttentionInputs.of(
+        q, k, cu_seqlens_q, cu_seqlens_k, causal=causal, causal_offset=causal_offset, q_runs=q_runs,
+        window_left=window_left, window_right=window_right, softcap=softcap, backward=True, dlse=dlse,
+    )  # fmt: skip
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    window: dict[str, Any] = dict(window_left=window_left, window_right=window_right, softcap=softcap)
+    chosen = select_attention_backend(backend, inputs)
+    if chosen == "reference":
+        return attention_block_bwd_ref(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset,
+            q_runs, k_runs, dlse, window_left, window_right, softcap,
+        )  # fmt: skip
+    if chosen == "flash_attn":
+        return flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, **window)  # fmt: skip
+    grads = (
+        _new_output(q.shape, torch.float32, q.device),
+        _new_output(k.shape, torch.float32, q.device),
+        _new_output(v.shape, torch.float32, q.device),
+    )
+    return attention_bwd.attn_bwd(
+        dout, q, k, v, out, lse.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        causal, causal_offset, q_runs, k_runs, dlse=None if dlse is None else dlse.float(), grads=grads, **window,
+    )  # fmt: skip
+
+
+@_attention_block_bwd_op.register_fake
+def _attention_block_bwd_fake(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+    causal_offset, q_runs, k_runs, dlse, backend, window_left=-1, window_right=-1, softcap=0.0,
+):  # fmt: skip
+    check_bwd_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                   q_runs, k_runs, dlse)  # fmt: skip
+    check_features(q, window_left, window_right, softcap, None)
+    dtype = acc_dtype(q)
+    return (
+        q.new_empty(q.shape, dtype=dtype),
+        k.new_empty(k.shape, dtype=dtype),
+        v.new_empty(v.shape, dtype=dtype),
+    )
+
+
+@torch.library.custom_op("mmbalance::merge_attention_states", mutates_args=())
+def _merge_attention_states_op(
+    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, backend: str
+) -> tuple[Tensor, Tensor]:
+    check_merge_args(out_a, lse_a, out_b, lse_b)
+    if select_merge_backend(backend, MergeInputs.of(out_a, lse_a, out_b, lse_b)) == "reference":
+        return merge_attention_states_ref(out_a, lse_a, out_b, lse_b)
+    out = _new_output(out_a.shape, torch.float32, out_a.device)
+    lse = _new_output((out_a.shape[1], out_a.shape[0]), torch.float32, out_a.device)
+    return merge.merge_attn_fwd(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
+
+
+@_merge_attention_states_op.register_fake
+def _merge_attention_states_fake(out_a, lse_a, out_b, lse_b, backend):
+    check_merge_args(out_a, lse_a, out_b, lse_b)
+    dtype = acc_dtype(out_a, out_b, lse_a, lse_b)
+    return out_a.new_empty(out_a.shape, dtype=dtype), lse_a.new_empty(lse_a.shape, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------- autograd
 def _fwd_setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, offset, q_runs, k_runs, _, backend = inputs[:14]
     window_left, window_right, softcap, sinks = inputs[14:]
@@ -182,144 +278,7 @@ def _fwd_backward(ctx, dout, dlse):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 14), d_sinks
 
 
-def sinks_backward(
-    sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None
-) -> Tensor:
-    """Gradient in the attention sinks ``[H]`` (``sinks``' dtype) from the forward's ``out
-    [Tq, H, D]`` and ``lse [H, Tq]`` (which includes the sinks) and the incoming ``dout``/``dlse``
-    (None: zero).
-
-    The sink joins every row's denominator: ``d lse_hi / d sink_h = exp(sink_h - lse_hi)`` and
-    ``d out_hi / d sink_h = -exp(sink_h - lse_hi) out_hi``, so
-    ``d sink_h = sum_i exp(sink_h - lse_hi) * (dlse_hi - rowsum(dout_hi * out_hi))``.
-    """
-    return _ref.sinks_grad(sinks, out, lse, dout, dlse)
-
-
 torch.library.register_autograd("mmbalance::attention_block_fwd", _fwd_backward, setup_context=_fwd_setup)
-
-
-# ------------------------------------------------------------------------------ backward block op
-@torch.library.custom_op("mmbalance::attention_block_bwd", mutates_args=())
-def _attention_block_bwd_op(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    causal_offset: int,
-    q_runs: Tensor | None,
-    k_runs: Tensor | None,
-    dlse: Tensor | None,
-    backend: str,
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    _check_bwd_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    q_runs, k_runs, dlse)  # fmt: skip
-    _ref.check_features(q, window_left, window_right, softcap, None)
-    same_cu = cu_seqlens_q is cu_seqlens_k
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    window = dict(window_left=window_left, window_right=window_right, softcap=softcap)
-    chosen = _select_backend(
-        backend,
-        q,
-        causal,
-        causal_offset,
-        q_runs is not None,
-        same_cu,
-        dlse is not None,
-        backward=True,
-        **window,
-    )
-    if chosen == "reference":
-        return _ref.attention_block_bwd_ref(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, causal_offset,
-            q_runs, k_runs, dlse, window_left, window_right, softcap,
-        )  # fmt: skip
-    if chosen == "flash_attn":
-        return _flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          softmax_scale, causal, **window)  # fmt: skip
-    grads = (
-        _new_output(q.shape, torch.float32, q.device),
-        _new_output(k.shape, torch.float32, q.device),
-        _new_output(v.shape, torch.float32, q.device),
-    )
-    return _bwd_kernels.attn_bwd(
-        dout, q, k, v, out, lse.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-        causal, causal_offset, q_runs, k_runs, dlse=None if dlse is None else dlse.float(), grads=grads,
-        window_left=window_left, window_right=window_right, softcap=softcap,
-    )  # fmt: skip
-
-
-def _check_bwd_args(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, q_runs, k_runs, dlse) -> None:
-    _ref.check_block_args(q, k, v, cu_q, cu_k, max_q, max_k, scale, q_runs, k_runs)
-    for name, t in (("dout", dout), ("out", out)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-        if t.numel() and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
-    if dout.dtype != q.dtype:
-        raise TypeError(f"dout must have q's dtype {q.dtype}, got {dout.dtype}")
-    if not out.is_floating_point():
-        raise TypeError(f"out must be a float tensor, got {out.dtype}")
-    _ref.check_lse("lse", lse, q.shape[1], q.shape[0], q.device)
-    if dlse is not None:
-        _ref.check_lse("dlse", dlse, q.shape[1], q.shape[0], q.device)
-
-
-@_attention_block_bwd_op.register_fake
-def _attention_block_bwd_fake(
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-    causal_offset, q_runs, k_runs, dlse, backend, window_left=-1, window_right=-1, softcap=0.0,
-):  # fmt: skip
-    _check_bwd_args(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    q_runs, k_runs, dlse)  # fmt: skip
-    _ref.check_features(q, window_left, window_right, softcap, None)
-    dtype = _lse_dtype(q)
-    return (
-        q.new_empty(q.shape, dtype=dtype),
-        k.new_empty(k.shape, dtype=dtype),
-        v.new_empty(v.shape, dtype=dtype),
-    )
-
-
-# ------------------------------------------------------------------------------------- merge op
-@torch.library.custom_op("mmbalance::merge_attention_states", mutates_args=())
-def _merge_attention_states_op(
-    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, backend: str
-) -> tuple[Tensor, Tensor]:
-    _ref.check_merge_args(out_a, lse_a, out_b, lse_b)
-    chosen = _select_merge_backend(backend, out_a, out_b, lse_a, lse_b)
-    if chosen == "reference":
-        return _ref.merge_attention_states_ref(out_a, lse_a, out_b, lse_b)
-    out = _new_output(out_a.shape, torch.float32, out_a.device)
-    lse = _new_output((out_a.shape[1], out_a.shape[0]), torch.float32, out_a.device)
-    return _merge_kernels.merge_attn_fwd(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
-
-
-def _select_merge_backend(backend: str, *tensors: Tensor) -> str:
-    backends = (Backend("triton", lambda: _triton_reasons(*tensors)), Backend("reference", lambda: []))
-    return select_backend("merge_attention_states", backends, backend)
-
-
-@_merge_attention_states_op.register_fake
-def _merge_attention_states_fake(out_a, lse_a, out_b, lse_b, backend):
-    _ref.check_merge_args(out_a, lse_a, out_b, lse_b)
-    dtype = _ref.acc_dtype(out_a, out_b, lse_a, lse_b)
-    return out_a.new_empty(out_a.shape, dtype=dtype), lse_a.new_empty(lse_a.shape, dtype=dtype)
 
 
 def _merge_setup(ctx, inputs, output):
@@ -347,35 +306,6 @@ torch.library.register_autograd(
 
 
 # ------------------------------------------------------------------------------ public functions
-def _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale) -> float:
-    """Check the host scalars before the dispatcher sees them; returns the softmax scale."""
-    _ref.check_host_int("max_seqlen_q", max_seqlen_q, 0)
-    _ref.check_host_int("max_seqlen_k", max_seqlen_k, 0)
-    _ref.check_host_int("causal_offset", causal_offset)
-    if softmax_scale is None:
-        if isinstance(q, Tensor) and q.dim() == 3 and q.shape[-1] == 0:
-            raise ValueError("q must have a head dim >= 1, got shape " + str(tuple(q.shape)))
-        return q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 3 else 1.0
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-    return float(softmax_scale)
-
-
-def _host_features(window_left, window_right, softcap, sinks=None) -> float:
-    """Check the feature scalars before the dispatcher sees them (it would coerce or reject them
-    with a schema error); returns ``softcap`` as a float."""
-    _ref.check_host_int("window_left", window_left, -1)
-    _ref.check_host_int("window_right", window_right, -1)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    softcap = float(softcap)
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite float >= 0 (0 turns it off), got {softcap!r}")
-    if sinks is not None and not isinstance(sinks, Tensor):
-        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
-    return softcap
-
-
 def attention_block(
     q: Tensor,
     k: Tensor,
@@ -427,8 +357,8 @@ def attention_block(
         no key: ``out = 0``, ``lse = -inf`` (``sinks[h]`` with sinks). Differentiable in ``q``,
         ``k``, ``v`` and ``sinks`` through both.
     """
-    softmax_scale = _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale)
-    softcap = _host_features(window_left, window_right, softcap, sinks)
+    softmax_scale = check_host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale)
+    softcap = check_host_features(window_left, window_right, softcap, sinks)
     return torch.ops.mmbalance.attention_block_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
         causal_offset, q_runs, k_runs, out_dtype, backend, window_left, window_right, softcap, sinks,
@@ -468,8 +398,8 @@ def attention_block_backward(
     float32 (float64 for float64 inputs) ``dq [Tq, H, D]``, ``dk``, ``dv [Tk, Hkv, D]``: cast once
     after summing.
     """
-    softmax_scale = _host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale)
-    softcap = _host_features(window_left, window_right, softcap)
+    softmax_scale = check_host_args(q, max_seqlen_q, max_seqlen_k, causal_offset, softmax_scale)
+    softcap = check_host_features(window_left, window_right, softcap)
     return torch.ops.mmbalance.attention_block_bwd(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
         bool(causal), causal_offset, q_runs, k_runs, dlse, backend, window_left, window_right, softcap,
@@ -487,3 +417,17 @@ def merge_attention_states(
     ``lse = -inf``. ``T = 0`` returns empty tensors. Differentiable in all four inputs.
     """
     return torch.ops.mmbalance.merge_attention_states(out_a, lse_a, out_b, lse_b, backend)
+
+
+def sinks_backward(
+    sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None
+) -> Tensor:
+    """Gradient in the attention sinks ``[H]`` (``sinks``' dtype) from the forward's ``out
+    [Tq, H, D]`` and ``lse [H, Tq]`` (which includes the sinks) and the incoming ``dout``/``dlse``
+    (None: zero).
+
+    The sink joins every row's denominator: ``d lse_hi / d sink_h = exp(sink_h - lse_hi)`` and
+    ``d out_hi / d sink_h = -exp(sink_h - lse_hi) out_hi``, so
+    ``d sink_h = sum_i exp(sink_h - lse_hi) * (dlse_hi - rowsum(dout_hi * out_hi))``.
+    """
+    return sinks_grad(sinks, out, lse, dout, dlse)

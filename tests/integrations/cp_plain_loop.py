@@ -1,0 +1,154 @@
+"""A plain training step with dynamic context parallelism on every rank (run by test_dynamic_cp.py
+through tests.dist_utils.launch, as torchrun would start it).
+
+Every rank draws its own examples; ``handle.shard`` post-balances them into CP groups; the loss and
+every parameter gradient, summed over ranks, must equal a one-process reference (each sequence
+alone through the stock eager attention, token-loss sum over the global count).
+
+argv: one or more ``family:form:scenario`` runs: family llama | qwen2, batch form packed | padded,
+scenario long (one sequence over 2x the budget) | mixed (a schedule of degrees 3 and 1, forced by a
+cost with an expensive ring; the model wrapped in DDP, which sums the gradients). Rank 0 prints one JSON line per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FAMILY = FORM = SCENARIO = ""
+BUDGET = 64
+VOCAB = 96
+
+
+def tiny_model(attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cls, cfg_cls = (LlamaForCausalLM, LlamaConfig) if FAMILY == "llama" else (Qwen2ForCausalLM, Qwen2Config)
+    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  pad_token_id=0, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    return cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+def examples(world: int) -> list[list[dict]]:
+    """Per rank, its examples: ``input_ids`` and ``labels`` (prompt tokens masked with -100)."""
+    rng = np.random.default_rng(7)
+    if SCENARIO == "long":
+        lengths = [[9, 23], [150, 5], [17, 30, 2], [12]]  # 150 > 2 * BUDGET
+    else:
+        lengths = [[11], [180], [20, 9], [14, 1]]  # forced 3 + 1 by the cost below
+    out = []
+    for r in range(world):
+        mine = []
+        for n in lengths[r]:
+            ids = rng.integers(1, VOCAB, size=n).tolist()
+            labels = list(ids)
+            for i in range(min(3, n)):
+                labels[i] = -100
+            mine.append({"input_ids": ids, "labels": labels})
+        out.append(mine)
+    return out
+
+
+def batch_of(mine: list[dict]) -> dict:
+    if FORM == "packed":
+        from transformers import DataCollatorWithFlattening
+
+        return DataCollatorWithFlattening(return_tensors="pt")(mine)
+    width = max(len(e["input_ids"]) for e in mine)
+    left = dist.get_rank() % 2 == 1  # odd ranks pad on the left
+    ids = torch.zeros((len(mine), width), dtype=torch.int64)
+    lab = torch.full((len(mine), width), -100, dtype=torch.int64)
+    mask = torch.zeros((len(mine), width), dtype=torch.int64)
+    for i, e in enumerate(mine):
+        n = len(e["input_ids"])
+        sl = slice(width - n, width) if left else slice(0, n)
+        ids[i, sl] = torch.tensor(e["input_ids"])
+        lab[i, sl] = torch.tensor(e["labels"])
+        mask[i, sl] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": lab}
+
+
+def run_one() -> None:
+    from mmbalance.balancing import CostModel
+    from mmbalance.integrations.hf import apply_dynamic_cp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model("mmbalance_varlen")
+    cost = "quadratic" if SCENARIO == "long" else CostModel(linear=1.0, ring=0.5, overlap=False)
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET, cost=cost)
+    data = examples(world)
+    seen = []
+    embed = model.get_input_embeddings()
+    embed.register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
+    inputs = handle.shard(batch_of(data[rank]))
+    ddp = SCENARIO == "mixed"  # DDP averages gradients over ranks: scale by the world size
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)  # kept alive until backward has reduced the gradients
+        loss = wrapped(**inputs).loss
+        (loss * world).backward()
+        del wrapped
+    else:
+        loss = model(**inputs).loss
+        loss.backward()
+    stats = handle.stats
+    if SCENARIO == "long":
+        assert max(seen) <= BUDGET, f"rank {rank} embedded {max(seen)} tokens, budget {BUDGET}"
+        assert stats["largest_shard"] <= BUDGET, stats
+        assert max(stats["degrees"]) >= 3, stats
+    else:
+        assert max(seen) <= BUDGET and stats["largest_shard"] <= BUDGET, (seen, stats)
+        assert sorted(stats["degrees"]) == [1, 3], stats
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if not ddp:
+        for g in grads.values():
+            dist.all_reduce(g)
+    if rank == 0:
+        ref = tiny_model("eager")
+        flat = [e for mine in data for e in mine]
+        count = sum(sum(1 for x in e["labels"][1:] if x != -100) for e in flat)
+        assert inputs["num_items_in_batch"] == count, (inputs["num_items_in_batch"], count)
+        ref_total = torch.zeros(())
+        for e in flat:
+            out = ref(input_ids=torch.tensor([e["input_ids"]]), labels=torch.tensor([e["labels"]]),
+                      num_items_in_batch=count)  # fmt: skip
+            out.loss.backward()
+            ref_total += out.loss.detach()
+        rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
+        assert rel <= 1e-5, f"loss {float(total)} vs reference {float(ref_total)} (rel {rel:.2e})"
+        worst = 0.0
+        for n, p in ref.named_parameters():
+            diff = (grads[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-30)
+            worst = max(worst, float(diff))
+            assert diff <= 1e-5, f"gradient of {n}: relative error {float(diff):.2e}"
+        print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"], "loss_rel": rel,
+                          "grad_rel": worst, "before": stats["before"], "after": stats["after"]}))  # fmt: skip
+    handle.remove()
+    dist.barrier()
+
+
+def main() -> None:
+    global FAMILY, FORM, SCENARIO
+    from mmbalance.integrations.hf import register_attention
+
+    dist.init_process_group("gloo")
+    register_attention()
+    for spec in sys.argv[1:]:
+        FAMILY, FORM, SCENARIO = spec.split(":")
+        run_one()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,199 @@
+"""A plain training step of a tiny vision-language model with dynamic context parallelism on every
+rank (run by test_dynamic_cp_vlm.py through tests.dist_utils.launch, as torchrun would start it).
+
+Every rank draws its own examples, as a processor gives them (padded rows, ``pixel_values`` with
+``image_grid_thw``, ``pixel_values_videos`` with ``video_grid_thw``, ``mm_token_type_ids``):
+
+* rank 0: one 8-frame video whose tokens exceed twice the budget, and a short text;
+* rank 1: two images in one sequence (their tokens straddle shard boundaries);
+* ranks 2, 3: short text-only and one-image examples.
+
+The schedule is one group of 3 ranks and one of 1 (see ``SPECS``).
+
+``handle.shard`` post-balances them into CP groups; the loss and every parameter gradient, summed
+over ranks, must equal a one-process reference (each example alone through the stock eager model,
+token-loss sum over the global count); every image and frame is encoded exactly once in the world
+(the rows of the vision tower's calls); no rank's language model embeds more than the budget.
+
+argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl, balance plain | encoder
+(``apply_encoder_balance`` on the same model) | fault (one rank's batch is bad: refused on every
+rank). Rank 0 prints one JSON line per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+FAMILY = BALANCE = ""
+BUDGET = 64
+# per rank, its examples: hf_zoo specs (image sizes in patches, ("video", t, h, w)) or ("text", n).
+# The sizes force the schedule: the video (138 tokens) needs 3 ranks; the one-image examples of 34
+# and 26 tokens cannot both join it, so they fill the fourth rank, and the two-image example (45
+# tokens) has to join the video's group of 3, whose zigzag shards cut through its images.
+SPECS = [
+    [[("video", 8, 8, 8)], ("text", 3)],
+    [[(8, 8), (8, 8)]],
+    [[(8, 12)], ("text", 2)],
+    [[(8, 8)], ("text", 2)],
+]
+
+
+def tiny(attn: str):
+    from tests.integrations import hf_zoo
+
+    model = hf_zoo.build(FAMILY, seed=0)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def examples(model) -> list[list[dict]]:
+    """Per rank, its examples: each a one-row processor batch."""
+    from tests.integrations import hf_zoo
+
+    out, k = [], 0
+    for rank_specs in SPECS:
+        mine = []
+        for spec in rank_specs:
+            if spec and spec[0] == "text":
+                g = torch.Generator().manual_seed(100 + k)
+                ids = torch.randint(1, 90, (1, spec[1]), generator=g)
+                mine.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+                             "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int32)})  # fmt: skip
+            else:
+                mine.append(hf_zoo.batch(FAMILY, model, [spec], seed=100 + k))
+            k += 1
+        out.append(mine)
+    return out
+
+
+def run_one() -> None:
+    from mmbalance.integrations.hf import apply_dynamic_cp, apply_encoder_balance
+    from mmbalance.integrations.hf.models.common import core
+    from tests.integrations import hf_zoo
+
+    rank = dist.get_rank()
+    model = tiny("mmbalance_varlen")
+    enc_handle = apply_encoder_balance(model) if BALANCE == "encoder" else None
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
+    data = examples(model)
+    embedded, tower_rows = [], []
+    model.get_input_embeddings().register_forward_hook(lambda m, i, o: embedded.append(int(i[0].numel())))
+    core(model).visual.register_forward_pre_hook(
+        lambda m, a, kw: tower_rows.append(int((a[0] if a else kw["hidden_states"]).shape[0])),
+        with_kwargs=True,
+    )
+    inputs = handle.shard(hf_zoo.collate(data[rank], left=rank % 2 == 1))
+    loss = model(**inputs).loss
+    loss.backward()
+    stats = handle.stats
+    assert max(embedded) <= BUDGET, f"rank {rank} embedded {max(embedded)} tokens, budget {BUDGET}"
+    assert stats["largest_shard"] <= BUDGET, stats
+    assert sorted(stats["degrees"]) == [1, 3], stats
+    assert stats["split_items"]["image"] >= 1 and stats["split_items"]["video"] >= 1, stats
+    # every image and frame encoded once in the world: one tower call per rank, real rows or a stand-in
+    assert len(tower_rows) == 1, f"rank {rank}: {len(tower_rows)} vision tower calls"
+    merge = int(core(model).visual.spatial_merge_size)
+    if stats["encoded_rows"]:
+        assert tower_rows[0] == stats["encoded_rows"], (tower_rows, stats["encoded_rows"])
+    else:
+        assert tower_rows[0] == merge * merge, f"rank {rank}: stand-in of {tower_rows[0]} rows"
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    encoded = torch.tensor([stats["encoded_rows"]], dtype=torch.int64)
+    dist.all_reduce(encoded)
+    grads = {
+        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+    }
+    for g in grads.values():
+        dist.all_reduce(g)
+    if rank == 0:
+        flat = [b for mine in data for b in mine]
+        rows = sum(
+            int(b[k].shape[0]) for b in flat for k in ("pixel_values", "pixel_values_videos") if k in b
+        )
+        assert int(encoded) == rows, f"{int(encoded)} rows encoded in the world, the media have {rows}"
+        ref = tiny("eager")
+        count = sum(int((b["labels"][0, 1:] != -100).sum()) for b in flat)
+        assert inputs["num_items_in_batch"] == count, (inputs["num_items_in_batch"], count)
+        ref_total = torch.zeros(())
+        for b in flat:
+            out = ref(**b, num_items_in_batch=count)
+            out.loss.backward()
+            ref_total += out.loss.detach()
+        rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
+        assert rel <= 1e-5, f"loss {float(total)} vs reference {float(ref_total)} (rel {rel:.2e})"
+        # tensors whose gradient is zero up to rounding (key biases: softmax ignores them) are
+        # compared against a floor of 1e-5 of the largest gradient norm
+        norms = {n: float(p.grad.norm()) for n, p in ref.named_parameters() if p.grad is not None}
+        floor = 1e-5 * max(norms.values())
+        worst, where = 0.0, ""
+        for n, p in ref.named_parameters():
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            diff = float((grads[n] - want).norm()) / max(float(want.norm()), floor)
+            if diff > worst:
+                worst, where = diff, n
+        assert worst <= 1e-5, f"gradient of {where}: relative error {worst:.2e}"
+        print(json.dumps({"run": f"{FAMILY}:{BALANCE}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"],
+                          "loss_rel": rel, "grad_rel": worst, "split_items": stats["split_items"],
+                          "before": stats["before"], "after": stats["after"], "encoded_rows": int(encoded)}))  # fmt: skip
+    handle.remove()
+    if enc_handle is not None:
+        enc_handle.remove()
+    dist.barrier()
+
+
+def run_fault() -> None:
+    """One rank's batch is bad (its image grid does not match its placeholders): every rank raises
+    before anything moves, naming the rank and the batch key, and the next step works."""
+    from mmbalance.collectives import RankMismatchError
+    from mmbalance.integrations.hf import apply_dynamic_cp
+    from tests.integrations import hf_zoo
+
+    rank = dist.get_rank()
+    model = tiny("mmbalance_varlen")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
+    data = examples(model)
+    batch = hf_zoo.collate(data[rank])
+    bad = dict(batch)
+    if rank == 2:
+        bad["image_grid_thw"] = batch["image_grid_thw"].clone()
+        bad["image_grid_thw"][0, 2] = 4  # 8 x 12 patches -> 8 x 4: fewer rows than pixel_values has
+    try:
+        handle.shard(bad)
+    except (ValueError, RankMismatchError) as exc:
+        text = str(exc)
+        assert "rank 2" in text and "image_grid_thw" in text, text
+        assert isinstance(exc, ValueError) if rank == 2 else isinstance(exc, RankMismatchError), type(exc)
+    else:
+        raise AssertionError(f"rank {rank}: a bad batch on rank 2 was not refused")
+    inputs = handle.shard(batch)  # the group is still usable
+    model(**inputs).loss.backward()
+    if rank == 0:
+        print(json.dumps({"run": f"{FAMILY}:fault", "refused": True}))
+    handle.remove()
+    dist.barrier()
+
+
+def main() -> None:
+    global FAMILY, BALANCE
+    from mmbalance.integrations.hf import register_attention
+
+    dist.init_process_group("gloo")
+    register_attention()
+    for spec in sys.argv[1:]:
+        FAMILY, BALANCE = spec.split(":")
+        run_fault() if BALANCE == "fault" else run_one()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,204 @@
+"""Dynamic context parallelism in Hugging Face models (``apply_dynamic_cp``).
+
+The multi-rank runs (``cp_plain_loop.py``, 4 ranks as torchrun starts them) check loss and
+gradients against a one-process reference; the rest runs in one process: parsing the two batch
+forms, the plan's invariants, refusals by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.18")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from mmbalance.balancing import CostModel  # noqa: E402
+from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
+from mmbalance.integrations.hf.dynamic_cp import plan_layout, split_sequences  # noqa: E402
+from tests.dist_utils import REPO, launch  # noqa: E402
+
+SCRIPT = REPO / "tests" / "integrations" / "cp_plain_loop.py"
+
+
+@pytest.mark.distributed
+def test_plain_loop_matches_one_process_reference_on_4_ranks():
+    runs = ["llama:packed:long", "qwen2:padded:long", "llama:padded:mixed", "qwen2:packed:mixed"]
+    out = launch(SCRIPT, *runs, nproc=4, timeout=600)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["run"] for x in lines] == runs, out[-3000:]
+    for x in lines:
+        assert max(x["degrees"]) >= 3 and x["largest_shard"] <= 64
+        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5
+        assert x["after"] < x["before"]
+    assert all(sorted(x["degrees"]) == [1, 3] for x in lines if x["run"].endswith("mixed"))
+
+
+def _tiny(attn="mmbalance_varlen", **extra):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    register_attention()
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, **extra)  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM._from_config(cfg, attn_implementation=attn)
+
+
+def test_split_sequences_reads_packed_and_padded_batches_alike():
+    ids = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    packed = {
+        "input_ids": torch.tensor([sum(ids, [])]),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]),
+        "labels": torch.tensor([[-100, 6, 7, -100, 9, -100, 11, 12, 13]]),
+    }
+    pad = torch.zeros((3, 4), dtype=torch.int64)
+    mask = torch.zeros((3, 4), dtype=torch.int64)
+    lab = torch.full((3, 4), -100)
+    for i, s in enumerate(ids):
+        sl = slice(4 - len(s), 4) if i == 1 else slice(0, len(s))  # row 1 padded on the left
+        pad[i, sl], mask[i, sl], lab[i, sl] = torch.tensor(s), 1, torch.tensor(s)
+    a = split_sequences(packed)
+    b = split_sequences({"input_ids": pad, "attention_mask": mask, "labels": lab})
+    assert a.lengths.tolist() == b.lengths.tolist() == [3, 2, 4]
+    assert a.input_ids.tolist() == b.input_ids.tolist() == sum(ids, [])
+    # the next token's label, shifted inside each sequence; the last token of a sequence has none
+    assert a.shift_labels.tolist() == b.shift_labels.tolist() == [6, 7, -100, 9, -100, 11, 12, 13, -100]
+    assert a.labelled.tolist() == [2, 1, 3]
+
+
+@pytest.mark.parametrize(
+    ("batch", "words"),
+    [
+        ({"input_ids": torch.ones(1, 4, dtype=torch.int64), "position_ids": torch.tensor([[1, 2, 3, 4]])},
+         ["position_ids", "starts at position 1"]),
+        ({"input_ids": torch.ones(2, 4, dtype=torch.int64), "attention_mask": torch.tensor([[1, 0, 1, 1], [1] * 4])},
+         ["attention_mask", "row 0"]),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.int64), "pixel_values": torch.ones(2, 3)}, ["pixel_values"]),
+        ({"input_ids": torch.ones(1, 4), "labels": None}, ["input_ids", "integer"]),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.int64), "labels": torch.ones(1, 5, dtype=torch.int64)},
+         ["labels", "shape"]),
+        ({"attention_mask": torch.ones(1, 4)}, ["input_ids"]),
+    ],
+)  # fmt: skip
+def test_bad_batches_are_refused_by_name(batch, words):
+    with pytest.raises((ValueError, TypeError)) as info:
+        split_sequences(batch)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 300), min_size=0, max_size=12),
+    world=st.integers(1, 6),
+    budget=st.integers(40, 200),
+    seed=st.integers(0, 3),
+)
+def test_plan_places_every_token_once_within_the_budget(lengths, world, budget, seed):
+    lengths = np.asarray(lengths, dtype=np.int64)
+    src = np.sort(np.random.default_rng(seed).integers(0, world, size=lengths.size))
+    cost = CostModel.transformer(hidden_size=32, num_layers=2, kv_size=16)
+    if lengths.sum() > world * budget:
+        with pytest.raises(ValueError, match="max_tokens_per_rank"):
+            plan_layout(lengths, src, world, budget, cost)
+        return
+    try:
+        lay = plan_layout(lengths, src, world, budget, cost)
+    except ValueError as exc:  # rounding can leave no fitting schedule: said by name, never a bad plan
+        assert "max_tokens_per_rank" in str(exc)
+        return
+    assert int(lay.shard_tokens.max(initial=0)) <= budget
+    assert int(lay.piece_len.sum()) == int(lengths.sum())
+    assert np.bincount(lay.piece_dst, weights=lay.piece_len, minlength=world).astype(np.int64).tolist() == \
+        lay.shard_tokens.tolist()  # fmt: skip
+    placed = sorted(int(s) for g in lay.schedule for s in g.sequences)
+    assert placed == sorted(range(lengths.size)) if lengths.size else placed == []
+    # deterministic: every rank computes the same plan
+    again = plan_layout(lengths, src, world, budget, cost)
+    assert np.array_equal(again.piece_dst, lay.piece_dst) and np.array_equal(again.piece_len, lay.piece_len)
+
+
+def test_one_process_handle_matches_the_stock_model():
+    model, ref = _tiny(), _tiny("eager")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=64)
+    ids = torch.randint(1, 64, (1, 20))
+    batch = {
+        "input_ids": ids,
+        "position_ids": torch.tensor([list(range(12)) + list(range(8))]),
+        "labels": ids,
+    }
+    inputs = handle.shard(batch)
+    loss = model(**inputs).loss
+    n = inputs["num_items_in_batch"]
+    assert n == 18
+    want = sum(
+        ref(input_ids=ids[:, a:b], labels=ids[:, a:b], num_items_in_batch=n).loss
+        for a, b in ((0, 12), (12, 20))
+    )
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    assert handle.stats["degrees"] == [1]
+    handle.remove()
+    with pytest.raises(RuntimeError, match="removed"):
+        handle.shard(batch)
+    apply_dynamic_cp(model, max_tokens_per_rank=64).remove()  # applies again after remove
+
+
+def test_apply_refuses_bad_arguments_by_name():
+    with pytest.raises(ValueError, match="attn_implementation"):
+        apply_dynamic_cp(_tiny("sdpa"), max_tokens_per_rank=64)
+    model = _tiny()
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        apply_dynamic_cp(model, max_tokens_per_rank=0)
+    with pytest.raises(TypeError, match="max_tokens_per_rank"):
+        apply_dynamic_cp(model, max_tokens_per_rank=1.5)
+    with pytest.raises(ValueError, match="cost"):
+        apply_dynamic_cp(model, max_tokens_per_rank=64, cost="cubic")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=64)
+    with pytest.raises(ValueError, match="already"):
+        apply_dynamic_cp(model, max_tokens_per_rank=64)
+    with pytest.raises(ValueError, match="max_tokens_per_rank=64"):
+        handle.shard({"input_ids": torch.ones(1, 80, dtype=torch.int64)})
+    handle.remove()
+
+
+@pytest.mark.parametrize(
+    ("extra", "call", "feature"),
+    [
+        ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, {}, "sliding-window"),
+        ({}, {"attention_mask": torch.tensor([[1] * 10 + [0] * 2])}, "padding masks"),
+        ({}, {"cu_seq_lens_q": torch.tensor([0, 12], dtype=torch.int32)}, "cu_seq_lens"),
+    ],
+)
+def test_features_the_ring_cannot_run_are_refused_by_name(extra, call, feature):
+    model = _tiny(**extra)
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=64)
+    inputs = handle.shard({"input_ids": torch.randint(1, 64, (1, 12))})
+    with pytest.raises(NotImplementedError) as info:
+        model(**inputs, **call)
+    assert "mmbalance_varlen" in str(info.value) and feature in str(info.value), str(info.value)
+    handle.remove()
+
+
+def test_refusals_name_softcap_sinks_chunks_and_blocks():
+    from mmbalance.integrations.hf.attention_mask import VarlenMask
+    from mmbalance.integrations.hf.cp_attention import refusal
+
+    class Layer:
+        is_causal = True
+        config = None
+
+    for kwargs, word in (({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(4)}, "sinks")):
+        assert word in str(refusal(Layer(), None, kwargs))
+    chunked = type("C", (), {"is_causal": True, "config": type("Cfg", (), {"attention_chunk_size": 8})()})()
+    assert "chunked" in str(refusal(chunked, None, {}))
+    blocks = VarlenMask(batch_size=1, q_length=4, kv_length=4, causal=True)
+    blocks.blocks = torch.zeros(1, 4, dtype=torch.int64)
+    assert "block masks" in str(refusal(Layer(), blocks, {}))
+    assert "block masks" in str(refusal(Layer(), torch.ones(1, 1, 4, 4), {}))
+    cross = type("X", (), {"is_causal": False, "config": None})()
+    assert "cross-attention" in str(refusal(cross, None, {}))

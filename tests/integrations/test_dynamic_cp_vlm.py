@@ -1,0 +1,225 @@
+"""Dynamic context parallelism in vision-language models (``apply_dynamic_cp`` on Qwen-VL and LLaVA).
+
+The multi-rank runs (``cp_vlm_loop.py``, 4 ranks as torchrun starts them) check loss, gradients,
+the encoder calls and the budget against a one-process reference, with and without encoder
+balancing, and a bad batch on one rank. The rest runs in one process: every supported family
+against its stock forward (positions from ``get_rope_index`` included), refusals by name, and the
+placeholder counting the feature move is cut by.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.18")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from mmbalance.balancing import CostModel  # noqa: E402
+from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
+from mmbalance.integrations.hf.dynamic_cp_vlm import SUPPORTED, _Runs, _Step  # noqa: E402
+from mmbalance.integrations.hf.models.common import core  # noqa: E402
+from tests.dist_utils import REPO, launch  # noqa: E402
+from tests.integrations import hf_zoo  # noqa: E402
+
+SCRIPT = REPO / "tests" / "integrations" / "cp_vlm_loop.py"
+
+
+@pytest.mark.distributed
+def test_vlm_step_matches_one_process_reference_on_4_ranks():
+    runs = ["qwen2_vl:plain", "qwen2_vl:encoder", "qwen2_5_vl:plain", "qwen2_5_vl:encoder", "qwen2_vl:fault"]
+    out = launch(SCRIPT, *runs, nproc=4, timeout=900)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["run"] for x in lines] == runs, out[-3000:]
+    for x in lines[:4]:
+        assert sorted(x["degrees"]) == [1, 3] and x["largest_shard"] <= 64
+        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5
+        assert x["split_items"]["image"] >= 1 and x["split_items"]["video"] >= 1
+        assert x["after"] < x["before"]
+    assert lines[4]["refused"]
+
+
+def _model(name: str, attn: str = "mmbalance_varlen", seed: int = 0):
+    register_attention()
+    model = hf_zoo.build(name, seed=seed)
+    model.set_attn_implementation(attn)
+    return model
+
+
+SPECS = {
+    "qwen2_vl": [[(4, 4)], [], [("video", 2, 4, 4), (4, 8)]],
+    "qwen2_5_vl": [[("video", 2, 4, 8)], [(4, 4), (4, 4)], []],
+    "qwen3_vl": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
+    "qwen3_vl_moe": [[("video", 2, 4, 4)], [(4, 4)]],
+    "llava": [[1], [], [1, 1]],
+}
+
+
+def _grads(model) -> dict:
+    return {
+        n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()
+    }
+
+
+def _worst(got: dict, want: dict) -> tuple[float, str]:
+    """Largest relative difference over the tensors; gradients that are zero up to rounding (key
+    biases: softmax ignores them) are compared against 1e-5 of the largest gradient norm."""
+    floor = 1e-5 * max(float(g.norm()) for g in want.values())
+    worst = max(((float((got[n] - g).norm()) / max(float(g.norm()), floor), n) for n, g in want.items()))
+    return worst
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_one_process_shard_matches_the_stock_forward(name):
+    """Every example alone through the stock eager model is the reference (a padded batch is not:
+    the stock Qwen2-VL scores a left-padded text-only row differently from the same row alone)."""
+    model, ref = _model(name), _model(name, "eager")
+    rows = [hf_zoo.batch(name, model, [spec], seed=3 + i) for i, spec in enumerate(SPECS[name])]
+    if name == "qwen2_5_vl":
+        rows[0]["second_per_grid_ts"] = torch.tensor([0.5])
+    batch = hf_zoo.collate(rows, left=[i == 1 for i in range(len(rows))])
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
+    inputs = handle.shard(batch)
+    n = inputs["num_items_in_batch"]
+    assert n == sum(int((b["labels"][0, 1:] != -100).sum()) for b in rows)
+    loss = model(**inputs).loss
+    loss.backward()
+    want = sum(ref(**b, num_items_in_batch=n).loss for b in rows)
+    want.backward()
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    err, where = _worst(_grads(model), _grads(ref))
+    assert err <= 1e-5, f"gradient of {where}: {err:.2e}"
+    total = sum(int(b["input_ids"].shape[1]) for b in rows)
+    if name.startswith("qwen"):
+        # the positions are the model's own, computed on the whole sequence
+        want_pos = []
+        for b in rows:
+            kw = {"second_per_grid_ts": b["second_per_grid_ts"]} if "second_per_grid_ts" in b else {}
+            pos, _ = core(ref).get_rope_index(
+                b["input_ids"], mm_token_type_ids=b["mm_token_type_ids"], image_grid_thw=b.get("image_grid_thw"),
+                video_grid_thw=b.get("video_grid_thw"), attention_mask=None, **kw,
+            )  # fmt: skip
+            want_pos.append(pos[:, 0])
+        assert inputs["position_ids"].shape == (4, 1, total)
+        assert torch.equal(inputs["position_ids"][1:, 0], torch.cat(want_pos, dim=1))
+        text = torch.cat([torch.arange(int(b["input_ids"].shape[1])) for b in rows])
+        assert torch.equal(inputs["position_ids"][0, 0], text)
+    else:
+        assert inputs["position_ids"].shape == (1, total)
+    assert handle.stats["encoded_rows"] == sum(
+        int(batch[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in batch
+    )
+    handle.remove()
+
+
+def test_the_budget_counts_vision_tokens():
+    model = _model("qwen2_vl")
+    batch = hf_zoo.batch("qwen2_vl", model, [[(8, 8), (8, 8)]])  # 45 tokens, 32 of them vision
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=40)
+    with pytest.raises(ValueError, match="max_tokens_per_rank=40"):
+        handle.shard(batch)
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", ["llava_next", "internvl", "idefics3", "qwen2_audio", "qwen2_5_omni"])
+def test_other_multimodal_models_are_refused_by_name(name):
+    register_attention()
+    model = hf_zoo.build(name)
+    with pytest.raises(ValueError) as info:
+        apply_dynamic_cp(model, max_tokens_per_rank=64)
+    text = str(info.value)
+    assert type(model).__name__ in text and all(c in text for c in SUPPORTED), text
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda b: b.update(image_grid_thw=torch.tensor([[1, 4, 8]])), ["image_grid_thw"]),
+        (lambda b: (b.pop("pixel_values"), b.pop("image_grid_thw")), ["image placeholder", "pixel_values"]),
+        (lambda b: b.update(position_ids=torch.zeros(3, 1, b["input_ids"].shape[1], dtype=torch.long)),
+         ["position_ids", "M-RoPE"]),
+        (lambda b: b.update(cache_position=torch.arange(3)), ["cache_position", "Qwen2-VL"]),
+    ],
+)  # fmt: skip
+def test_bad_vlm_batches_are_refused_by_name(change, words):
+    model = _model("qwen2_vl")
+    batch = hf_zoo.batch("qwen2_vl", model, [[(4, 4)], []])
+    change(batch)
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
+    with pytest.raises((ValueError, TypeError)) as info:
+        handle.shard(batch)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    handle.remove()
+
+
+def test_llava_variable_resolution_images_are_refused():
+    model = _model("llava")
+    batch = hf_zoo.batch("llava", model, [[1]])
+    batch["image_sizes"] = torch.tensor([[16, 16]])
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
+    with pytest.raises(ValueError, match="image_sizes"):
+        handle.shard(batch)
+    handle.remove()
+
+
+def test_a_callable_cost_needs_encoder_cost_none_for_a_vlm():
+    model = _model("qwen2_vl")
+
+    def cost(lengths, degree):
+        return lengths / degree
+
+    with pytest.raises(ValueError, match="encoder_cost=None"):
+        apply_dynamic_cp(model, max_tokens_per_rank=256, cost=cost)
+    with pytest.raises(ValueError, match="encoder_cost"):
+        apply_dynamic_cp(model, max_tokens_per_rank=256, encoder_cost="flops")
+    apply_dynamic_cp(model, max_tokens_per_rank=256, cost=cost, encoder_cost=None).remove()
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=256, cost=CostModel(linear=1.0),
+                              encoder_cost=lambda enc, meta, rows: rows * 1e-3)  # fmt: skip
+    batch = hf_zoo.batch("qwen2_vl", model, [[(4, 4)], []])
+    model(**handle.shard(batch)).loss.backward()
+    handle.remove()
+
+
+@settings(max_examples=80, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6)), min_size=0, max_size=8), data=st.data())
+def test_placeholder_counts_before_any_offset(runs, data):
+    kind = np.concatenate([np.full(n, k) for k, n in runs]) if runs else np.zeros(0, dtype=np.int64)
+    step = _Step(
+        lengths=np.array([kind.size]), labelled=np.zeros(1), seq_src=np.zeros(1, dtype=np.int64),
+        run_seq=np.zeros(len(runs), dtype=np.int64), run_kind=np.array([k for k, _ in runs], dtype=np.int64),
+        run_len=np.array([n for _, n in runs], dtype=np.int64), src=[], seq=[], stream=[], rows=[], out_rows=[],
+        meta=[],
+    )  # fmt: skip
+    x = np.array(data.draw(st.lists(st.integers(0, kind.size), min_size=1, max_size=6)), dtype=np.int64)
+    counted = _Runs(step, 1)
+    for k in (1, 2):
+        want = np.array([int((kind[:v] == k).sum()) for v in x])
+        assert counted.before(0, k, x).tolist() == want.tolist()
+
+
+def test_balance_trainer_refuses_an_unsupported_vlm_by_name(tmp_path):
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from mmbalance.integrations.hf import balance_trainer
+
+    register_attention()
+    model = hf_zoo.build("llava_next")
+    model.set_attn_implementation("mmbalance_varlen")
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=1
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": torch.ones(4, dtype=torch.long)}] * 4
+    )
+    with pytest.raises(ValueError) as info:
+        balance_trainer(trainer, context_parallel=True, max_tokens_per_rank=64)
+    assert "LlavaNextForConditionalGeneration" in str(
+        info.value
+    ) and "Qwen2VLForConditionalGeneration" in str(info.value)

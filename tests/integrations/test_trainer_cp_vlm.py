@@ -1,0 +1,59 @@
+"""``balance_trainer(..., context_parallel=True)`` on a vision-language model (``trainer_cp_vlm.py``,
+4 ranks launched as torchrun would): a tiny Qwen2-VL whose 8-frame video exceeds twice the budget.
+
+The CP run's final weights equal the run without CP (the same examples in every micro-batch slot),
+no rank embeds more than the budget, every example is trained once, and every image and frame is
+encoded exactly once in the world (the vision tower's rows; the only extra is a 4-row stand-in
+where a rank has nothing of its group's media to encode).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("accelerate")
+
+from tests.dist_utils import launch  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("trainer_cp_vlm.py")
+_spec = importlib.util.spec_from_file_location("trainer_cp_vlm", SCRIPT)
+S = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(S)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _rel(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)) for k in b)
+
+
+def test_trainer_with_context_parallel_on_a_vlm_trains_like_without_it():
+    with tempfile.TemporaryDirectory() as tmp:
+        launch(SCRIPT, nproc=4, timeout=900, env={"MMB_TMP": tmp})  # every rank must exit with code 0
+        logs = {(n, r): json.loads((Path(tmp) / f"{n}-rank{r}.json").read_text())
+                for n in ("plain", "cp") for r in range(4)}  # fmt: skip
+        w = {n: torch.load(Path(tmp) / f"{n}.pt") for n in ("plain", "cp")}
+    assert _rel(w["cp"], w["plain"]) <= 1e-5
+    assert max(logs["cp", r]["max_tokens"] for r in range(4)) <= S.BUDGET
+    assert max(logs["plain", r]["max_tokens"] for r in range(4)) > 2 * S.BUDGET  # the video is split
+    slots = len(logs["cp", 0]["batches"])
+    plain = [set().union(*(set(logs["plain", r]["batches"][k]) for r in range(4))) for k in range(slots)]
+    cp = [set().union(*(set(logs["cp", r]["batches"][k]) for r in range(4))) for k in range(slots)]
+    assert cp == plain, "each micro-batch slot trains the same examples as without CP"
+    assert Counter(i for s in cp for i in s) == Counter(range(S.N)), "every example once"
+    # the video (example 0) is loaded by every member of its group: 3 ranks or more
+    assert sum(1 for r in range(4) if any(0 in b for b in logs["cp", r]["batches"])) >= 3
+    media = logs["cp", 0]["media_rows"]
+    real = sum(x for r in range(4) for x in logs["cp", r]["tower_rows"] if x != 4)
+    stand_ins = sum(1 for r in range(4) for x in logs["cp", r]["tower_rows"] if x == 4)
+    assert real == sum(media), (real, sum(media))
+    assert all(len(logs["cp", r]["tower_rows"]) == slots for r in range(4))  # one tower call per forward
+    assert stand_ins < 4 * slots

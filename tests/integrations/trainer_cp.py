@@ -1,0 +1,231 @@
+"""Launched by test_trainer_cp.py on 4 CPU ranks (the environment torchrun gives its workers):
+transformers' Trainer on a tiny Llama with ``balance_trainer``, first without context parallelism,
+then with ``context_parallel=True`` and a budget that splits the long examples, then resumed from
+the CP run's checkpoint after 3 optimizer steps. Every rank logs what its loader fetched and the
+largest number of tokens its embedding saw in one forward to ``$MMB_TMP``; rank 0 saves the final
+weights of every run there.
+
+``MMB_MODE=stream`` instead streams an ``IterableDataset`` (post-balanced by all-to-all), with and
+without context parallelism, logging every drawn example per micro-batch for a replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+N, VOCAB, BATCH, ACCUM, EPOCHS, LR, BUDGET = 37, 64, 2, 2, 2, 0.5, 52
+
+
+def lengths() -> list[int]:
+    """Skewed lengths: mostly short, a few long (the two longest, 53 and 56, exceed the budget)."""
+    g = torch.Generator().manual_seed(7)
+    return [int(x) for x in (3 + (torch.rand(N, generator=g) ** 4) * 60).long()]
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mmbalance.integrations.hf import register_attention
+
+    register_attention()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return LlamaForCausalLM._from_config(cfg, attn_implementation="mmbalance_varlen")
+
+
+def example(i: int, length: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + i)
+    ids = torch.randint(3, VOCAB, (length,), generator=g)
+    labels = ids.clone()
+    labels[: min(2, length)] = -100  # a prompt
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(length, dtype=torch.long),
+        "labels": labels,
+        "idx": i,
+    }
+
+
+def collate(rows: list[dict]) -> dict:
+    """Pads every micro-batch to its longest example."""
+    width = max(r["input_ids"].shape[0] for r in rows)
+    out = {}
+    for key, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
+        t = torch.full((len(rows), width), fill, dtype=torch.long)
+        for j, r in enumerate(rows):
+            t[j, : r[key].shape[0]] = r[key]
+        out[key] = t
+    return out
+
+
+class Logged(torch.utils.data.Dataset):
+    def __init__(self):
+        self.rows = [example(i, n) for i, n in enumerate(lengths())]
+        self.log: list[list[int]] = []
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __getitems__(self, idx):
+        self.log.append([int(i) for i in idx])
+        return [self.rows[i] for i in idx]
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """The examples as a stream (every rank sees the same stream); draws are logged per rank."""
+
+    def __init__(self):
+        self.rows = [example(i, n) for i, n in enumerate(lengths())]
+        self.drawn: list = []  # [optimizer steps done when drawn, example ids] per micro-batch
+        self.trainer = None
+
+    def __iter__(self):
+        yield from self.rows
+
+
+def logging_collate(stream: Stream):
+    def fn(rows):
+        trainer = getattr(stream, "trainer", None)
+        step = trainer.state.global_step if trainer is not None else -1
+        stream.drawn.append([step, [int(r["idx"]) for r in rows]])
+        return collate(rows)
+
+    return fn
+
+
+def args_for(tmp: str, **extra):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
+        learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        logging_steps=1, report_to=[], seed=0, use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
+        **extra,
+    )  # fmt: skip
+
+
+def watch(model) -> list[int]:
+    seen: list[int] = []
+    model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
+    return seen
+
+
+def train(name: str, cp: bool, resume: str | None = None):
+    from transformers import Trainer
+
+    from mmbalance.integrations.hf import balance_trainer
+
+    tmp = os.environ["MMB_TMP"]
+    args = args_for(
+        tmp, num_train_epochs=EPOCHS, save_strategy="steps" if cp and not resume else "no", save_steps=3
+    )
+    model = build_model()
+    seen = watch(model)
+    data = Logged()
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+    kw = {"context_parallel": True, "max_tokens_per_rank": BUDGET} if cp else {}
+    balance_trainer(trainer, **kw)
+    trainer.train(resume_from_checkpoint=resume)
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
+        json.dump({"batches": data.log, "max_tokens": max(seen), "forwards": len(seen)}, f)
+    if rank == 0:
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")
+        )
+
+
+def stream(name: str, cp: bool):
+    from transformers import Trainer
+
+    from mmbalance.integrations.hf import balance_trainer
+
+    tmp = os.environ["MMB_TMP"]
+    model = build_model()
+    seen = watch(model)
+    data = Stream()
+    trainer = Trainer(model=model, args=args_for(tmp, max_steps=3), train_dataset=data,
+                      data_collator=logging_collate(data))  # fmt: skip
+    data.trainer = trainer
+    kw = {"context_parallel": True, "max_tokens_per_rank": stream_budget()} if cp else {}
+    balance_trainer(trainer, **kw)
+    trainer.train()
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
+        json.dump({"drawn": data.drawn, "max_tokens": max(seen)}, f)
+    if rank == 0:
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")
+        )
+
+
+def stream_budget() -> int:
+    """Tokens per rank for the streamed runs: the longest examples (53, 56) are split either way."""
+    return 48 if int(os.environ["WORLD_SIZE"]) >= 4 else 50
+
+
+def loop(name: str):
+    """A plain loop over this rank's slice of the stream: ``handle.batches`` post-balances every
+    micro-batch; gradients summed over ranks, one SGD step per micro-batch."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from mmbalance.integrations.hf import apply_dynamic_cp
+    from mmbalance.integrations.hf.cp_trainer import RankSlice
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tmp = os.environ["MMB_TMP"]
+    model = build_model()
+    seen = watch(model)
+    data = Stream()
+    loader = DataLoader(RankSlice(data, rank, world), batch_size=BATCH, collate_fn=logging_collate(data))
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=stream_budget())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    degrees = []
+    for kw in handle.batches(loader):
+        opt.zero_grad()
+        model(**kw).loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        degrees.append(handle.stats["degrees"])
+    data.drawn = [[i, d[1]] for i, d in enumerate(data.drawn)]
+    with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
+        json.dump({"drawn": data.drawn, "max_tokens": max(seen), "degrees": degrees}, f)
+    if rank == 0:
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")
+        )
+    handle.remove()
+
+
+def main() -> None:
+    if os.environ.get("MMB_MODE") == "stream":
+        stream("stream", cp=False)
+        stream("stream-cp", cp=True)
+        loop("loop")
+    else:
+        train("plain", cp=False)
+        train("cp", cp=True)
+        train("resumed", cp=True, resume=os.path.join(os.environ["MMB_TMP"], "out", "checkpoint-3"))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Launched by test_trainer_cp_vlm.py on 4 CPU ranks (the environment torchrun gives its workers):
+transformers' Trainer on a tiny Qwen2-VL with ``balance_trainer``, first without context
+parallelism, then with ``context_parallel=True`` and a budget that splits the long video over 3
+ranks. Every rank logs what its loader fetched, the largest number of tokens its embedding saw in
+one forward and the rows of every vision tower call to ``$MMB_TMP``; rank 0 saves the final
+weights of both runs there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+BATCH, ACCUM, LR, BUDGET = 1, 2, 0.5, 64
+# one example each: a video of 8 frames (135 tokens > 2 * BUDGET), images (also two in one
+# sequence), text only; 16 examples = 2 optimizer steps of 4 ranks x 2 micro-batches
+SPECS = (
+    [[("video", 8, 8, 8)], [(8, 8), (8, 8)], [(4, 4)], [], [(4, 8)], [(8, 8)], [], [(4, 4), (4, 8)]]
+    + [[(8, 4)], [], [(4, 4)], [(8, 8)], [], [(4, 8)], [], [(4, 4)]]
+)  # fmt: skip
+N = len(SPECS)
+
+
+def build_model():
+    from mmbalance.integrations.hf import register_attention
+    from tests.integrations import hf_zoo
+
+    register_attention()
+    model = hf_zoo.build("qwen2_vl", seed=0)
+    model.set_attn_implementation("mmbalance_varlen")
+    return model
+
+
+def example(i: int, model) -> dict:
+    from tests.integrations import hf_zoo
+
+    b = hf_zoo.batch("qwen2_vl", model, [SPECS[i]], seed=500 + i)
+    out = {
+        k: v[0] for k, v in b.items() if k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")
+    }
+    for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        if k in b:
+            out[k] = b[k]
+    out["idx"] = i
+    return out
+
+
+def media_rows(i: int, model) -> int:
+    e = example(i, model)
+    return sum(int(e[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in e)
+
+
+def collate(rows: list[dict]) -> dict:
+    """A processor batch: rows padded on the right, the media of every row in order."""
+    from tests.integrations import hf_zoo
+
+    one = [{k: (v[None] if k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids") else v)
+            for k, v in r.items() if k != "idx"} for r in rows]  # fmt: skip
+    return hf_zoo.collate(one)
+
+
+class Logged(torch.utils.data.Dataset):
+    def __init__(self, model):
+        self.rows = [example(i, model) for i in range(N)]
+        self.log: list[list[int]] = []
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __getitems__(self, idx):
+        self.log.append([int(i) for i in idx])
+        return [self.rows[i] for i in idx]
+
+
+def train(name: str, cp: bool):
+    from transformers import Trainer, TrainingArguments
+
+    from mmbalance.integrations.hf import balance_trainer
+    from mmbalance.integrations.hf.models.common import core
+
+    tmp = os.environ["MMB_TMP"]
+    args = TrainingArguments(
+        output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
+        learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        logging_steps=1, report_to=[], seed=0, use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
+        num_train_epochs=1, save_strategy="no",
+    )  # fmt: skip
+    model = build_model()
+    seen: list[int] = []
+    tower: list[int] = []
+    model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
+    core(model).visual.register_forward_pre_hook(lambda m, a: tower.append(int(a[0].shape[0])))
+    data = Logged(model)
+    lengths = [int(r["input_ids"].shape[0]) for r in data.rows]
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+    kw = {"context_parallel": True, "max_tokens_per_rank": BUDGET} if cp else {}
+    balance_trainer(trainer, lengths, **kw)
+    trainer.train()
+    rank = int(os.environ["RANK"])
+    degrees = trainer.cp_sampler.stats.get("degrees") if cp else None
+    with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
+        json.dump({"batches": data.log, "max_tokens": max(seen), "tower_rows": tower, "degrees": degrees,
+                   "media_rows": [media_rows(i, model) for i in range(N)]}, f)  # fmt: skip
+    if rank == 0:
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")
+        )
+
+
+def main() -> None:
+    train("plain", cp=False)
+    train("cp", cp=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
