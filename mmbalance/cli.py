@@ -91,6 +91,8 @@ def _bench(args: argparse.Namespace) -> int:
         return usage_error(
             "mmbalance bench", f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}"
         )
+    if args.real and args.only and "cp" not in args.only:
+        return usage_error("mmbalance bench", "--real adds the real steps of the cp benchmark: name cp too")
     if args.json:
         json_path = os.path.abspath(args.json)
         if os.path.isdir(json_path):
@@ -112,7 +114,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"\n#### bench.{name}", flush=True)
         try:
             mod = importlib.import_module(f"mmbalance.bench.{name}")
-            mod.main(extra + ["--json", json_path])
+            mod.main(extra + (["--real"] if args.real and name == "cp" else []) + ["--json", json_path])
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - one failing benchmark does not stop the rest
             if isinstance(exc, SystemExit) and not exc.code:
                 continue
@@ -218,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         "--json",
         metavar="FILE",
         help="append JSON rows to FILE (default: a new file mmbalance-bench-<time>.jsonl here)",
+    )
+    b.add_argument(
+        "--real", action="store_true", help="cp: also real steps of a tiny Llama on 4 gloo ranks (torchrun)"
     )
     b.set_defaults(func=_bench)
     args = p.parse_args(argv)

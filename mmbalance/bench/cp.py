@@ -47,6 +47,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -439,6 +440,13 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", metavar="FILE", help="also write the summary table as Markdown to FILE")
     p.add_argument("--plot", metavar="FILE", help="also write a PNG of step times relative to ours")
     p.add_argument("--strict", action="store_true", help="exit 1 when an acceptance check fails")
+    real = p.add_mutually_exclusive_group()
+    real.add_argument(
+        "--real", action="store_true", help="then real steps of a tiny Llama on 4 gloo ranks (torchrun)"
+    )
+    real.add_argument("--real-only", action="store_true", help="only the real steps")
+    p.add_argument("--real-steps", type=int, default=8, help="measured steps per scheme of the real part")
+    p.add_argument("--real-budget", type=int, default=512, help="tokens per rank in the real part")
     args = p.parse_args(argv)
     from mmbalance.cli import check_output, require_matplotlib
 
@@ -469,29 +477,57 @@ def main(argv=None) -> int:
     except (OSError, ValueError, TypeError) as exc:
         print(f"bench.cp: --cost {args.cost}: {exc}", file=sys.stderr)
         return 2
-    reps = 1 if args.quick else 5 if args.full else 3
-    print(f"cost model: {cost}", flush=True)
-    results = []
-    for ds in datasets:
-        for world in ranks:
-            for mem in budgets:
-                res = run_config(ds, world, mem, steps, cost, fill=args.fill, seed=args.seed, plan_reps=reps)
-                results.append(res)
-                report(
-                    rows_of(res), args.json, f"cp: {ds}, {world} ranks, {mem} tokens per rank, {steps} steps"
-                )
-    table = summary_table(results)
-    print("\n== summary: mean modelled step time (ms) per scheme; * the best static degree ==\n" + table)
-    checks = acceptance(results)
-    print("\n== acceptance ==")
-    for what, ok, figures in checks:
-        print(f"{'pass' if ok else 'FAIL'}  {what}: {figures}")
+    if args.real_steps < 1 or args.real_budget < 1:
+        print("bench.cp: --real-steps and --real-budget must be >= 1", file=sys.stderr)
+        return 2
+    if args.real or args.real_only:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print('bench.cp: --real needs transformers (pip install "mmbalance[hf]")', file=sys.stderr)
+            return 2
+    checks: list[tuple[str, bool, str]] = []
+    tables = []
+    if not args.real_only:
+        reps = 1 if args.quick else 5 if args.full else 3
+        print(f"cost model: {cost}", flush=True)
+        results = []
+        for ds in datasets:
+            for world in ranks:
+                for mem in budgets:
+                    res = run_config(
+                        ds, world, mem, steps, cost, fill=args.fill, seed=args.seed, plan_reps=reps
+                    )
+                    results.append(res)
+                    title = f"cp: {ds}, {world} ranks, {mem} tokens per rank, {steps} steps"
+                    report(rows_of(res), args.json, title)
+        tables.append(summary_table(results))
+        print(
+            "\n== summary: mean modelled step time (ms) per scheme; * the best static degree ==\n"
+            + tables[-1]
+        )
+        checks = acceptance(results)
+        print("\n== acceptance ==")
+        for what, ok, figures in checks:
+            print(f"{'pass' if ok else 'FAIL'}  {what}: {figures}")
+        if args.plot:
+            plot(results, args.plot)
+            print(f"plot written to {args.plot}")
+    if args.real or args.real_only:
+        from . import cp_real
+
+        print(f"\nreal steps: torchrun, {cp_real.WORLD} gloo ranks, tiny Llama ...", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            res_real = cp_real.launch(
+                os.path.join(tmp, "real.json"), steps=args.real_steps, budget=args.real_budget
+            )
+        rows = cp_real.rows_of(res_real)
+        report(rows, args.json, f"cp, real steps on {cp_real.WORLD} gloo ranks (median of {args.real_steps})")
+        tables.append(cp_real.summary_table(rows))
+        print("\n== summary: real steps ==\n" + tables[-1])
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(table + "\n")
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot written to {args.plot}")
+            f.write("\n\n".join(tables) + "\n")
     return 1 if args.strict and not all(ok for _, ok, _ in checks) else 0
 
 

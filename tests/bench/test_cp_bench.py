@@ -280,3 +280,41 @@ def test_cost_file_fits_measurements(tmp_path):
     assert fitted.fit_report is not None and fitted.fit_report.mean_error < 0.01
     path.write_text(json.dumps({"linear": 1.0, "attention": 1e-4}))
     assert cp.load_cost(str(path)) == CostModel(linear=1.0, attention=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_real_steps_on_four_gloo_ranks_through_torchrun(tmp_path):
+    pytest.importorskip("transformers")
+    from mmbalance.bench import cp_real
+
+    # seed 11: the second measured step holds a sequence of 1108 tokens, more than 2 x 512
+    res = cp_real.launch(str(tmp_path / "real.json"), steps=2, extra=["--warmup", "1", "--seed", "11"])
+    rows = {r.provider: r for r in cp_real.rows_of(res)}
+    assert list(rows) == list(cp_real.SCHEMES)
+    for c in (1, 2):
+        m = rows[f"static_cp{c}"].metrics
+        assert not m["feasible"] and "1108" in m["infeasible"] and math.isnan(rows[f"static_cp{c}"].time_ms)
+    for name in ("mmbalance", "static_cp4"):
+        r = rows[name]
+        m = r.metrics
+        assert m["feasible"] and r.time_ms > 0 and 0 < m["shard_ms"] <= m["step_ms_max"]
+        assert m["alltoall_bytes"] == m["alltoall_tokens"] * cp_real.PAYLOAD_BYTES
+        assert 0 < m["largest_shard"] <= 512
+        assert m["loss_rel_to_ours"] <= 1e-5  # the same global loss on the same weights
+    assert set(rows["static_cp4"].metrics["degrees"].split(",")) == {"4x2"}
+    assert max(int(d.split("x")[0]) for d in rows["mmbalance"].metrics["degrees"].split(",")) >= 3
+    assert "| mmbalance |" in cp_real.summary_table(list(rows.values()))
+
+
+def test_static_degree_cost_only_meets_its_degree():
+    from mmbalance.bench import cp_real
+
+    cost = cp_real.StaticDegree(2, COST)
+    lengths = np.array([100, 3000, 12000])
+    assert np.allclose(cost(lengths, 2), [COST.time([x], 2) for x in lengths.tolist()], rtol=1e-12)
+    assert (cost(lengths, 1) > 1e5 * cost(lengths, 2)).all() and (
+        cost(lengths, 3) > 1e5 * cost(lengths, 2)
+    ).all()
+    steps = cp_real.real_steps("long_tail_1%", 4, 512, 3, 0.75, 0, 32)
+    assert all(len(s) == 4 and sum(int(p.sum()) for p in s) <= 0.75 * 4 * 512 for s in steps)

@@ -236,3 +236,12 @@ def test_star_import_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_bench_real_goes_to_the_cp_benchmark_only(monkeypatch, tmp_path, capsys):
+    calls = fake_benchmarks(monkeypatch)
+    assert cli.main(["bench", "cp", "sampler", "--real", "--quick", "--json", str(tmp_path / "x.jsonl")]) == 0
+    argv = dict(calls)
+    assert argv["mmbalance.bench.cp"][:2] == ["--quick", "--real"]
+    assert "--real" not in argv["mmbalance.bench.sampler"]
+    assert_usage_error(cli.main(["bench", "sampler", "--real"]), capsys, "--real", "cp")
