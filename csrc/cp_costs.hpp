@@ -17,7 +17,7 @@ namespace mmb {
 namespace dhp_detail {
 
 inline constexpr double kInf = std::numeric_limits<double>::infinity();
-inline constexpr Index kScanGroups = 64;                    // greedy scans all groups up to this many
+inline constexpr Index kScanGroups = 16;                    // greedy scans all groups up to this many
 inline constexpr int64_t kStaticBudget = int64_t{1} << 20;  // sequences x greedy static degrees
 inline constexpr int64_t kStaticExhaustive = int64_t{1} << 16;  // sweeps this small try every degree
 inline constexpr int64_t kStaticSolves = int64_t{1} << 26;  // work of their optimal-degree solves

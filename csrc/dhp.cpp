@@ -94,6 +94,7 @@ bool greedy_assign(const M& m, const std::vector<Index>& order, const std::vecto
     std::vector<size_t> next(distinct.size(), 0);
     // non-empty groups by degree and regime, each set with its own bound
     std::vector<std::set<Key>> busy(2 * distinct.size());
+    std::vector<std::set<Key>::iterator> where(g);  // each non-empty group's place in its set
     auto key = [&](Index k) { return Key{acc[k].t, acc[k].s1, acc[k].s2, acc[k].tokens, degree[k], k}; };
     auto same = [](const Key& a, const Key& b) {
       return a.t == b.t && a.s1 == b.s1 && a.s2 == b.s2 && a.tokens == b.tokens && a.d == b.d;
@@ -114,6 +115,8 @@ bool greedy_assign(const M& m, const std::vector<Index>& order, const std::vecto
         const auto& set = busy[j];
         const Index d = distinct[j / 2];
         if (set.empty() || l > d * mem) continue;
+        // the set's fastest group is already too slow: beyond(t, inc, best_t) for every inc >= 0
+        if (set.begin()->t * (1.0 - 1e-12) > best_t) continue;
         const double inc = m.least_increase(i, static_cast<int>(j % 2), d);
         for (auto it = set.begin(); it != set.end();) {
           if (M::beyond(it->t, inc, best_t)) break;
@@ -129,13 +132,21 @@ bool greedy_assign(const M& m, const std::vector<Index>& order, const std::vecto
       }
       if (best < 0) return false;
       const size_t j = 2 * static_cast<size_t>(slot(degree[best]));
+      // the group's node moves to its new place: no search to take it out, no allocation
+      std::set<Key>::node_type node;
       if (acc[best].count == 0) {
         ++next[j / 2];
       } else {
-        busy[j + m.regime(acc[best], degree[best])].erase(key(best));
+        node = busy[j + m.regime(acc[best], degree[best])].extract(where[best]);
       }
       m.add(acc[best], i, degree[best]);
-      busy[j + m.regime(acc[best], degree[best])].insert(key(best));
+      auto& into = busy[j + m.regime(acc[best], degree[best])];
+      if (node) {
+        node.value() = key(best);
+        where[best] = into.insert(std::move(node)).position;
+      } else {
+        where[best] = into.insert(key(best)).first;
+      }
       group_of[i] = best;
     }
   }
