@@ -382,7 +382,8 @@ def summary_table(results: list[ConfigResult]) -> str:
     head = " | ".join(f"static {c}" for c in STATIC_DEGREES)
     lines = [
         f"| data | ranks | tokens/rank | seqs/step | {head} | pow2 hybrid (Megatron's l^2 estimate / the cost "
-        "model) | ours | ours vs best static | ours vs hybrid | plan ms (median / max) | largest shard, ours / budget |",
+        "model) | ours | ours vs best static | ours vs hybrid | plan ms (median / max) | plan CPU ms (median / max) "
+        "| largest shard, ours / budget |",
         "|---|---|---|---|" + "---|" * len(STATIC_DEGREES) + "---|---|---|---|---|---|---|",
     ]
     for r in results:

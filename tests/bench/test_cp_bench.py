@@ -318,3 +318,9 @@ def test_static_degree_cost_only_meets_its_degree():
     ).all()
     steps = cp_real.real_steps("long_tail_1%", 4, 512, 3, 0.75, 0, 32)
     assert all(len(s) == 4 and sum(int(p.sum()) for p in s) <= 0.75 * 4 * 512 for s in steps)
+
+
+def test_summary_table_columns_line_up():
+    res = cp.run_config("long_tail_1%", 8, 8192, 1, COST, plan_reps=1)
+    lines = cp.summary_table([res]).splitlines()
+    assert len({line.count("|") for line in lines}) == 1, lines
