@@ -32,8 +32,8 @@ from mmbalance.balancing.validate import as_lengths
 from mmbalance.pyops import cu_seqlens_from_lengths, segment_gather
 from mmbalance.pyops.checks import value_checks_enabled
 
-from .agreement import Entry, comm_device
-from .group import world_of
+from .agreement import Entry
+from .group import comm_device, world_of
 from .inflight import run
 
 __all__ = ["gather_lengths", "gather_table", "rebalance", "Route", "route_of", "verify_plan"]
