@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mmbalance.cli import HelpFormatter, check_output, require_matplotlib, usage_error
+from .harness import HelpFormatter, check_output, cpu_cores, require_matplotlib, spawn, usage_error
 
 ORDERS = [("vision", "audio", "text"), ("text", "vision", "audio")]
 HIDDEN, HEADS, ENC_HIDDEN = 64, 4, 32
@@ -226,8 +226,6 @@ def _on_gpus(args) -> bool:
 
 def run(args) -> dict:
     """Run the demo on ``args.ranks`` spawned processes; return the report (also as JSON)."""
-    from .harness import spawn
-
     msg = check_args(args)
     if msg:
         raise ValueError(msg)
@@ -239,8 +237,6 @@ def run(args) -> dict:
 
 
 def _report(result: dict, args) -> dict:
-    from .harness import cpu_cores
-
     balanced = "balanced" in result
     main = result.get("balanced") or result["unbalanced"]
     phases = {}
