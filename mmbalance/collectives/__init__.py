@@ -7,14 +7,14 @@
   :class:`ColumnParallelLinear`, :class:`RowParallelLinear`;
 * :class:`RankMismatchError`, what every entry point raises on every rank when ranks disagree.
 
-Everything else stays importable from its module (``collectives.alltoall.route_of``,
+Everything else stays importable from its module (``collectives.alltoall.verify_plan``,
 ``collectives.overlap_plan.ShardLayout``, ``collectives.broadcast.broadcast_from_leader``, ...).
 """
 
 from .agreement import RankMismatchError
 
 # Names that were exported here before; importable as they were, no longer in __all__.
-from .alltoall import Route, gather_lengths, rebalance, route_of, verify_plan  # noqa: E402, F401, I001
+from .alltoall import gather_lengths, rebalance, verify_plan  # noqa: E402, F401, I001
 from .broadcast import broadcast_from_leader  # noqa: E402, F401
 from .group_pool import GroupPool
 from .orchestrator import (
