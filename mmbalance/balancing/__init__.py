@@ -8,7 +8,7 @@
 The papers' own algorithms, the baselines every planner here is held to, are in
 :mod:`mmbalance.balancing.paper`; input validation is :mod:`mmbalance.balancing.validate`. The
 profiler that measures a model for :class:`CostModel` runs torch, so it is
-``mmbalance.collectives.profile``.
+``mmbalance.bench.profile``.
 """
 
 from .cost_model import CostModel, FitReport, Measurement

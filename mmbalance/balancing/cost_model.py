@@ -14,7 +14,7 @@ b * l_max^2``. Memory per rank is ``memory_per_token * S1 / d + memory_static`` 
 
 :meth:`CostModel.fit` fits the coefficients to measurements (relative least squares, non-negative,
 with the overlap branch of each measurement chosen alternately) and reports the fit error; the
-profiler ``mmbalance.collectives.profile.profile`` (it runs torch, so it is not in this layer)
+profiler ``mmbalance.bench.profile.profile`` (it runs torch, so it is not in this layer)
 produces such measurements for a user's module.
 
 >>> m = CostModel(linear=1.0, attention=0.001)

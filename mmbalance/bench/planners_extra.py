@@ -2,7 +2,7 @@
 
 (Also run from ``python -m mmbalance.bench.planners``.) Tables:
 
-1. cost model: a transformer layer profiled on this machine (``mmbalance.collectives.profile``), fitted
+1. cost model: a transformer layer profiled on this machine (``mmbalance.bench.profile``), fitted
    on half of a length sweep; error on the fit and on the held-out half (DHP table 3: < 8%);
 2. dynamic CP groups (DHP section 4.3): time per plan for 512 real-data sequences on 64 ranks (target
    < 5 ms; the paper's solver 86 ms) and makespan over a lower bound, against the best static
@@ -52,7 +52,7 @@ def bench_cost_model(full: bool) -> list[Row]:
     of the measurement itself (CPU timings on a shared machine are noisy)."""
     import torch
 
-    from mmbalance.collectives.profile import profile
+    from .profile import profile
 
     torch.manual_seed(0)
     threads = torch.get_num_threads()
