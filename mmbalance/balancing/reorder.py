@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._core_api import core
-from ._validate import as_count
+from .validate import as_count
 
 
 @dataclass(frozen=True, eq=False)
