@@ -15,16 +15,6 @@ from .cost_model import CostModel, FitReport, Measurement
 from .cp_schedule import CPGroup, CPSchedule, cp_schedule
 from .isf import Batches, BatchStats, batch_stats, dist_ratio, isf_batches, isf_limits, pad_ratio
 from .node_perm import node_wise_permutation
-
-# Old import paths of the paper baselines (now in mmbalance.balancing.paper), kept working.
-from .paper import (  # noqa: F401, E402, I001
-    paper_algorithm,
-    paper_cp_schedule,
-    paper_inter_reorder,
-    paper_intra_reorder,
-    paper_partition,
-    paper_reorder,
-)
 from .partition import (
     Allocation,
     ModuleConfig,

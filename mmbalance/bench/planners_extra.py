@@ -30,13 +30,11 @@ from mmbalance.balancing import (
     cp_schedule,
     isf_batches,
     isf_limits,
-    paper_cp_schedule,
-    paper_partition,
-    paper_reorder,
     reorder,
     simulate_1f1b,
 )
 from mmbalance.balancing.datasets import load_sizes, mixture
+from mmbalance.balancing.paper import paper_cp_schedule, paper_inter_reorder, paper_partition, paper_reorder
 
 from .harness import Row, base_parser, device_name, report, time_cpu
 
@@ -183,7 +181,7 @@ def bench_reorder(full: bool) -> list[Row]:
             )
     # one pipeline alone: the order matters most when the groups are already balanced
     st = _stage_times(64, 11)
-    from mmbalance.balancing import inter_reorder, paper_inter_reorder
+    from mmbalance.balancing import inter_reorder
 
     t = time_cpu(lambda: inter_reorder(st), reps=20)
     ours = simulate_1f1b(st[inter_reorder(st)])

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmbalance.balancing import CostModel, cp_schedule, paper_cp_schedule
+from mmbalance.balancing import CostModel, cp_schedule
 from mmbalance.balancing._core_api import core
 from mmbalance.balancing.cp_schedule import DEFAULT_COST
+from mmbalance.balancing.paper import paper_cp_schedule
 
 SETTINGS = settings(
     max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
