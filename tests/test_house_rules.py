@@ -10,13 +10,16 @@ Read with ``ast`` from the files alone (nothing is imported, so this takes well 
   (``kernels/dispatch.py``), which every layer may import, stays a leaf;
 * ``__all__`` is exact: every name it lists exists, every public name a package's ``__init__``
   binds is listed, and a name another module imports from a module with an ``__all__`` is listed
-  there.
+  there;
+* DESIGN.md's map ("Which file holds what") names every file of ``mmbalance/``'s layers, and
+  nothing else.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -482,6 +485,38 @@ def test_all_lists_exactly_what_a_module_exports():
                     f"{mod} line {imp.line} imports {imp.name!r} from {imp.target}, whose __all__ does not list it"
                 )
     assert not problems, "\n".join(problems)
+
+
+def design_map() -> tuple[set[Path], list[str]]:
+    """The files that DESIGN.md's paragraphs on `mmbalance/<layer>/` name, and the names that match
+    no file (``hf/models/<family>.py`` stands for every file of that folder)."""
+    named: set[Path] = set()
+    unknown = []
+    for para in re.split(r"\n\s*\n", (ROOT / "DESIGN.md").read_text()):
+        head = re.match(r"`mmbalance/(\w+)/`:", para.strip())
+        if not head:
+            continue
+        base = PKG / head.group(1)
+        for name in re.findall(r"`([\w/<>.]+\.py)`", para):
+            hits = (
+                [p for p in base.glob(re.sub(r"<\w+>", "*", name)) if p.name != "__init__.py"]
+                if "<" in name
+                else [base / name]
+                if (base / name).is_file()
+                else []
+            )
+            if not hits:
+                unknown.append(f"mmbalance/{head.group(1)}/{name}")
+            named.update(hits)
+    return named, unknown
+
+
+def test_design_maps_every_file():
+    named, unknown = design_map()
+    layers = {p for p in PKG.rglob("*.py") if p.parent != PKG and p.name != "__init__.py"}
+    missing = sorted(str(p.relative_to(ROOT)) for p in layers - named)
+    assert not missing, f"files DESIGN.md's map does not name: {missing}"
+    assert not unknown, f"DESIGN.md's map names files that do not exist: {unknown}"
 
 
 if __name__ == "__main__":
