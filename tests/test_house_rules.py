@@ -5,7 +5,8 @@ Read with ``ast`` from the files alone (nothing is imported, so this takes well 
 * the import graph of ``mmbalance`` has no cycle (imports inside functions count: a lazy import
   still closes a circle), and no module hides an edge from it with ``importlib``;
 * no module imports a private ``_name`` of another module (a private module is importable only
-  from inside the package that holds it);
+  from inside the package that holds it), nor reads one as an attribute (``plan._source``: a
+  private name that only other modules of the package define);
 * every import crosses layers only as DESIGN.md's table allows, and the backend dispatcher
   (``kernels/dispatch.py``), which every layer may import, stays a leaf;
 * ``__all__`` is exact: every name it lists exists, every public name a package's ``__init__``
@@ -380,6 +381,39 @@ def test_no_private_name_crosses_a_module():
     assert not problems, "private names imported from other modules:\n" + "\n".join(
         f"{m}: {', '.join(p)}" for m, p in sorted(problems.items())
     )
+
+
+def private_attribute_problems() -> list[str]:
+    """``obj._name`` where ``_name`` is defined (def, class, assignment) only in other modules of
+    the package: a private name read across modules (``self``/``cls`` attributes are the class's)."""
+    owners: dict[str, set[str]] = {}
+    for mod in modules():
+        for node in ast.walk(tree(mod)):
+            name = None
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = node.name
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                name = node.attr
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                name = node.id
+            if name and name.startswith("_") and not name.startswith("__"):
+                owners.setdefault(name, set()).add(mod)
+    found = []
+    for mod in modules():
+        for node in ast.walk(tree(mod)):
+            if not (isinstance(node, ast.Attribute) and node.attr in owners and mod not in owners[node.attr]):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            found.append(
+                f"{mod} line {node.lineno}: {ast.unparse(node)} (defined in {sorted(owners[node.attr])})"
+            )
+    return found
+
+
+def test_no_private_attribute_crosses_a_module():
+    found = private_attribute_problems()
+    assert not found, "private attributes read across modules:\n" + "\n".join(found)
 
 
 def test_known_exceptions_are_still_needed():

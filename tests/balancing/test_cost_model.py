@@ -174,3 +174,19 @@ def test_balancing_import_stays_torch_free():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sum", "overlap"])
+def test_predict_is_time_from_aggregates(rng, padded, overlap):
+    model = CostModel(
+        linear=1e-3, attention=2e-7, ring=3e-4, ring_latency=0.01, fixed=0.5, overlap=overlap, padded=padded
+    )
+    groups = [rng.integers(1, 4000, size=int(rng.integers(1, 6))) for _ in range(7)]
+    x = [g.astype(np.float64) for g in groups]
+    s1 = np.array([g.size * g.max() if padded else g.sum() for g in x])
+    s2 = np.array([g.size * g.max() ** 2 if padded else (g * g).sum() for g in x])
+    for d in (1, 2, 3, 8):
+        got = model.predict(s1, s2, np.float64(d))
+        want = [model.time(g, degree=d) for g in groups]
+        np.testing.assert_allclose(got, want, rtol=1e-12)

@@ -282,7 +282,7 @@ def test_real_data_512_sequences_64_ranks():
 
 def _transformer_per_sequence(ls, d):
     x = ls.astype(np.float64)
-    return DEFAULT_COST._predict(x, x * x, np.float64(d))
+    return DEFAULT_COST.predict(x, x * x, np.float64(d))
 
 
 def _degree_penalty(ls, d):  # not convex in d: degrees divisible by 3 pay extra
