@@ -53,7 +53,7 @@ from mmbalance.pyops import cu_seqlens_from_lengths
 from . import models as _builtin  # noqa: F401 - registers the built-in adapters
 from .encoder_adapter import EncoderAdapter, Items, adapters_for, supported_classes
 
-__all__ = ["EncoderBalanceHandle", "apply_encoder_balance"]
+__all__ = ["EncoderBalanceHandle", "apply_encoder_balance", "own_group"]
 
 _ATTR = "_mmbalance_encoder_balance"
 _COST_UNITS = 1e9  # the largest item cost, in the integer units the planner balances

@@ -43,7 +43,7 @@ from mmbalance.balancing.cp_schedule import CPGroup
 from mmbalance.collectives import GroupPool, rebalance
 from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.alltoall import gather_table
-from mmbalance.collectives.group import world_of
+from mmbalance.collectives.group import comm_device, world_of
 from mmbalance.collectives.inflight import gather_objects, mark_distributed_run, run
 from mmbalance.collectives.ring_plan import ring_plan
 
@@ -52,8 +52,8 @@ from .balance import own_group
 from .cp_attention import CP_KEYWORD, CPShard
 
 __all__ = [
-    "DynamicCPHandle", "Sequences", "apply_dynamic_cp", "cost_model_of", "make_handle", "pad_id", "plan_layout",
-    "split_sequences",
+    "IGNORE", "DynamicCPHandle", "Sequences", "apply_dynamic_cp", "cost_model_of", "make_handle", "pad_id",
+    "plan_layout", "split_sequences",
 ]  # fmt: skip
 
 IGNORE = -100
@@ -451,7 +451,7 @@ class DynamicCPHandle:
         mine = layout.piece_src == rank
         cu = torch.from_numpy(np.concatenate([[0], np.cumsum(layout.piece_len[mine])]).astype(np.int64))
         plan = Plan.from_destinations(layout.piece_len, layout.piece_dst, world, layout.piece_src)
-        comm = _comm_device(self._own)
+        comm = comm_device(self._own)
         out, _ = rebalance(payload.to(comm), cu.to(comm), plan, self._own)
         out = out.cpu()
         shard = shard_of(layout, lengths, rank, groups, int(out.shape[0]))
@@ -475,7 +475,7 @@ class DynamicCPHandle:
             batch = next(it, None)
             if self._own is not None:
                 flag = torch.tensor(
-                    [0 if batch is None else 1], dtype=torch.int64, device=_comm_device(self._own)
+                    [0 if batch is None else 1], dtype=torch.int64, device=comm_device(self._own)
                 )
                 run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=self._own)
                 more = bool(flag.item())
@@ -629,12 +629,6 @@ def _model_device(model) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def _comm_device(group) -> torch.device:
-    from mmbalance.collectives.agreement import comm_device
-
-    return comm_device(group)
 
 
 def _kwargs(out: Tensor, shard: CPShard, items: int, has_labels: bool, device) -> dict:
