@@ -1,5 +1,5 @@
 """The one benchmark harness: timing, result rows, tables, JSON, multi-process runs, and the
-command-line helpers every command shares.
+command-line functions every command shares.
 
 Every benchmark module builds ``Row`` objects through ``measure`` and hands them to ``report``.
 Rows are keyed by op, provider, shape, dtype, device and git sha, so results from different
