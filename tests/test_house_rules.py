@@ -64,23 +64,21 @@ DYNAMIC_IMPORTS = {"mmbalance", "mmbalance.balancing._core_api", "mmbalance.benc
 
 # What breaks a rule today, with the reason. Each entry must still be needed (see
 # ``test_known_exceptions_are_still_needed``), so the lists only ever shrink.
-_ATTENTION = "the attention kernels and ops are being cut into one shared module per layer"
+_DYNAMIC_CP = (
+    "dynamic_cp_vlm.py is the vision-language half of dynamic_cp.py and reaches into it (private "
+    "helpers, the handle's private state, a circle through dynamic_cp's lazy imports of it); to be "
+    "cut so that both import one shared module and the handle passes what the half needs"
+)
 KNOWN_PRIVATE_IMPORTS: dict[str, str] = {
-    "mmbalance.kernels._attention_audit": _ATTENTION,
-    "mmbalance.kernels._attention_bwd_dkdv": _ATTENTION,
-    "mmbalance.kernels.attention": _ATTENTION,
-    "mmbalance.kernels.attention_bwd": _ATTENTION,
-    "mmbalance.pyops.attention": _ATTENTION,
+    "mmbalance.integrations.hf.dynamic_cp_vlm": _DYNAMIC_CP,
+}
+KNOWN_PRIVATE_ATTRIBUTES: dict[str, str] = {
+    "mmbalance.integrations.hf.dynamic_cp_vlm": _DYNAMIC_CP,
 }
 KNOWN_CYCLES: dict[frozenset[str], str] = {
     frozenset(
-        {
-            "mmbalance.kernels._attention_audit",
-            "mmbalance.kernels._attention_bwd_dkdv",
-            "mmbalance.kernels.attention",
-            "mmbalance.kernels.attention_bwd",
-        }
-    ): _ATTENTION,
+        {"mmbalance.integrations.hf.dynamic_cp", "mmbalance.integrations.hf.dynamic_cp_vlm"}
+    ): _DYNAMIC_CP,
 }
 
 
@@ -383,9 +381,12 @@ def test_no_private_name_crosses_a_module():
     )
 
 
-def private_attribute_problems() -> list[str]:
+def private_attribute_problems() -> dict[str, list[str]]:
     """``obj._name`` where ``_name`` is defined (def, class, assignment) only in other modules of
-    the package: a private name read across modules (``self``/``cls`` attributes are the class's)."""
+    the package, and one of those is imported by the reader (directly or through its package): a
+    private name read across modules. ``self``/``cls`` attributes are the class's own; a private
+    name of a third-party object that one of our modules happens to define too is not flagged
+    unless the reader imports that module."""
     owners: dict[str, set[str]] = {}
     for mod in modules():
         for node in ast.walk(tree(mod)):
@@ -398,27 +399,39 @@ def private_attribute_problems() -> list[str]:
                 name = node.id
             if name and name.startswith("_") and not name.startswith("__"):
                 owners.setdefault(name, set()).add(mod)
-    found = []
+    found: dict[str, list[str]] = {}
     for mod in modules():
+        imported = set()
+        for imp in imports(mod):
+            if first_party(imp):
+                imported.add(imp.target)
+                if imp.name is not None:
+                    imported.add(f"{imp.target}.{imp.name}")
         for node in ast.walk(tree(mod)):
             if not (isinstance(node, ast.Attribute) and node.attr in owners and mod not in owners[node.attr]):
                 continue
             if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
                 continue
-            found.append(
-                f"{mod} line {node.lineno}: {ast.unparse(node)} (defined in {sorted(owners[node.attr])})"
+            if not any(o == i or o.startswith(i + ".") for o in owners[node.attr] for i in imported):
+                continue
+            found.setdefault(mod, []).append(
+                f"line {node.lineno}: {ast.unparse(node)} (defined in {sorted(owners[node.attr])})"
             )
     return found
 
 
 def test_no_private_attribute_crosses_a_module():
-    found = private_attribute_problems()
-    assert not found, "private attributes read across modules:\n" + "\n".join(found)
+    found = {m: p for m, p in private_attribute_problems().items() if m not in KNOWN_PRIVATE_ATTRIBUTES}
+    assert not found, "private attributes read across modules:\n" + "\n".join(
+        f"{m}: {', '.join(p)}" for m, p in sorted(found.items())
+    )
 
 
 def test_known_exceptions_are_still_needed():
     stale = set(KNOWN_PRIVATE_IMPORTS) - set(private_import_problems())
     assert not stale, f"no longer break the rule (remove them from KNOWN_PRIVATE_IMPORTS): {sorted(stale)}"
+    stale = set(KNOWN_PRIVATE_ATTRIBUTES) - set(private_attribute_problems())
+    assert not stale, f"no longer break the rule (remove them from KNOWN_PRIVATE_ATTRIBUTES): {sorted(stale)}"
 
 
 def test_layers_import_only_what_design_allows():

@@ -52,8 +52,8 @@ from .balance import own_group
 from .cp_attention import CP_KEYWORD, CPShard
 
 __all__ = [
-    "IGNORE", "DynamicCPHandle", "Sequences", "apply_dynamic_cp", "cost_model_of", "make_handle", "pad_id",
-    "plan_layout", "split_sequences",
+    "IGNORE", "DynamicCPHandle", "Sequences", "apply_dynamic_cp", "cost_model_of", "idle_shard", "make_handle",
+    "pad_id", "plan_layout", "shard_of", "split_sequences",
 ]  # fmt: skip
 
 IGNORE = -100

@@ -55,6 +55,7 @@ from mmbalance.balancing import CostModel, Plan, post_balance
 from mmbalance.collectives import rebalance
 from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.alltoall import gather_table
+from mmbalance.collectives.group import comm_device
 from mmbalance.pyops import cu_seqlens_from_lengths
 
 from .balance import _ATTR as _ENCODER_BALANCE_ATTR
@@ -62,7 +63,6 @@ from .balance import _ZeroLink
 from .cp_attention import CP_KEYWORD
 from .dynamic_cp import (
     Sequences,
-    _comm_device,
     _cost_key,
     _model_device,
     _positions,
@@ -76,7 +76,16 @@ from .dynamic_cp import (
 from .encoder_adapter import EncoderAdapter, Items, adapters_for, flops_linear
 from .models.common import as_int, core, pooled
 
-__all__ = ["SUPPORTED", "VLMFamily", "encoder_seconds", "shard_vlm", "vlm_family"]
+__all__ = [
+    "MEDIA_KEYWORD",
+    "SUPPORTED",
+    "GroupCutter",
+    "VLMFamily",
+    "encoder_seconds",
+    "install_media_hook",
+    "shard_vlm",
+    "vlm_family",
+]
 
 IGNORE = -100
 _TEXT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -608,7 +617,7 @@ class _Comm:
         self.own = own
         self.rank = dist.get_rank(own) if own is not None else 0
         self.world = dist.get_world_size(own) if own is not None else 1
-        self.device = _comm_device(own) if own is not None else torch.device("cpu")
+        self.device = comm_device(own) if own is not None else torch.device("cpu")
 
     def move(self, tensors: list[Tensor], lengths: np.ndarray, plan: Plan) -> list[Tensor]:
         """``rebalance`` of ``tensors`` (this rank's examples of ``lengths`` rows) along ``plan``."""
@@ -994,7 +1003,7 @@ def resolve_media(model, kwargs: dict) -> dict:
         if e.plan is None:
             continue
         if pending.degree > 1:
-            comm = _comm_device(group)
+            comm = comm_device(group)
             cu = cu_seqlens_from_lengths(e.segments.astype(np.int64), device=comm)
             received, _ = rebalance([t.to(comm) for t in outputs], cu, e.plan, group)
         else:
