@@ -64,22 +64,9 @@ DYNAMIC_IMPORTS = {"mmbalance", "mmbalance.balancing._core_api", "mmbalance.benc
 
 # What breaks a rule today, with the reason. Each entry must still be needed (see
 # ``test_known_exceptions_are_still_needed``), so the lists only ever shrink.
-_DYNAMIC_CP = (
-    "dynamic_cp_vlm.py is the vision-language half of dynamic_cp.py and reaches into it (private "
-    "helpers, the handle's private state, a circle through dynamic_cp's lazy imports of it); to be "
-    "cut so that both import one shared module and the handle passes what the half needs"
-)
-KNOWN_PRIVATE_IMPORTS: dict[str, str] = {
-    "mmbalance.integrations.hf.dynamic_cp_vlm": _DYNAMIC_CP,
-}
-KNOWN_PRIVATE_ATTRIBUTES: dict[str, str] = {
-    "mmbalance.integrations.hf.dynamic_cp_vlm": _DYNAMIC_CP,
-}
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset(
-        {"mmbalance.integrations.hf.dynamic_cp", "mmbalance.integrations.hf.dynamic_cp_vlm"}
-    ): _DYNAMIC_CP,
-}
+KNOWN_PRIVATE_IMPORTS: dict[str, str] = {}
+KNOWN_PRIVATE_ATTRIBUTES: dict[str, str] = {}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 
 @dataclass(frozen=True)
