@@ -508,9 +508,9 @@ def varlen_attention(
     or varlen attention instead (``cp_attention.py``)."""
     shard = kwargs.pop(CP_KEYWORD, None)
     _check_keywords(module, dropout, kwargs)
-    query, key, value = _one_dtype(query, key, value)
     if shard is not None:
         return cp_attention(module, query, key, value, attention_mask, scaling, shard, kwargs)
+    query, key, value = _one_dtype(query, key, value)
     b, h, lq, d = query.shape
     lk, dv = key.shape[2], value.shape[-1]
     causal = kwargs.get("is_causal")
