@@ -18,15 +18,23 @@ batch packed into it):
   with any batch size (every row split where its ``position_ids`` restart), bidirectional
   attention inside image blocks (Gemma3's ``block_sequence_ids``: a second call over each block's
   later keys, merged by log-sum-exp);
-* without our mask (a model that builds none): ``is_causal``, ``sliding_window`` (flash-attn's
-  semantics), ``cu_seq_lens_q/k`` (causal bottom-right when they differ), ``position_ids`` (2-D,
-  or the text row of 3-D M-RoPE ``[4, B, L]`` positions, as transformers reads them);
-* ``softcap`` (Gemma2) and attention sinks ``s_aux`` (gpt-oss, with their gradient).
+* without our mask (a model that builds none, cross-attention): ``is_causal`` (a module without
+  it is bidirectional; causal calls with fewer queries than keys are bottom-right, a cache's),
+  ``sliding_window`` (flash-attn's semantics), ``cu_seq_lens_q/k`` (causal bottom-right when they
+  differ), ``position_ids`` (2-D, or the text row of 3-D M-RoPE ``[4, B, L]`` positions, as
+  transformers reads them), 2-D padding masks and 4-D masks of 0/-inf (or bool) whose rows see at
+  most two runs of keys (Mllama's ``cross_attention_mask``);
+* ``softcap`` (Gemma2) and attention sinks ``s_aux`` (gpt-oss, with their gradient);
+* ``torch.autocast``: q, k and v run in the autocast dtype.
+
+Every plan is made once per forward and reused by the layers; under ``torch.compile`` planning
+stays outside the graph (``attention_compile.py``).
 
 Everything else a model hands an attention function is refused with an error that names the
 backend and the feature, never ignored: attention dropout in training, ``position_bias`` (T5),
-``output_attentions``, 4-D or custom masks, other unions of mask functions (a bidirectional
-decoder, ``use_bidirectional_attention``), paged caches, unknown keywords.
+``output_attentions``, 4-D masks with an attention bias or one per head, custom masks, other
+unions of mask functions (a bidirectional decoder, ``use_bidirectional_attention``), causal calls
+with more queries than keys and no ``cu_seq_lens``, paged caches, unknown keywords.
 
     from mmbalance.integrations.hf import register_attention
     register_attention()
