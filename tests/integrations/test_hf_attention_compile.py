@@ -160,6 +160,45 @@ def test_calls_without_our_mask_compile_and_plan_once(plans):
             torch.compile(layers, backend="eager", fullgraph=True)(q, kv, mask, **kw)
 
 
+@pytest.mark.parametrize("lq, lk", [(6, 6), (4, 9), (9, 4)])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (2, -1)), (False, (1, 3))])
+def test_shape_only_plans_equal_the_host_plan(lq, lk, causal, window):
+    """Calls without a mask, cu_seq_lens or packing are planned from their shapes in tensor ops
+    (no graph break): the same plan the host planner makes."""
+    if causal and lq > lk:
+        assert attn._shape_plan(2, lq, lk, causal, window) is None  # refused by the host planner
+        return
+    shaped = attn._shape_plan(2, lq, lk, causal, window)
+    mine = attn._rows_plan(2, lq, lk, shaped, torch.device("cpu"))
+    spec = attn._mask_from_keywords(None, 2, lq, lk, causal, window, None)
+    want = attn._plan(spec, 2, lq, lk, None, torch.device("cpu"))
+    for name in ("cu_q", "cu_k", "k_index", "q_runs", "k_runs"):
+        a, b = getattr(mine, name), getattr(want, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert (mine.cu_k is mine.cu_q) == (want.cu_k is want.cu_q)
+    for name in ("max_q", "max_k", "causal_offset", "window"):
+        assert getattr(mine, name) == getattr(want, name), name
+
+
+def test_cross_attention_without_a_mask_compiles_with_fullgraph(plans):
+    """Whisper-style cross-attention (no mask, 9 queries over 6 keys, bidirectional) needs no host
+    planning: fullgraph compiles it, as eager."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 9, 8, generator=g)
+    kv = torch.randn(2, 2, 6, 8, generator=g)
+    module = torch.nn.Module()
+    module.is_causal = False
+
+    def layer(q, kv):
+        return attn.varlen_attention(module, q, kv, kv, None, scaling=0.3)[0]
+
+    want = layer(q, kv)
+    torch._dynamo.reset()
+    got = torch.compile(layer, backend="eager", fullgraph=True)(q, kv)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not plans, "planned on the host"
+
+
 def test_one_plan_per_forward(plans):
     """Packed rows through a 3-layer Llama: one plan per forward (made by the mask function), a
     second forward with other tensors plans anew; a tensor changed in place is planned again."""

@@ -405,6 +405,28 @@ def _plan_with_mask(spec: VarlenMask, b, lq, lk, cu, device, position_ids) -> _P
     return spec.plans[key]
 
 
+def _shape_plan(b: int, lq: int, lk: int, causal: bool, window) -> tuple[int, int] | None:
+    """Whether a call without a mask, ``cu_seq_lens`` or packing is planned from its shape alone
+    (every row one sequence over all its keys; causal: bottom-right, a cache's): its window, or
+    None when it needs the host."""
+    if lq <= 0 or lk <= 0 or (causal and lq > lk):
+        return None
+    if window is None:
+        return -1, -1
+    left, right = window  # _window_needed for these sequences: queries at lk - lq .. lk - 1
+    return (left if left >= 0 and lk - 1 > left else -1), (
+        right if right >= 0 and not causal and lq - 1 > right else -1
+    )
+
+
+def _rows_plan(b: int, lq: int, lk: int, window: tuple[int, int], device) -> _Plan:
+    """``_plan`` of a shape-only call, in tensor ops Dynamo traces (no host data)."""
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * lq
+    cu_k = cu_q if lq == lk else torch.arange(b + 1, dtype=torch.int32, device=device) * lk
+    return _Plan(k_index=None, cu_q=cu_q, cu_k=cu_k, max_q=lq, max_k=lk, causal_offset=lk - lq,
+                 q_runs=None, k_runs=None, window=window)  # fmt: skip
+
+
 # calls without our mask (cross-attention, vision towers' cu_seq_lens, masks from outside): every
 # layer of a forward brings the same tensors, so the first layer plans for all
 _KEYWORD_PLANS = PlanCache()
@@ -562,9 +584,16 @@ def varlen_attention(
                 "chunked attention without its own mask function (register_attention() installs it; "
                 "a mask passed in from outside carries no chunks)"
             )
-        plan, causal = _plan_without_mask(
-            attention_mask, b, lq, lk, causal, kw_window, cu, kwargs.get("position_ids"), device
-        )
+        position_ids = kwargs.get("position_ids")
+        shaped = None
+        if attention_mask is None and cu is None and (lq != lk or position_ids is None):
+            shaped = _shape_plan(b, lq, lk, causal, kw_window)
+        if shaped is not None:  # e.g. cross-attention without a mask: nothing to read, no graph break
+            plan = _rows_plan(b, lq, lk, shaped, device)
+        else:
+            plan, causal = _plan_without_mask(
+                attention_mask, b, lq, lk, causal, kw_window, cu, position_ids, device
+            )
     else:
         shape = tuple(getattr(attention_mask, "shape", ()))
         raise _refuse(

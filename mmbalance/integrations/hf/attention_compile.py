@@ -9,9 +9,11 @@ planning stays out of the graph:
   mask function itself runs outside the graph: one graph break per forward and mask type (Dynamo
   counts it once in every frame around it), whatever the number of layers. A mask built before
   the compiled function runs (``generate``'s decoding masks) costs no break at all;
-* a call without such a plan (cross-attention, a vision tower's ``cu_seq_lens``, a 2-D or 4-D mask
-  handed in from outside) plans outside the graph, one break per call, and the plan is cached (see
-  :class:`PlanCache`) so the layers of one forward plan once.
+* a call without our mask that brings tensors to read (a vision tower's ``cu_seq_lens``, a 2-D or
+  4-D mask handed in from outside, packed ``position_ids``) plans outside the graph, one break per
+  call, and the plan is cached (see :class:`PlanCache`) so the layers of one forward plan once; a
+  call with nothing to read (cross-attention without a mask) is planned from its shapes in the
+  graph (``attention._rows_plan``).
 
 Where a break is needed, ``torch.compile(fullgraph=True)`` (and ``torch.export``) raise
 :class:`FullgraphUnsupported` at the first call, a ``NotImplementedError`` naming the backend and
