@@ -64,7 +64,7 @@ class VarlenMask(_Prepared):
     positions: Tensor | None = None
     blocks: Tensor | None = None
     # host-side plans, one per (query length, key length, batch, device), shared by every layer
-    # (under torch.compile the mask function fills it before the layers run)
+    # (the mask function makes the usual one before the layers run)
     plans: dict = field(default_factory=dict, repr=False)
 
     # transformers treats a prepared mask as a tensor or a flex BlockMask in a few places:
