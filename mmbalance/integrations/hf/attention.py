@@ -55,10 +55,17 @@ from mmbalance.pyops.attention_ops import attention_block, merge_attention_state
 from mmbalance.pyops.varlen import cu_seqlens_from_lengths
 
 from .attention_compile import PlanCache, outside_graph
-from .attention_mask import ATTENTION_NAME, VarlenMask, dense_mask_runs, varlen_mask
+from .attention_mask import ATTENTION_NAME, VarlenMask, dense_mask_runs, set_planner, varlen_mask
 from .cp_attention import CP_KEYWORD, cp_attention
 
-__all__ = ["ATTENTION_NAME", "register_attention", "varlen_attention", "varlen_mask", "VarlenMask"]
+__all__ = [
+    "ATTENTION_NAME",
+    "plan_mask",
+    "register_attention",
+    "varlen_attention",
+    "varlen_mask",
+    "VarlenMask",
+]
 
 # keywords that shape the attention and are implemented here
 _IMPLEMENTED = {
@@ -373,6 +380,9 @@ def plan_mask(spec: VarlenMask, device: torch.device) -> None:
     key = (spec.q_length, spec.kv_length, spec.batch_size, device)
     if key not in spec.plans:
         spec.plans[key] = _plan(spec, spec.batch_size, spec.q_length, spec.kv_length, None, device)
+
+
+set_planner(plan_mask)
 
 
 @outside_graph(ATTENTION_NAME, "its planning of a call")

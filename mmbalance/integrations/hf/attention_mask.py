@@ -30,7 +30,14 @@ from torch.nn.attention.flex_attention import BlockMask as _Prepared
 
 from .attention_compile import outside_graph
 
-__all__ = ["ATTENTION_NAME", "VarlenMask", "varlen_mask", "parse_mask_function"]
+__all__ = [
+    "ATTENTION_NAME",
+    "VarlenMask",
+    "dense_mask_runs",
+    "parse_mask_function",
+    "set_planner",
+    "varlen_mask",
+]
 
 ATTENTION_NAME = "mmbalance_varlen"
 
@@ -309,12 +316,20 @@ def varlen_mask(
 def _mask_and_plan(
     batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, device
 ):
-    from .attention import plan_mask  # the planner lives with the attention function
-
     spec = _describe(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
-    if device is not None:
-        plan_mask(spec, torch.device(device))
+    if device is not None and _PLANNER:
+        _PLANNER[0](spec, torch.device(device))
     return spec
+
+
+# the planner of a mask's op calls: it lives with the attention function (attention.py), which
+# hands it over when it is imported (this module does not import that one: no circle)
+_PLANNER: list = []
+
+
+def set_planner(planner) -> None:
+    """Plan every mask this function builds with ``planner(spec, device)`` (the attention's own)."""
+    _PLANNER[:] = [planner]
 
 
 def _describe(
