@@ -3,86 +3,63 @@
 Every command runs from an installed package (the benchmarks, demo and simulator are
 ``mmbalance.bench``). Mistakes in the arguments or the input files end in one line on stderr and
 exit status 2, never in a traceback.
+
+Each command imports its module when it runs (``mmbalance bench planners`` and ``mmbalance
+simulate`` never import torch), with a plain ``import`` statement, so the import graph shows them.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib
 import os
 import sys
+from types import ModuleType
+
+from mmbalance.bench.harness import HelpFormatter, fresh_path, usage_error
 
 BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf", "sampler", "cp")
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """Shows each flag's default once: appended as ``(default: X)`` unless the help text already
-    says what the default is, and never for flags that are off (``False``) or unset (``None``)."""
+def load_benchmark(name: str) -> ModuleType:
+    """The module of benchmark ``name`` (one of :data:`BENCHES`, or ``"kernel_audit"``), imported
+    now: a benchmark whose imports fail (a missing extra) then fails alone."""
+    if name == "planners":
+        from mmbalance.bench import planners
 
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "%(default)" in text or "(default" in text or action.default in (None, False, argparse.SUPPRESS):
-            return text
-        if not action.option_strings and action.nargs in (argparse.ZERO_OR_MORE, argparse.OPTIONAL):
-            return text
-        return f"{text} (default: %(default)s)"
+        return planners
+    if name == "varlen":
+        from mmbalance.bench import varlen
 
+        return varlen
+    if name == "alltoall":
+        from mmbalance.bench import alltoall
 
-def write_output(prog: str, path: str, write) -> int | None:
-    """Run ``write(path)``; on an ``OSError`` (a read-only or special file system, a full disk) print
-    one line and return the exit status 2 instead of a traceback."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write(path)
-    except OSError as exc:
-        return usage_error(prog, f"cannot write {path}: {exc.strerror or exc}")
-    return None
+        return alltoall
+    if name == "attention":
+        from mmbalance.bench import attention
 
+        return attention
+    if name == "overlap":
+        from mmbalance.bench import overlap
 
-def usage_error(prog: str, message: str) -> int:
-    """Print ``prog: message`` on stderr and return the usage-error exit status (2)."""
-    print(f"{prog}: {message}", file=sys.stderr)
-    return 2
+        return overlap
+    if name == "hf":
+        from mmbalance.bench import hf
 
+        return hf
+    if name == "sampler":
+        from mmbalance.bench import sampler
 
-def require_matplotlib(prog: str, flag: str = "--plot") -> str | None:
-    """``None`` if matplotlib imports; otherwise the message to fail with (before any work runs)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        return f"{flag} needs matplotlib, which does not import here ({exc}); pip install 'matplotlib>=3.8'"
-    return None
+        return sampler
+    if name == "cp":
+        from mmbalance.bench import cp
 
+        return cp
+    if name == "kernel_audit":
+        from mmbalance.bench import kernel_audit
 
-def check_output(path: str | None, flag: str) -> str | None:
-    """``None`` if ``path`` (an output file named by ``flag``) can be written; else why not."""
-    if not path:
-        return None
-    full = os.path.abspath(path)
-    if os.path.isdir(full):
-        return f"{flag} {path} is a directory; name a file"
-    parent = os.path.dirname(full)
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if (
-        not os.path.isdir(parent)
-        or not os.access(parent, os.W_OK)
-        or (os.path.exists(full) and not os.access(full, os.W_OK))
-    ):
-        return f"{flag} {path} cannot be written"
-    return None
-
-
-def fresh_path(directory: str, stem: str, suffix: str) -> str:
-    """A path in ``directory`` that does not exist yet: ``stem-<UTC time>[-k]suffix``."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(directory, f"{stem}-{stamp}{suffix}")
-    k = 1
-    while os.path.exists(path):
-        path = os.path.join(directory, f"{stem}-{stamp}-{k}{suffix}")
-        k += 1
-    return path
+        return kernel_audit
+    raise ValueError(f"name must be one of {(*BENCHES, 'kernel_audit')}, got {name!r}")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -113,8 +90,8 @@ def _bench(args: argparse.Namespace) -> int:
     for name in names:
         print(f"\n#### bench.{name}", flush=True)
         try:
-            mod = importlib.import_module(f"mmbalance.bench.{name}")
-            mod.main(extra + (["--real"] if args.real and name == "cp" else []) + ["--json", json_path])
+            real = ["--real"] if args.real and name == "cp" else []
+            load_benchmark(name).main(extra + real + ["--json", json_path])
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - one failing benchmark does not stop the rest
             if isinstance(exc, SystemExit) and not exc.code:
                 continue
@@ -122,7 +99,7 @@ def _bench(args: argparse.Namespace) -> int:
             failed.append(name)
     if not args.only:
         print("\n#### bench.kernel_audit (sm_90, sm_80)", flush=True)
-        audit = importlib.import_module("mmbalance.bench.kernel_audit")
+        audit = load_benchmark("kernel_audit")
         stem = json_path[: -len(".jsonl")] if json_path.endswith(".jsonl") else json_path
         for arch in ("sm_90", "sm_80"):
             try:
@@ -180,10 +157,6 @@ def _summary(json_path: str) -> None:
         print(f"{op[:28]:<28} {prov[:20]:<20} {len(rows):>4} {shapes:>6} {ms:>17}  {', '.join(head)}")
 
 
-def _delegate(module: str, argv: list[str]) -> int:
-    return int(importlib.import_module(module).main(argv) or 0)
-
-
 def _version() -> str:
     from mmbalance import __version__
 
@@ -194,9 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # demo and simulate own their flags; hand them everything after the subcommand
     if argv and argv[0] == "demo":
-        return _delegate("mmbalance.bench.demo", argv[1:])
+        from mmbalance.bench import demo
+
+        return int(demo.main(argv[1:]) or 0)
     if argv and argv[0] == "simulate":
-        return _delegate("mmbalance.bench.simulate", argv[1:])
+        from mmbalance.bench import simulate
+
+        return int(simulate.main(argv[1:]) or 0)
     p = argparse.ArgumentParser(prog="mmbalance", description="Load balancing for multimodal LLM training.")
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True)

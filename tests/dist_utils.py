@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from mmbalance.bench.harness import describe_exit
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Workers start from a fork server that has imported torch and the package once: a fresh process
@@ -76,18 +78,6 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
         queue.put((rank, False, traceback.format_exc()))
         return
     end_like_a_program()
-
-
-def describe_exit(code: int | None) -> str:
-    """A process exit code in words (negative codes are signals)."""
-    if code is None:
-        return "did not exit"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def run_distributed(

@@ -8,23 +8,13 @@
 The papers' own algorithms, the baselines every planner here is held to, are in
 :mod:`mmbalance.balancing.paper`; input validation is :mod:`mmbalance.balancing.validate`. The
 profiler that measures a model for :class:`CostModel` runs torch, so it is
-``mmbalance.collectives.profile``.
+``mmbalance.bench.profile``.
 """
 
 from .cost_model import CostModel, FitReport, Measurement
 from .cp_schedule import CPGroup, CPSchedule, cp_schedule
 from .isf import Batches, BatchStats, batch_stats, dist_ratio, isf_batches, isf_limits, pad_ratio
 from .node_perm import node_wise_permutation
-
-# Old import paths of the paper baselines (now in mmbalance.balancing.paper), kept working.
-from .paper import (  # noqa: F401, E402, I001
-    paper_algorithm,
-    paper_cp_schedule,
-    paper_inter_reorder,
-    paper_intra_reorder,
-    paper_partition,
-    paper_reorder,
-)
 from .partition import (
     Allocation,
     ModuleConfig,

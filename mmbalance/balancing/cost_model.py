@@ -14,7 +14,7 @@ b * l_max^2``. Memory per rank is ``memory_per_token * S1 / d + memory_static`` 
 
 :meth:`CostModel.fit` fits the coefficients to measurements (relative least squares, non-negative,
 with the overlap branch of each measurement chosen alternately) and reports the fit error; the
-profiler ``mmbalance.collectives.profile.profile`` (it runs torch, so it is not in this layer)
+profiler ``mmbalance.bench.profile.profile`` (it runs torch, so it is not in this layer)
 produces such measurements for a user's module.
 
 >>> m = CostModel(linear=1.0, attention=0.001)
@@ -280,7 +280,7 @@ class CostModel:
                 memory_static=memory_static,
                 **dict(zip(names, coef.tolist())),
             )
-            return model, np.abs(model._predict(s1, s2, d) - t) / t
+            return model, np.abs(model.predict(s1, s2, d) - t) / t
 
         best = solve(every, every)  # additive: exact without overlap, a start with it
         iterations = 1
@@ -323,7 +323,10 @@ class CostModel:
         report = FitReport(float(err.mean()), float(err.max()), len(rows), iterations)
         return replace(model, fit_report=report)
 
-    def _predict(self, s1: np.ndarray, s2: np.ndarray, d: np.ndarray) -> np.ndarray:
+    def predict(self, s1: np.ndarray, s2: np.ndarray, d: np.ndarray) -> np.ndarray:
+        """:meth:`time` of many groups at once, from their aggregates (broadcast together): ``s1``
+        the tokens (``b * l_max`` for a padded model), ``s2`` the sum of squared lengths
+        (``b * l_max^2``), ``d`` the CP degree (>= 1)."""
         a = self.attention * (1.0 + self.eta) * s2 / d
         c = np.where(d > 1, self.ring * s1 * (d - 1) / d + self.ring_latency * (d - 1), 0.0)
         return self.fixed + self.linear * s1 / d + (np.maximum(a, c) if self.overlap else a + c)

@@ -383,7 +383,7 @@ def _degrees_for(lengths, group_of, num_ranks, mem, cost, paper=False, timer=Non
         s2 = np.bincount(group_of, weights=x * x, minlength=g)
         d = np.arange(num_ranks + 1, dtype=np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
-            full = cost._predict(s1[:, None], s2[:, None], np.maximum(d, 1.0)[None, :])
+            full = cost.predict(s1[:, None], s2[:, None], np.maximum(d, 1.0)[None, :])
         valid = (d[None, :] >= dmin[:, None]) & (d[None, :] <= hi[:, None])
         table[valid] = full[valid]
     else:

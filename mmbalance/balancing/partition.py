@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._core_api import core
-from .validate import as_count
+from .validate import as_count, as_nonnegative
 
 
 @dataclass(frozen=True)
@@ -61,22 +61,6 @@ class PartitionPlan:
 
     def explain(self) -> str:
         return self.explanation
-
-
-def _vector(x, name, n=None) -> np.ndarray:
-    if isinstance(x, (str, bytes)):
-        raise TypeError(f"{name} must be a 1-D array of numbers, got {type(x).__name__}")
-    try:
-        a = np.asarray(x, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} must be a 1-D array of numbers") from exc
-    if a.ndim != 1 or (n is not None and a.shape[0] != n):
-        raise ValueError(
-            f"{name} must be 1-D" + (f" with {n} entries" if n is not None else "") + f", got shape {a.shape}"
-        )
-    if not np.all(np.isfinite(a)) or (a.size and a.min() < 0):
-        raise ValueError(f"{name} must be finite and >= 0")
-    return np.ascontiguousarray(a)
 
 
 def _score(cuts: np.ndarray, prefix: np.ndarray, act: np.ndarray, w: float):
@@ -116,9 +100,9 @@ def _jitter(cut: np.ndarray, radius: int, L: int, limit: int = 50000) -> np.ndar
 
 
 def _partition(fwd, act, num_stages, radius, top_k, comm_weight, evaluate, ours: bool) -> PartitionPlan:
-    f = _vector(fwd, "layer_times")
+    f = as_nonnegative(fwd, "layer_times")
     L = f.size
-    a = _vector(act, "activations", L)
+    a = as_nonnegative(act, "activations", size=L)
     n = as_count(num_stages, "num_stages")
     if n > L:
         raise ValueError(f"num_stages ({n}) must be <= the number of layers ({L})")

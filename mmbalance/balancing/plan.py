@@ -53,6 +53,33 @@ def _slots(ranks: np.ndarray, num_ranks: int) -> np.ndarray:
     return slot
 
 
+@dataclass(frozen=True)
+class Route:
+    """One rank's side of a plan, all on the host: what an all-to-all that runs the plan needs
+    there (:meth:`Plan.route`).
+
+    ``send_order``: local segment ids (source slots) in send order (by destination rank, then
+    slot); ``send_tokens`` / ``recv_tokens``: rows to / from each rank; ``recv_perm``: segment ids
+    of the receive buffer in slot order, ``None`` when it already is; ``in_lengths``: this rank's
+    examples' lengths before the move; ``out_lengths``: after, in slot order.
+    """
+
+    send_order: np.ndarray
+    send_tokens: list[int]
+    recv_tokens: list[int]
+    recv_perm: np.ndarray | None
+    in_lengths: np.ndarray
+    out_lengths: np.ndarray
+
+    @property
+    def in_tokens(self) -> int:
+        return int(self.in_lengths.sum())
+
+    @property
+    def out_tokens(self) -> int:
+        return int(self.out_lengths.sum())
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """A rearrangement of ``n`` examples over ``num_ranks`` ranks.
@@ -196,6 +223,52 @@ class Plan:
         out = np.empty_like(idx)
         out[src_slot[idx]] = idx
         return out
+
+    def route(self, rank: int) -> Route:
+        """:class:`Route`: ``rank``'s side of the move (computed once per rank and plan).
+
+        Raises:
+            TypeError: ``rank`` is not an integer.
+            ValueError: ``rank`` is not in ``[0, num_ranks)``, or the plan has no source layout.
+        """
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        rank = int(rank)
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
+        cache = self._routes
+        if rank in cache:
+            return cache[rank]
+        if self.src_rank is None or self.src_slot is None:
+            raise ValueError("plan has no source layout: make it with post_balance(..., src_ranks=...)")
+        src_rank, src_slot = self.src_rank, self.src_slot
+        w, lengths = self.num_ranks, self.lengths
+        mine = self.source_order(rank)  # global ids in local (source slot) order
+        key = np.lexsort((self.dst_slot[mine], self.dst_rank[mine]))
+        send_order = src_slot[mine[key]]
+        send_tokens = np.bincount(self.dst_rank[mine], weights=lengths[mine], minlength=w).astype(np.int64)
+        incoming = np.flatnonzero(self.dst_rank == rank)
+        recv_seq = incoming[np.lexsort((self.dst_slot[incoming], src_rank[incoming]))]
+        recv_tokens = np.bincount(src_rank[incoming], weights=lengths[incoming], minlength=w).astype(np.int64)
+        slots = self.dst_slot[recv_seq]  # slot of the j-th received example
+        recv_perm = None
+        if not np.array_equal(slots, np.arange(slots.size)):
+            recv_perm = np.empty_like(slots)
+            recv_perm[slots] = np.arange(slots.size)
+        route = Route(
+            send_order=np.ascontiguousarray(send_order, dtype=np.int64),
+            send_tokens=send_tokens.tolist(),
+            recv_tokens=recv_tokens.tolist(),
+            recv_perm=recv_perm,
+            in_lengths=lengths[mine],
+            out_lengths=lengths[self.recv_order(rank)],
+        )
+        cache[rank] = route
+        return route
+
+    @functools.cached_property
+    def _routes(self) -> dict[int, Route]:
+        return {}
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._core_api import core
-from ._validate import as_count
+from .validate import as_count, as_nonnegative
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,33 +64,10 @@ def _times(stage_times, backward_times, name="stage_times"):
 
 
 def _as_matrix(x, name) -> np.ndarray:
-    if isinstance(x, (str, bytes)):
-        raise TypeError(f"{name} must be a 2-D array of times, got {type(x).__name__}")
-    try:
-        a = np.asarray(x, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} must be a 2-D array of times") from exc
-    if a.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [microbatches, stages], got shape {a.shape}")
+    a = as_nonnegative(x, name, ndim=2, dims="[microbatches, stages]")
     if a.shape[1] < 1 and a.shape[0] > 0:
         raise ValueError(f"{name} needs at least one stage")
-    if not np.all(np.isfinite(a)) or (a.size and a.min() < 0):
-        raise ValueError(f"{name} must be finite and >= 0")
-    return np.ascontiguousarray(a)
-
-
-def _as_costs(x, name="costs") -> np.ndarray:
-    if isinstance(x, (str, bytes)):
-        raise TypeError(f"{name} must be a 1-D array of numbers, got {type(x).__name__}")
-    try:
-        a = np.asarray(x, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} must be a 1-D array of numbers") from exc
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    if not np.all(np.isfinite(a)) or (a.size and a.min() < 0):
-        raise ValueError(f"{name} must be finite and >= 0")
-    return np.ascontiguousarray(a)
+    return a
 
 
 def _offsets(n: int, m: int) -> np.ndarray:
@@ -129,7 +106,7 @@ def simulate_1f1b(stage_times, backward_times=None, *, return_schedule: bool = F
 
 def paper_intra_reorder(costs, num_groups: int) -> np.ndarray:
     """DistTrain algorithm 2 as written: an order whose equal blocks are the DP groups."""
-    c = _as_costs(costs)
+    c = as_nonnegative(costs, "costs")
     m = as_count(num_groups, "num_groups")
     return core().paper_intra_order(c, m)
 
@@ -144,7 +121,7 @@ def intra_reorder(costs, num_groups: int, *, max_iters: int | None = None) -> np
     >>> intra_reorder([1, 2, 3, 4], 2).reshape(2, 2).tolist()
     [[0, 3], [1, 2]]
     """
-    c = _as_costs(costs)
+    c = as_nonnegative(costs, "costs")
     m = as_count(num_groups, "num_groups")
     n = c.size
     iters = 4 * n if max_iters is None else as_count(max_iters, "max_iters", minimum=0)

@@ -15,6 +15,7 @@ __all__ = [
     "as_coefficient",
     "as_count",
     "as_lengths",
+    "as_nonnegative",
     "as_num_ranks",
     "as_ranks",
 ]
@@ -110,3 +111,24 @@ def as_coefficient(value, name: str) -> float:
     if not np.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {value}")
     return value
+
+
+def as_nonnegative(x, name: str, ndim: int = 1, size: int | None = None, dims: str = "") -> np.ndarray:
+    """``x`` as a contiguous float64 array of ``ndim`` dimensions with finite entries >= 0 (times,
+    costs, sizes); ``size``: the length of a 1-D array, when it is fixed; ``dims``: the axes'
+    names for messages (``"[microbatches, stages]"``)."""
+    what = f"a {ndim}-D array of numbers"
+    if isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be {what}, got {type(x).__name__}")
+    try:
+        a = np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be {what}") from exc
+    if a.ndim != ndim or (size is not None and a.shape[0] != size):
+        entries = f" with {size} entries" if size is not None else ""
+        raise ValueError(
+            f"{name} must be {ndim}-D{(' ' + dims) if dims else ''}{entries}, got shape {a.shape}"
+        )
+    if not np.all(np.isfinite(a)) or (a.size and a.min() < 0):
+        raise ValueError(f"{name} must be finite and >= 0")
+    return np.ascontiguousarray(a)

@@ -6,7 +6,7 @@
         [--cost FILE] [--strict] [--real | --real-only] [--real-steps 8] [--real-budget 512]
 
 A step is one packed micro-batch of sequences drawn from a dataset until the next one would take
-it past ``fill`` (0.75) of the memory of all ranks (``ranks * memory_per_rank`` tokens). Datasets:
+it past ``fill`` (0.75) of the memory of all ranks (``ranks * memory_per_rank`` tokens). Datasets (:mod:`mmbalance.bench.cp_data`):
 
 * ``mixture``: LLM lengths of the shipped multimodal sizes (:func:`mmbalance.balancing.datasets.mixture`:
   images, videos, speech; median about 1k tokens, longest 16.6k);
@@ -20,11 +20,11 @@ accelerate sets it up, groups balanced greedily), power-of-two hybrid CP (the id
 ``BalancedCPScheduler``, with its own load estimate and with the shared cost model) and ours
 (:func:`mmbalance.balancing.cp_schedule`); every placement is checked (each sequence once, memory
 held) before it is timed. A fixed degree must hold the data's longest sequence (of a 1M-sequence
-epoch, :func:`epoch_longest`), whatever the sampled steps hold. One cost model times every scheme:
+epoch, :func:`~mmbalance.bench.cp_data.epoch_longest`), whatever the sampled steps hold. One cost model times every scheme:
 by default :meth:`CostModel.transformer() <mmbalance.balancing.CostModel.transformer>` (an 8B dense
 LLM, 400 TFLOP/s, ring at 50 GB/s), or ``--cost FILE``: a JSON list of measurements
 ``[[lengths...], degree, seconds]`` (fitted with :meth:`CostModel.fit`, e.g. from
-``mmbalance.collectives.profile``) or a JSON object of ``CostModel`` fields.
+``mmbalance.bench.profile``) or a JSON object of ``CostModel`` fields.
 
 Rows (op ``cp_step``, one per dataset, ranks, budget and scheme; ``time_ms`` is the *modelled* step
 time, mean over the steps, ``nan`` where the scheme cannot run): ``step_ms_max``,
@@ -49,7 +49,6 @@ degrees 1, 2 and 4; op ``cp_real_step``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -60,73 +59,19 @@ import time
 import numpy as np
 
 from mmbalance.balancing import CostModel, cp_schedule
-from mmbalance.balancing.datasets import mixture
 
 from . import cp_schemes
+from .cp_data import DATASETS, FILL, epoch_longest, step_batches
 from .harness import Row, base_parser, device_name, report
 
-DATASETS = {"mixture": 0.0, "long_tail_1%": 0.01, "long_tail_0.2%": 0.002}
-RARE_TIMES_MEDIAN = (16.0, 64.0)
 RANKS = (8, 64, 512)
 BUDGETS = (8192, 16384)
 STATIC_DEGREES = (1, 2, 4, 8)
 HYBRIDS = ("hybrid_pow2", "hybrid_pow2_cost")
 SCHEMES = (*(f"static_cp{c}" for c in STATIC_DEGREES), *HYBRIDS, "mmbalance")
-FILL = 0.75
 RANKS_PER_NODE = 8
 PLAN_MS_TARGET, PLAN_MS_AT = 5.0, 512
 LONG_TAIL_SPEEDUP = 1.3
-EPOCH = 1_000_000
-
-
-@functools.lru_cache(maxsize=1)
-def median_length() -> float:
-    """The median LLM length of the shipped mixture (100k draws, seed 0)."""
-    return float(np.median(mixture(100_000, 0).llm))
-
-
-def draw(dataset: str, n: int, rng: np.random.Generator) -> np.ndarray:
-    """``n`` sequence lengths of ``dataset`` (int64)."""
-    if dataset not in DATASETS:
-        raise ValueError(f"dataset must be one of {list(DATASETS)}, got {dataset!r}")
-    lengths = np.maximum(mixture(n, rng).llm, 1).astype(np.int64)
-    rare = rng.random(n) < DATASETS[dataset]
-    lo, hi = RARE_TIMES_MEDIAN
-    lengths[rare] = np.round(median_length() * rng.uniform(lo, hi, int(rare.sum()))).astype(np.int64)
-    return lengths
-
-
-@functools.cache
-def epoch_longest(dataset: str, examples: int = EPOCH) -> int:
-    """The longest sequence of a ``examples``-sequence epoch of ``dataset`` (seed 0): the length a
-    fixed CP degree must hold to train on that data, whatever the steps sampled here contain."""
-    return int(draw(dataset, examples, np.random.default_rng(0)).max())
-
-
-def step_batches(
-    dataset: str, world: int, memory_per_rank: int, steps: int, fill: float, seed: int
-) -> list[np.ndarray]:
-    """``steps`` consecutive micro-batches of one stream of ``dataset``: each takes sequences until
-    the next would pass ``fill * world * memory_per_rank`` tokens (at least one sequence)."""
-    rng = np.random.default_rng([seed, world, memory_per_rank, list(DATASETS).index(dataset)])
-    target = fill * world * memory_per_rank
-    chunk = max(64, int(2 * target / 1000))
-    buf = draw(dataset, chunk, rng)
-    out: list[np.ndarray] = []
-    while len(out) < steps:
-        total = np.cumsum(buf)
-        k = int(np.searchsorted(total, target, side="right"))
-        if k == buf.size:  # the stream ran out before the step filled up
-            buf = np.concatenate([buf, draw(dataset, chunk, rng)])
-            continue
-        k = max(k, 1)
-        batch, buf = buf[:k], buf[k:]
-        if int(batch.max()) > world * memory_per_rank:
-            raise ValueError(
-                f"{dataset}: a sequence of {int(batch.max())} tokens exceeds {world} ranks x {memory_per_rank}"
-            )
-        out.append(batch)
-    return out
 
 
 def load_cost(path: str | None) -> CostModel:
@@ -164,7 +109,7 @@ class ConfigResult:
 
     def feasible(self, scheme: str) -> bool:
         """Whether the scheme ran every step and can hold the data's longest sequence (a fixed
-        degree must; see :func:`epoch_longest`)."""
+        degree must; see :func:`~mmbalance.bench.cp_data.epoch_longest`)."""
         return bool(np.isfinite(self.step[scheme]).all()) and scheme not in self.too_short
 
     def best_static(self) -> str | None:
@@ -466,7 +411,7 @@ def main(argv=None) -> int:
     p.add_argument("--real-steps", type=int, default=8, help="measured steps per scheme of the real part")
     p.add_argument("--real-budget", type=int, default=512, help="tokens per rank in the real part")
     args = p.parse_args(argv)
-    from mmbalance.cli import check_output, require_matplotlib
+    from .harness import check_output, require_matplotlib
 
     for flag, path in (("--markdown", args.markdown), ("--plot", args.plot)):
         problem = check_output(path, flag)

@@ -46,7 +46,7 @@ import numpy as np
 
 from mmbalance.balancing import CostModel
 
-from . import cp, cp_schemes
+from . import cp_data, cp_schemes
 from .harness import Row, device_name
 
 WORLD = 4
@@ -80,7 +80,7 @@ def real_steps(dataset: str, world: int, budget: int, steps: int, fill: float, s
     while len(out) < steps:
         k = int(np.searchsorted(np.cumsum(buf), target, side="right"))
         if k == buf.size:  # the stream ran out before the step filled up
-            more = np.maximum(1, np.round(cp.draw(dataset, 1024, rng) / scale)).astype(np.int64)
+            more = np.maximum(1, np.round(cp_data.draw(dataset, 1024, rng) / scale)).astype(np.int64)
             buf = np.concatenate([buf, more])
             continue
         step, buf = buf[: max(k, 1)], buf[max(k, 1) :]
@@ -134,7 +134,7 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--dataset", default="long_tail_1%")
     p.add_argument("--scale", type=int, default=32)
-    p.add_argument("--fill", type=float, default=cp.FILL)
+    p.add_argument("--fill", type=float, default=cp_data.FILL)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args(argv)

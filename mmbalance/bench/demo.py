@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mmbalance.cli import HelpFormatter, check_output, require_matplotlib, usage_error
+from .harness import HelpFormatter, check_output, cpu_cores, require_matplotlib, spawn, usage_error
 
 ORDERS = [("vision", "audio", "text"), ("text", "vision", "audio")]
 HIDDEN, HEADS, ENC_HIDDEN = 64, 4, 32
@@ -75,7 +75,9 @@ def _groups(world: int):
 
 
 def _train(rank, world, args, balance: bool, pair, shard_dp, device, dtype):
-    from mmbalance.collectives import Orchestrator, PhaseSpec, broadcast_from_leader, cp_shard
+    from mmbalance.balancing import PhaseSpec
+    from mmbalance.collectives import Orchestrator, cp_shard
+    from mmbalance.collectives.broadcast import broadcast_from_leader
     from mmbalance.collectives.ring_plan import ring_plan
 
     from .demo_model import AudioEncoder, LLMBlock, VisionEncoder, init_
@@ -226,8 +228,6 @@ def _on_gpus(args) -> bool:
 
 def run(args) -> dict:
     """Run the demo on ``args.ranks`` spawned processes; return the report (also as JSON)."""
-    from .harness import spawn
-
     msg = check_args(args)
     if msg:
         raise ValueError(msg)
@@ -239,8 +239,6 @@ def run(args) -> dict:
 
 
 def _report(result: dict, args) -> dict:
-    from .harness import cpu_cores
-
     balanced = "balanced" in result
     main = result.get("balanced") or result["unbalanced"]
     phases = {}

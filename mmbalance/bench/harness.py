@@ -1,13 +1,21 @@
-"""The one benchmark harness: timing, result rows, tables, JSON.
+"""The one benchmark harness: timing, result rows, tables, JSON, multi-process runs, and the
+command-line functions every command shares.
 
 Every benchmark module builds ``Row`` objects through ``measure`` and hands them to ``report``.
 Rows are keyed by op, provider, shape, dtype, device and git sha, so results from different
-machines and versions can be stored side by side and compared.
+machines and versions can be stored side by side and compared. The command line (``mmbalance``,
+and each module's own ``main``) reports its users' mistakes through :func:`usage_error` and friends:
+one line on stderr, exit status 2, never a traceback.
+
+Imports only the standard library at import time (torch where a function needs it), so the command
+line starts quickly.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import datetime
 import json
 import os
 import platform
@@ -116,9 +124,8 @@ def report(rows: list[Row], json_path: str | None = None, title: str | None = No
                 f.write(json.dumps(r.as_dict()) + "\n")
 
 
+# ------------------------------------------------------------------------------ command line
 def base_parser(description: str):
-    import argparse
-
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", metavar="FILE", help="append result rows to FILE as JSON lines")
     size = p.add_mutually_exclusive_group()
@@ -127,6 +134,75 @@ def base_parser(description: str):
         "--quick", action="store_true", help="a smoke run: the smallest sizes only (same rows, fewer of them)"
     )
     return p
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default once: appended as ``(default: X)`` unless the help text already
+    says what the default is, and never for flags that are off (``False``) or unset (``None``)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or "(default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        if not action.option_strings and action.nargs in (argparse.ZERO_OR_MORE, argparse.OPTIONAL):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def write_output(prog: str, path: str, write) -> int | None:
+    """Run ``write(path)``; on an ``OSError`` (a read-only or special file system, a full disk) print
+    one line and return the exit status 2 instead of a traceback."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write(path)
+    except OSError as exc:
+        return usage_error(prog, f"cannot write {path}: {exc.strerror or exc}")
+    return None
+
+
+def usage_error(prog: str, message: str) -> int:
+    """Print ``prog: message`` on stderr and return the usage-error exit status (2)."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    return 2
+
+
+def require_matplotlib(prog: str, flag: str = "--plot") -> str | None:
+    """``None`` if matplotlib imports; otherwise the message to fail with (before any work runs)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return f"{flag} needs matplotlib, which does not import here ({exc}); pip install 'matplotlib>=3.8'"
+    return None
+
+
+def check_output(path: str | None, flag: str) -> str | None:
+    """``None`` if ``path`` (an output file named by ``flag``) can be written; else why not."""
+    if not path:
+        return None
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return f"{flag} {path} is a directory; name a file"
+    parent = os.path.dirname(full)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if (
+        not os.path.isdir(parent)
+        or not os.access(parent, os.W_OK)
+        or (os.path.exists(full) and not os.access(full, os.W_OK))
+    ):
+        return f"{flag} {path} cannot be written"
+    return None
+
+
+def fresh_path(directory: str, stem: str, suffix: str) -> str:
+    """A path in ``directory`` that does not exist yet: ``stem-<UTC time>[-k]suffix``."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(directory, f"{stem}-{stamp}{suffix}")
+    k = 1
+    while os.path.exists(path):
+        path = os.path.join(directory, f"{stem}-{stamp}-{k}{suffix}")
+        k += 1
+    return path
 
 
 def cpu_cores() -> int:

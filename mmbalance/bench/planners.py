@@ -466,7 +466,7 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="FILE", help="also write a PNG of the speed and scaling results")
     args = p.parse_args(argv)
     if args.plot:  # checked before the run, which takes minutes
-        from mmbalance.cli import check_output, require_matplotlib
+        from .harness import check_output, require_matplotlib
 
         problem = require_matplotlib("bench.planners") or check_output(args.plot, "--plot")
         if problem:

@@ -2,7 +2,7 @@
 
 (Also run from ``python -m mmbalance.bench.planners``.) Tables:
 
-1. cost model: a transformer layer profiled on this machine (``mmbalance.collectives.profile``), fitted
+1. cost model: a transformer layer profiled on this machine (``mmbalance.bench.profile``), fitted
    on half of a length sweep; error on the fit and on the held-out half (DHP table 3: < 8%);
 2. dynamic CP groups (DHP section 4.3): time per plan for 512 real-data sequences on 64 ranks (target
    < 5 ms; the paper's solver 86 ms) and makespan over a lower bound, against the best static
@@ -30,13 +30,11 @@ from mmbalance.balancing import (
     cp_schedule,
     isf_batches,
     isf_limits,
-    paper_cp_schedule,
-    paper_partition,
-    paper_reorder,
     reorder,
     simulate_1f1b,
 )
 from mmbalance.balancing.datasets import load_sizes, mixture
+from mmbalance.balancing.paper import paper_cp_schedule, paper_inter_reorder, paper_partition, paper_reorder
 
 from .harness import Row, base_parser, device_name, report, time_cpu
 
@@ -52,7 +50,7 @@ def bench_cost_model(full: bool) -> list[Row]:
     of the measurement itself (CPU timings on a shared machine are noisy)."""
     import torch
 
-    from mmbalance.collectives.profile import profile
+    from .profile import profile
 
     torch.manual_seed(0)
     threads = torch.get_num_threads()
@@ -183,7 +181,7 @@ def bench_reorder(full: bool) -> list[Row]:
             )
     # one pipeline alone: the order matters most when the groups are already balanced
     st = _stage_times(64, 11)
-    from mmbalance.balancing import inter_reorder, paper_inter_reorder
+    from mmbalance.balancing import inter_reorder
 
     t = time_cpu(lambda: inter_reorder(st), reps=20)
     ours = simulate_1f1b(st[inter_reorder(st)])

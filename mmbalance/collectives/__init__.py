@@ -1,42 +1,29 @@
 """Everything that talks between ranks (``mmbalance.collectives``).
 
 * batch movement: :func:`gather_lengths`, :func:`rebalance`, the multi-phase :class:`Orchestrator`
-  (with :class:`PhaseSpec`, the per-phase cost model);
+  (its phases are :class:`mmbalance.balancing.PhaseSpec`);
 * context parallelism: :func:`cp_shard`, :func:`ring_attention`, :func:`cp_unshard`, :class:`GroupPool`;
 * tensor parallelism: :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
   :class:`ColumnParallelLinear`, :class:`RowParallelLinear`;
 * :class:`RankMismatchError`, what every entry point raises on every rank when ranks disagree.
 
-Everything else stays importable from its module (``collectives.alltoall.route_of``,
-``collectives.overlap_plan.ShardLayout``, ``collectives.broadcast.broadcast_from_leader``, ...).
+Everything else is importable from its module only (``collectives.alltoall.verify_plan``,
+``collectives.ring_plan.ring_plan``, ``collectives.overlap_plan.ShardLayout``,
+``collectives.broadcast.broadcast_from_leader``, ...).
 """
 
 from .agreement import RankMismatchError
-
-# Names that were exported here before; importable as they were, no longer in __all__.
-from .alltoall import Route, gather_lengths, rebalance, route_of, verify_plan  # noqa: E402, F401, I001
-from .broadcast import broadcast_from_leader  # noqa: E402, F401
+from .alltoall import gather_lengths, rebalance
 from .group_pool import GroupPool
-from .orchestrator import (
-    Orchestrator,
-    PhaseSpec,
-    StepPlan,
-    connector_lengths,  # noqa: E402, F401
-)
+from .orchestrator import Orchestrator, StepPlan
 from .overlap import all_gather_matmul, matmul_reduce_scatter
-from .overlap_plan import OverlapCostModel, ShardLayout, choose_chunks, exchange_shard_sizes  # noqa: E402, F401
-from .ring import RingPlan, cp_shard, cp_unshard, ring_attention, ring_plan  # noqa: E402, F401
-from .tp_linear import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    sequence_shards,  # noqa: E402, F401
-)
+from .ring import cp_shard, cp_unshard, ring_attention
+from .tp_linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
     "ColumnParallelLinear",
     "GroupPool",
     "Orchestrator",
-    "PhaseSpec",
     "RankMismatchError",
     "RowParallelLinear",
     "StepPlan",

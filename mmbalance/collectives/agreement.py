@@ -40,10 +40,10 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .group import initialized, world_of
+from .group import comm_device, initialized, world_of
 from .inflight import run
 
-__all__ = ["RankMismatchError", "Agreement", "Entry", "agree", "comm_device", "global_grad_bits"]
+__all__ = ["RankMismatchError", "Agreement", "Entry", "agree", "global_grad_bits"]
 
 WORDS = 8
 VALUES = WORDS - 3
@@ -58,16 +58,6 @@ class RankMismatchError(ValueError, RuntimeError):
     Raised on every rank of the group with the same message, before any data moves. It is a
     ``ValueError`` (bad input) and a ``RuntimeError`` (the collective cannot run).
     """
-
-
-def comm_device(group, like: torch.Tensor | None = None) -> torch.device:
-    """The device a small control tensor must live on for ``group``'s backend."""
-    if like is not None and like.is_cuda:
-        return like.device
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _hash64(text: str) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,15 +27,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mmbalance.balancing import Plan
+from mmbalance.balancing.plan import Route
 from mmbalance.balancing.validate import as_lengths
 from mmbalance.pyops import cu_seqlens_from_lengths, segment_gather
 from mmbalance.pyops.checks import value_checks_enabled
 
-from .agreement import Entry, comm_device
-from .group import world_of
+from .agreement import Entry
+from .group import comm_device, world_of
 from .inflight import run
 
-__all__ = ["gather_lengths", "gather_table", "rebalance", "Route", "route_of", "verify_plan"]
+__all__ = ["gather_lengths", "gather_table", "rebalance", "verify_plan"]
 
 
 def _as_table(local_lengths, name: str) -> tuple[np.ndarray, bool]:
@@ -125,71 +125,6 @@ def gather_lengths(local_lengths, group=None) -> tuple[np.ndarray, np.ndarray]:
     if not two_d:
         lengths = np.ascontiguousarray(lengths[:, 0]) if lengths.shape[1] else lengths.reshape(-1)
     return lengths, src
-
-
-@dataclass(frozen=True)
-class Route:
-    """One rank's side of a plan, all on the host.
-
-    ``send_order``: local segment ids in send order (by destination rank, then slot);
-    ``send_tokens`` / ``recv_tokens``: rows to / from each rank; ``recv_perm``: segment ids of the
-    receive buffer in slot order, ``None`` when it already is; ``in_lengths``: this rank's examples'
-    lengths before the move; ``out_lengths``: after, in slot order.
-    """
-
-    send_order: np.ndarray
-    send_tokens: list[int]
-    recv_tokens: list[int]
-    recv_perm: np.ndarray | None
-    in_lengths: np.ndarray
-    out_lengths: np.ndarray
-
-    @property
-    def in_tokens(self) -> int:
-        return int(self.in_lengths.sum())
-
-    @property
-    def out_tokens(self) -> int:
-        return int(self.out_lengths.sum())
-
-
-_ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def route_of(plan: Plan, rank: int) -> Route:
-    """The :class:`Route` of ``plan`` for ``rank`` (cached per plan)."""
-    cache = _ROUTES.setdefault(plan, {})
-    if rank in cache:
-        return cache[rank]
-    if plan.src_rank is None:
-        raise ValueError("plan has no source layout: make it with post_balance(..., src_ranks=...)")
-    w = plan.num_ranks
-    lengths = plan.lengths
-    mine = plan.source_order(rank)  # global ids in local (source slot) order
-    src_rank, src_slot = plan._source("route_of")
-    key = np.lexsort((plan.dst_slot[mine], plan.dst_rank[mine]))
-    send_ids = mine[key]
-    send_order = src_slot[send_ids]
-    send_tokens = np.bincount(plan.dst_rank[mine], weights=lengths[mine], minlength=w).astype(np.int64)
-    incoming = np.flatnonzero(plan.dst_rank == rank)
-    recv_seq = incoming[np.lexsort((plan.dst_slot[incoming], src_rank[incoming]))]
-    recv_tokens = np.bincount(src_rank[incoming], weights=lengths[incoming], minlength=w).astype(np.int64)
-    slots = plan.dst_slot[recv_seq]  # slot of the j-th received example
-    recv_perm = None
-    if not np.array_equal(slots, np.arange(slots.size)):
-        recv_perm = np.empty_like(slots)
-        recv_perm[slots] = np.arange(slots.size)
-    out_ids = plan.recv_order(rank)
-    route = Route(
-        send_order=np.ascontiguousarray(send_order, dtype=np.int64),
-        send_tokens=send_tokens.tolist(),
-        recv_tokens=recv_tokens.tolist(),
-        recv_perm=recv_perm,
-        in_lengths=lengths[mine],
-        out_lengths=lengths[out_ids],
-    )
-    cache[rank] = route
-    return route
 
 
 def _local_problems(tensors: list[Tensor], cu_seqlens: Tensor, route: Route, check: bool) -> list[str]:
@@ -289,7 +224,7 @@ def _exchange(tensors: list[Tensor | None], cu_seqlens: Tensor, route: Route, gr
 class _Rebalance(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, group, rank, grad_bits, cu_seqlens, anchor, *tensors):
-        route = route_of(plan, rank)
+        route = plan.route(rank)
         ctx.plan, ctx.group, ctx.rank, ctx.grad_bits = plan, group, rank, grad_bits
         ctx.cu_device = cu_seqlens.device
         outs = _exchange(list(tensors), cu_seqlens, route, group)
@@ -305,8 +240,8 @@ class _Rebalance(torch.autograd.Function):
         # are global), with a zero gradient for an output this rank's loss did not use: every rank
         # sends the same set of payloads, so the collective always matches.
         inverse = _inverse_of(ctx.plan)
-        route = route_of(inverse, ctx.rank)
-        fwd = route_of(ctx.plan, ctx.rank)
+        route = inverse.route(ctx.rank)
+        fwd = ctx.plan.route(ctx.rank)
         cu_out = cu_seqlens_from_lengths(fwd.out_lengths, device=ctx.cu_device)
         send: list[Tensor | None] = []
         for k, (g, (shape, dtype, device)) in enumerate(zip(grads, ctx.out_meta)):
@@ -396,7 +331,7 @@ def rebalance(
             raise ValueError(f"plan is for {plan.num_ranks} ranks but the group has {world}")
         if plan.src_rank is None:
             raise ValueError("plan has no source layout: make it with post_balance(..., src_ranks=...)")
-        route = route_of(plan, rank)
+        route = plan.route(rank)
         e.fields = {"plan": plan.key, "check": bool(check), "payloads": len(tensors)}
         e.fields.update(_payload_fields(tensors))
         e.problems += _local_problems(tensors, cu_seqlens, route, check)
@@ -409,5 +344,5 @@ def rebalance(
     # every rank reaches the backward all-to-all.
     anchor = torch.empty(0, device=cu_seqlens.device, requires_grad=bool(grad_bits))
     outs = _Rebalance.apply(plan, group, rank, grad_bits, cu_seqlens, anchor, *tensors)
-    out_cu = cu_seqlens_from_lengths(route_of(plan, rank).out_lengths, device=cu_seqlens.device)
+    out_cu = cu_seqlens_from_lengths(plan.route(rank).out_lengths, device=cu_seqlens.device)
     return (list(outs) if many else outs[0]), out_cu

@@ -1,5 +1,6 @@
-"""Which process group a collective runs on, and this process's place in it: one helper for every
-entry point, so the same fault raises the same exception everywhere."""
+"""Which process group a collective runs on, this process's place in it, and the device its small
+control tensors live on: one helper for every entry point, so the same fault raises the same
+exception everywhere. A leaf: it imports nothing else of the package."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["NotInitializedError", "group_timeout", "world_of"]
+__all__ = ["NotInitializedError", "comm_device", "group_timeout", "initialized", "world_of"]
 
 
 class NotInitializedError(RuntimeError, ValueError):
@@ -35,6 +36,7 @@ def world_of(group=None) -> tuple[int, int]:
 
 
 def initialized() -> bool:
+    """Whether ``torch.distributed`` is available and has a default process group."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -51,3 +53,13 @@ def group_timeout(group=None) -> timedelta | None:
         except (AttributeError, RuntimeError, ValueError):
             continue
     return None
+
+
+def comm_device(group, like: torch.Tensor | None = None) -> torch.device:
+    """The device a small control tensor must live on for ``group``'s backend."""
+    if like is not None and like.is_cuda:
+        return like.device
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

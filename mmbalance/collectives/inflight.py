@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .group import comm_device
+
 __all__ = ["Inflight", "gather_objects", "mark_distributed_run", "run"]
 
 # How long a release may take before the aliases are parked (kept alive, released at exit) instead
@@ -179,8 +181,6 @@ def run(collective: Callable, *args, **kwargs) -> None:
 
 def gather_objects(obj, group=None) -> list:
     """``dist.all_gather_object`` through :func:`run` (pickled bytes in two small gathers)."""
-    from .agreement import comm_device
-
     world = dist.get_world_size(group)
     device = comm_device(group)
     payload = pickle.dumps(obj)

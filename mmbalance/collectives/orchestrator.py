@@ -26,15 +26,14 @@ import torch
 from torch import Tensor
 
 from mmbalance.balancing import Plan
-from mmbalance.balancing.phases import TEXT, PhasePlans, PhaseSpec, connector_lengths, plan_step
+from mmbalance.balancing.phases import TEXT, PhasePlans, PhaseSpec, plan_step
 from mmbalance.balancing.validate import as_lengths
 
 from .agreement import Entry
 from .alltoall import gather_table, rebalance
-from .broadcast import broadcast_from_leader
 from .group import world_of
 
-__all__ = ["PhaseSpec", "Orchestrator", "StepPlan", "TEXT", "broadcast_from_leader", "connector_lengths"]
+__all__ = ["Orchestrator", "StepPlan"]
 
 
 @dataclass
@@ -127,7 +126,8 @@ class Orchestrator:
         background: plan in a worker thread (``submit`` returns at once).
         llm_group_size: ranks per LLM group (tensor/context parallel): the LLM phase is balanced
             over ``world / llm_group_size`` groups and each example lands on its group's first
-            rank, which shares the assembled batch with the group (:func:`broadcast_from_leader`).
+            rank, which shares the assembled batch with the group
+            (:func:`~mmbalance.collectives.broadcast.broadcast_from_leader`).
         balance: ``False`` keeps every example where it was sampled (encoders on their rank, the
             LLM on that rank's group): the same code path without balancing, for comparisons.
 

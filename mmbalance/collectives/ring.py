@@ -43,7 +43,7 @@ from .group import world_of
 from .inflight import Inflight, run
 from .ring_plan import LAYOUTS, RingPlan, ring_plan
 
-__all__ = ["cp_shard", "cp_unshard", "ring_attention", "ring_plan", "RingPlan"]
+__all__ = ["cp_shard", "cp_unshard", "make_ring", "ring_attention", "ring_backward", "ring_forward"]
 
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 11, 12, 13, 14
 

@@ -25,7 +25,7 @@ from mmbalance.balancing.plan import DEFAULT_BETA
 from mmbalance.balancing.post_balance import check_cost_range
 from mmbalance.balancing.validate import as_coefficient, as_count, as_lengths
 
-__all__ = ["DEFAULT_BETA", "BalancedBatchSampler", "EpochPlan"]
+__all__ = ["BalancedBatchSampler", "EpochPlan"]
 
 
 @dataclass(frozen=True)

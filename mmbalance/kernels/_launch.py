@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import INTERPRET, VARLEN_BACKENDS, triton_unsupported_reasons, use_triton
+from .dispatch import INTERPRET
 
-__all__ = ["INTERPRET", "VARLEN_BACKENDS", "launchable", "triton_unsupported_reasons", "use_triton"]
+__all__ = ["INTERPRET", "launchable"]
 
 
 def launchable(kernel):

@@ -34,9 +34,9 @@ def _check_tensor(name: str, t, ndim: int | None = None) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
 
-def _check_float(name: str, t: torch.Tensor) -> None:
+def _check_float(name: str, t: torch.Tensor, op: str) -> None:
     if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
 
 
 def _check_last_dim(name: str, t: torch.Tensor) -> None:
@@ -128,15 +128,20 @@ def check_host_features(window_left, window_right, softcap, sinks=None) -> float
 
 
 def check_block_args(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs
-) -> None:
-    """Validate the inputs shared by the forward and backward block ops (ValueError/TypeError)."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, q_runs, k_runs,
+    op: str = "attention_block",
+) -> None:  # fmt: skip
+    """Validate the inputs shared by the forward and backward block ops (ValueError/TypeError);
+    dtype errors name ``op``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3)
-        _check_float(name, t)
+        _check_float(name, t, op)
         _check_last_dim(name, t)
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"{op}: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype} (under torch.autocast "
+            "the op casts them to the autocast dtype; outside it, cast them to one dtype)"
+        )
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
@@ -167,8 +172,10 @@ def check_block_args(
 
 def check_bwd_args(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, q_runs, k_runs, dlse) -> None:
     """Validate the inputs of the backward block op: the forward's, plus ``dout`` (q's shape and
-    dtype), ``out`` (q's shape, any float dtype), ``lse`` and ``dlse`` (``[H, Tq]``)."""
-    check_block_args(q, k, v, cu_q, cu_k, max_q, max_k, scale, q_runs, k_runs)
+    dtype), ``out`` (q's shape, any float dtype), ``lse`` and ``dlse`` (``[H, Tq]``); dtype errors
+    name the op."""
+    op = "attention_block_backward"
+    check_block_args(q, k, v, cu_q, cu_k, max_q, max_k, scale, q_runs, k_runs, op=op)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -179,19 +186,26 @@ def check_bwd_args(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, q_r
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     if dout.dtype != q.dtype:
-        raise TypeError(f"dout must have q's dtype {q.dtype}, got {dout.dtype}")
+        raise TypeError(f"{op}: dout must have q's dtype {q.dtype}, got {dout.dtype}")
     if not out.is_floating_point():
-        raise TypeError(f"out must be a float tensor, got {out.dtype}")
-    check_lse("lse", lse, q.shape[1], q.shape[0], q.device)
+        raise TypeError(f"{op}: out must be a float tensor, got {out.dtype}")
+    check_lse("lse", lse, q.shape[1], q.shape[0], q.device, op)
     if dlse is not None:
-        check_lse("dlse", dlse, q.shape[1], q.shape[0], q.device)
+        check_lse("dlse", dlse, q.shape[1], q.shape[0], q.device, op)
 
 
-def check_lse(name: str, lse: torch.Tensor, n_heads: int, n_tokens: int, device: torch.device) -> None:
-    """``lse`` must be a floating ``[H, T]`` tensor on ``device``."""
+def check_lse(
+    name: str,
+    lse: torch.Tensor,
+    n_heads: int,
+    n_tokens: int,
+    device: torch.device,
+    op: str = "attention_block",
+) -> None:
+    """``lse`` must be a floating ``[H, T]`` tensor on ``device``; a dtype error names ``op``."""
     _check_tensor(name, lse, 2)
     if lse.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"{name} must be float32 (or float64), got {lse.dtype}")
+        raise TypeError(f"{op}: {name} must be float32 (or float64), got {lse.dtype}")
     if tuple(lse.shape) != (n_heads, n_tokens):
         raise ValueError(f"{name} must have shape (H, T) = ({n_heads}, {n_tokens}), got {tuple(lse.shape)}")
     if lse.device != device:
@@ -201,9 +215,10 @@ def check_lse(name: str, lse: torch.Tensor, n_heads: int, n_tokens: int, device:
 
 def check_merge_args(out_a, lse_a, out_b, lse_b) -> None:
     """Validate the inputs of ``merge_attention_states``."""
+    op = "merge_attention_states"
     for name, t in (("out_a", out_a), ("out_b", out_b)):
         _check_tensor(name, t, 3)
-        _check_float(name, t)
+        _check_float(name, t, op)
         _check_last_dim(name, t)
     if out_a.shape != out_b.shape:
         raise ValueError(
@@ -212,8 +227,8 @@ def check_merge_args(out_a, lse_a, out_b, lse_b) -> None:
     if out_b.device != out_a.device:
         raise ValueError(f"out_b is on {out_b.device} but out_a is on {out_a.device}")
     t, h, _ = out_a.shape
-    check_lse("lse_a", lse_a, h, t, out_a.device)
-    check_lse("lse_b", lse_b, h, t, out_a.device)
+    check_lse("lse_a", lse_a, h, t, out_a.device, op)
+    check_lse("lse_b", lse_b, h, t, out_a.device, op)
 
 
 def check_features(q, window_left, window_right, softcap, sinks) -> None:
@@ -226,7 +241,7 @@ def check_features(q, window_left, window_right, softcap, sinks) -> None:
     if sinks is None:
         return
     _check_tensor("sinks", sinks, 1)
-    _check_float("sinks", sinks)
+    _check_float("sinks", sinks, "attention_block")
     if sinks.shape[0] != q.shape[1]:
         raise ValueError(f"sinks must have shape (H,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
     if sinks.device != q.device:

@@ -39,6 +39,12 @@ describes the call): ``"auto"`` picks flash-attn on CUDA when it is installed an
 ``"triton"``, ``"flash_attn"`` and ``"reference"`` force one and raise ValueError with the call and
 the reasons when it cannot run. ``MMBALANCE_ATTN_BACKEND`` sets what ``"auto"`` means for a run.
 
+Autocast: under ``torch.autocast`` (CPU or CUDA) both block ops cast their float16/bfloat16/float32
+``q``, ``k``, ``v`` (and ``dout``) to the autocast dtype before they run, as torch's own attention
+does, so inputs of mixed dtypes (HF decoders under autocast hand over float32 queries and keys and
+bfloat16 values) run in the autocast dtype; ``lse`` stays float32. Outside autocast, q, k and v
+must share a dtype.
+
 Autograd: ``attention_block`` (the forward op) differentiates to ``attention_block_bwd``, including
 a gradient reaching ``lse``, and to the sinks through ``sinks_backward``; ``merge_attention_states``
 has a closed-form backward in torch.
@@ -303,6 +309,47 @@ def _merge_backward(ctx, dout, dlse):
 torch.library.register_autograd(
     "mmbalance::merge_attention_states", _merge_backward, setup_context=_merge_setup
 )
+
+
+# ------------------------------------------------------------------------------------- autocast
+# torch.library.register_autocast casts to one dtype fixed at registration; these rules cast to the
+# dtype of the autocast region the call runs in (bfloat16 or float16), like torch's own attention
+# (scaled_dot_product_attention is on autocast's lower-precision list). Only the attention inputs
+# are cast: lse/dlse stay float32, sinks and out keep their dtype, and merge_attention_states needs
+# no rule (it takes any float dtypes and returns float32).
+_AUTOCAST_LIB = torch.library.Library("mmbalance", "IMPL")
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _register_autocast(opname: str, cast: tuple[str, ...]) -> None:
+    op = getattr(torch.ops.mmbalance, opname).default
+    names = [a.name for a in op._schema.arguments]
+    positions = {names.index(n) for n in cast}
+    for device_type in ("cpu", "cuda"):
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        dispatch_key = getattr(torch._C.DispatchKey, key)
+
+        def run(*args, _device=device_type, _key=dispatch_key, **kwargs):
+            dtype = torch.get_autocast_dtype(_device)
+
+            def cast_one(t):
+                eligible = (
+                    isinstance(t, Tensor) and t.device.type == _device and t.dtype in _AUTOCAST_ELIGIBLE
+                )
+                return t.to(dtype) if eligible else t
+
+            args = tuple(cast_one(a) if i in positions else a for i, a in enumerate(args))
+            kwargs = {n: cast_one(a) if n in cast else a for n, a in kwargs.items()}
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_key)):
+                return op(*args, **kwargs)
+
+        op.py_impl(dispatch_key)(run)  # the Python dispatcher's path (torch.compile, make_fx)
+        _AUTOCAST_LIB.impl(opname, lambda _keyset, *args, _run=run, **kwargs: _run(*args, **kwargs), key,
+                           with_keyset=True)  # fmt: skip
+
+
+_register_autocast("attention_block_fwd", ("q", "k", "v"))
+_register_autocast("attention_block_bwd", ("dout", "q", "k", "v"))
 
 
 # ------------------------------------------------------------------------------ public functions

@@ -176,24 +176,17 @@ def test_balancing_import_stays_torch_free():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-def test_profile_measures_a_module_and_fits():
-    torch = pytest.importorskip("torch")
-    from mmbalance.collectives.profile import profile
-
-    torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=64, batch_first=True)
-    meas = profile(layer, lengths=(16, 32, 64, 128, 256), warmup=1, repeats=2)
-    assert [m.lengths for m in meas] == [(16,), (32,), (64,), (128,), (256,)]
-    assert all(m.degree == 1 and m.seconds > 0 for m in meas)
-    fit = CostModel.fit(meas)
-    assert fit.fit_report.count == 5 and np.isfinite(fit.fit_report.mean_error)
-
-
-def test_profile_errors():
-    torch = pytest.importorskip("torch")
-    from mmbalance.collectives.profile import profile
-
-    with pytest.raises(ValueError, match="hidden_size"):
-        profile(lambda x: x, lengths=(4,))
-    with pytest.raises(ValueError, match="positive"):
-        profile(torch.nn.Linear(4, 4), lengths=(0,))
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sum", "overlap"])
+def test_predict_is_time_from_aggregates(rng, padded, overlap):
+    model = CostModel(
+        linear=1e-3, attention=2e-7, ring=3e-4, ring_latency=0.01, fixed=0.5, overlap=overlap, padded=padded
+    )
+    groups = [rng.integers(1, 4000, size=int(rng.integers(1, 6))) for _ in range(7)]
+    x = [g.astype(np.float64) for g in groups]
+    s1 = np.array([g.size * g.max() if padded else g.sum() for g in x])
+    s2 = np.array([g.size * g.max() ** 2 if padded else (g * g).sum() for g in x])
+    for d in (1, 2, 3, 8):
+        got = model.predict(s1, s2, np.float64(d))
+        want = [model.time(g, degree=d) for g in groups]
+        np.testing.assert_allclose(got, want, rtol=1e-12)

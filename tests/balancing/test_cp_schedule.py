@@ -11,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmbalance.balancing import CostModel, cp_schedule, paper_cp_schedule
+from mmbalance.balancing import CostModel, cp_schedule
 from mmbalance.balancing._core_api import core
 from mmbalance.balancing.cp_schedule import DEFAULT_COST
+from mmbalance.balancing.paper import paper_cp_schedule
 
 SETTINGS = settings(
     max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -281,7 +282,7 @@ def test_real_data_512_sequences_64_ranks():
 
 def _transformer_per_sequence(ls, d):
     x = ls.astype(np.float64)
-    return DEFAULT_COST._predict(x, x * x, np.float64(d))
+    return DEFAULT_COST.predict(x, x * x, np.float64(d))
 
 
 def _degree_penalty(ls, d):  # not convex in d: degrees divisible by 3 pay extra

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmbalance.balancing import ModuleCost, allocate_resources, balanced_partition, paper_partition
+from mmbalance.balancing import ModuleCost, allocate_resources, balanced_partition
+from mmbalance.balancing.paper import paper_partition
 
 SETTINGS = settings(
     max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmbalance.balancing import Plan, lower_bound, paper_algorithm, post_balance
+from mmbalance.balancing import Plan, lower_bound, post_balance
+from mmbalance.balancing.paper import paper_algorithm
 
 from . import reference as ref
 

@@ -8,14 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from mmbalance.balancing import (
-    inter_reorder,
-    intra_reorder,
-    paper_inter_reorder,
-    paper_intra_reorder,
-    reorder,
-    simulate_1f1b,
-)
+from mmbalance.balancing import inter_reorder, intra_reorder, reorder, simulate_1f1b
+from mmbalance.balancing.paper import paper_inter_reorder, paper_intra_reorder
 
 SETTINGS = settings(
     max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

@@ -12,7 +12,7 @@ import pytest
 
 from mmbalance import cli
 from mmbalance.balancing import CostModel
-from mmbalance.bench import cp, cp_schemes
+from mmbalance.bench import cp, cp_data, cp_schemes
 
 COST = CostModel.transformer()
 OTHER = CostModel(linear=1.0, attention=2e-4, ring=0.2, ring_latency=50.0, fixed=10.0, mask="full")
@@ -178,7 +178,7 @@ def test_hybrid_uses_powers_of_two_and_every_rank():
 
 
 def test_step_batches_fill_the_memory_and_long_tails_are_16_to_64_times_the_median():
-    med = cp.median_length()
+    med = cp_data.median_length()
     for ds in cp.DATASETS:
         batches = cp.step_batches(ds, 8, 8192, 5, 0.75, 0)
         assert len(batches) == 5
@@ -188,8 +188,8 @@ def test_step_batches_fill_the_memory_and_long_tails_are_16_to_64_times_the_medi
         again = cp.step_batches(ds, 8, 8192, 5, 0.75, 0)
         assert all(np.array_equal(a, b) for a, b in zip(batches, again))  # seeded
     rng = np.random.default_rng(0)
-    tail = cp.draw("long_tail_1%", 200_000, rng)
-    base = cp.draw("mixture", 200_000, np.random.default_rng(0))
+    tail = cp_data.draw("long_tail_1%", 200_000, rng)
+    base = cp_data.draw("mixture", 200_000, np.random.default_rng(0))
     rare = tail[tail > base.max()]
     assert 0.005 < (tail >= 16 * med - 1).mean() < 0.02
     assert rare.min() >= round(16 * med) - 1 and rare.max() <= round(64 * med) + 1

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmbalance.collectives import Orchestrator, PhaseSpec
+from mmbalance.balancing import PhaseSpec
+from mmbalance.collectives import Orchestrator
 from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -105,7 +106,8 @@ def _packed(mine, part):
 def _worker(rank, world, steps):
     import torch.distributed as dist
 
-    from mmbalance.collectives import Orchestrator, PhaseSpec
+    from mmbalance.balancing import PhaseSpec
+    from mmbalance.collectives import Orchestrator
 
     out = []
     orch = Orchestrator(
@@ -206,8 +208,7 @@ def test_bad_configuration_is_refused_at_construction(make, word):
 
 
 def test_phase_spec_uses_the_same_default_beta():
-    from mmbalance.balancing import DEFAULT_BETA
-    from mmbalance.collectives import PhaseSpec
+    from mmbalance.balancing import DEFAULT_BETA, PhaseSpec
 
     assert PhaseSpec("quadratic").beta == PhaseSpec("conv").beta == DEFAULT_BETA
     assert PhaseSpec("sum").beta == 0.0 and PhaseSpec("quadratic", beta=0.0).beta == 0.0

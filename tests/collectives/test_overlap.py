@@ -16,10 +16,16 @@ import zlib
 import pytest
 import torch
 
-from mmbalance.collectives import all_gather_matmul, exchange_shard_sizes, matmul_reduce_scatter
+from mmbalance.collectives import all_gather_matmul, matmul_reduce_scatter
 from mmbalance.collectives import overlap_plan as plan_mod
 from mmbalance.collectives._copy_engine import not_supported_reasons
-from mmbalance.collectives.overlap_plan import OverlapCostModel, ShardLayout, choose_chunks, chunk_plan
+from mmbalance.collectives.overlap_plan import (
+    OverlapCostModel,
+    ShardLayout,
+    choose_chunks,
+    chunk_plan,
+    exchange_shard_sizes,
+)
 from tests.dist_utils import run_distributed
 from tests.tolerances import tol
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmbalance.collectives import cp_shard, ring_plan
+from mmbalance.collectives import cp_shard
 from mmbalance.collectives.ring import make_ring
+from mmbalance.collectives.ring_plan import ring_plan
 from tests.dist_utils import run_distributed
 from tests.tolerances import tol
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from mmbalance.collectives import ColumnParallelLinear, RowParallelLinear, ShardLayout, sequence_shards
+from mmbalance.collectives import ColumnParallelLinear, RowParallelLinear
+from mmbalance.collectives.overlap_plan import ShardLayout
+from mmbalance.collectives.tp_linear import sequence_shards
 from tests.dist_utils import run_distributed
 from tests.tolerances import tol
 

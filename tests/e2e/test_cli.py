@@ -17,14 +17,14 @@ from mmbalance.bench import simulate as sim
 def fake_benchmarks(monkeypatch) -> list[tuple[str, list[str]]]:
     calls: list[tuple[str, list[str]]] = []
 
-    def fake_import(name):
+    def fake_load(name):
         def main(argv):
-            calls.append((name, list(argv)))
+            calls.append((f"mmbalance.bench.{name}", list(argv)))
             return 0
 
         return types.SimpleNamespace(main=main)
 
-    monkeypatch.setattr(cli.importlib, "import_module", fake_import)
+    monkeypatch.setattr(cli, "load_benchmark", fake_load)
     return calls
 
 
@@ -46,6 +46,24 @@ def test_version(capsys):
     from mmbalance import __version__
 
     assert capsys.readouterr().out.strip() == f"mmbalance {__version__}"
+
+
+def test_every_benchmark_loads_by_its_name():
+    for name in (*cli.BENCHES, "kernel_audit"):
+        module = cli.load_benchmark(name)
+        assert module.__name__ == f"mmbalance.bench.{name}" and callable(module.main)
+    with pytest.raises(ValueError, match="name must be one of"):
+        cli.load_benchmark("nonsense")
+
+
+def test_commands_without_torch_do_not_import_it():
+    """``mmbalance --version``, ``simulate`` and ``bench planners`` start without torch."""
+    code = (
+        "import sys\nfrom mmbalance import cli\nfrom mmbalance.bench import simulate\n"
+        "cli.load_benchmark('planners')\nassert 'torch' not in sys.modules, 'torch'"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
 
 
 def test_bench_rejects_unknown_names(capsys):

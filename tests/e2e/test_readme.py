@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.dist_utils import describe_exit, run_distributed
+from mmbalance.bench.harness import describe_exit
+from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"

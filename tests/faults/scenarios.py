@@ -135,7 +135,8 @@ def _no_grad_if(cond: bool, fn):
 
 # ---------------------------------------------------------------------------------- Orchestrator
 def orchestrator_faults(rank: int, world: int) -> dict:
-    from mmbalance.collectives import Orchestrator, PhaseSpec
+    from mmbalance.balancing import PhaseSpec
+    from mmbalance.collectives import Orchestrator
 
     bad = rank == FAULTY
     sizes = {"vision": [4, 0, 8], "text": [5, 6, 7]}
@@ -367,11 +368,10 @@ def tp_module_faults(rank: int, world: int) -> dict:
 # ---------------------------------------------------------------------------------- dead and departed
 def lost_rank(rank: int, world: int, entry: str, how: str, linger: float) -> dict:
     """Set ``entry`` up on every rank, then the faulty rank dies or leaves and the others call it."""
-    from mmbalance.balancing import post_balance
+    from mmbalance.balancing import PhaseSpec, post_balance
     from mmbalance.collectives import (
         ColumnParallelLinear,
         Orchestrator,
-        PhaseSpec,
         all_gather_matmul,
         gather_lengths,
         matmul_reduce_scatter,

@@ -60,7 +60,8 @@ def _counts() -> dict[str, int]:
 
 
 def _soak(rank: int, world: int, steps: int, warmup: int) -> dict:
-    from mmbalance.collectives import Orchestrator, PhaseSpec
+    from mmbalance.balancing import PhaseSpec
+    from mmbalance.collectives import Orchestrator
 
     orch = Orchestrator({"vision": PhaseSpec("sum", downsample=2)}, ranks_per_node=1)
     proj = torch.nn.Linear(3, 3)

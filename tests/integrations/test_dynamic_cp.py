@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from mmbalance.balancing import CostModel  # noqa: E402
 from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
-from mmbalance.integrations.hf.dynamic_cp import plan_layout, split_sequences  # noqa: E402
+from mmbalance.integrations.hf.cp_plan import plan_layout, split_sequences  # noqa: E402
 from tests.dist_utils import REPO, launch  # noqa: E402
 
 SCRIPT = REPO / "tests" / "integrations" / "cp_plain_loop.py"

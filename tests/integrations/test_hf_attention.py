@@ -103,7 +103,7 @@ def test_unsupported_settings_are_refused():
     module.eval()
     with pytest.raises(ValueError, match="mmbalance_varlen.*position_bias"):
         varlen_attention(module, q, q, q, None, position_bias=torch.zeros(1, 2, 8, 8))
-    with pytest.raises(ValueError, match="mmbalance_varlen.*4-D"):
-        varlen_attention(module, q, q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mmbalance_varlen.*4-D mask with one mask per head"):
+        varlen_attention(module, q, q, q, torch.ones(1, 2, 8, 8, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="mmbalance_varlen.*`alibi_slopes`"):
         varlen_attention(module, q, q, q, None, alibi_slopes=torch.ones(2))

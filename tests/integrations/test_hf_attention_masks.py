@@ -200,7 +200,8 @@ def test_refusals_name_the_backend_and_the_feature():
              block_table=torch.zeros(1, 1))  # fmt: skip
     _refused(f"{name} does not implement the attention keyword `alibi`", varlen_attention, layer, q, k, k, None,
              alibi=torch.ones(H), exc=NotImplementedError)  # fmt: skip
-    _refused(f"{name} does not implement .*4-D", varlen_attention, layer, q, k, k, torch.ones(1, 1, 6, 6))
+    _refused(f"{name} cannot run this attention mask: a 4-D mask with additive values other than 0 and -inf",
+             varlen_attention, layer, q, k, k, torch.ones(1, 1, 6, 6))  # fmt: skip
     # unions of mask functions: Gemma3's bidirectional image blocks, bidirectional decoders
     image = mu.or_masks(CAUSAL, lambda b, h, qi, ki: qi >= 0)
     _refused(

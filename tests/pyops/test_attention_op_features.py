@@ -237,9 +237,8 @@ def test_threads_agree(small_blocks):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_inference_mode_and_autocast(small_blocks):
-    """Worker threads run under the caller's inference mode (its outputs are inference tensors),
-    and autocast does not lower the path's float32 accumulation."""
+def test_inference_mode(small_blocks):
+    """Worker threads run under the caller's inference mode (its outputs are inference tensors)."""
     q, k, v, cu_q, cu_k, lq, lk, sinks = _batch(seed=12, dtype=torch.float32, n_seqs=3, max_len=20)
     kw = dict(causal=True, window_left=6, sinks=sinks)
     want_out, want_lse = ops.attention_block(q, k, v, cu_q, cu_k, max(lq), max(lk), **kw)
@@ -247,10 +246,51 @@ def test_inference_mode_and_autocast(small_blocks):
         out, lse = ops.attention_block(q, k, v, cu_q, cu_k, max(lq), max(lk), **kw)
     assert out.is_inference()
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, lse = ops.attention_block(q, k, v, cu_q, cu_k, max(lq), max(lk), **kw)
-    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_runs_the_ops_in_the_autocast_dtype(small_blocks, amp):
+    """Under autocast both block ops cast q, k, v (and dout) to the autocast dtype, as torch's own
+    attention does: mixed inputs (float32 q and k, half-precision v, as HF decoders pass them under
+    autocast) give exactly what the same inputs cast outside autocast give, lse stays float32,
+    gradients reach every input in its own dtype; compiled (fullgraph) alike. Outside autocast
+    the mix is a TypeError naming the op."""
+    q, k, v, cu_q, cu_k, lq, lk, sinks = _batch(seed=12, dtype=torch.float32, n_seqs=3, max_len=20)
+    v = v.to(amp)
+    args = (cu_q, cu_k, max(lq), max(lk))
+    kw = dict(causal=True, window_left=6, sinks=sinks)
+    mixed = [t.clone().requires_grad_() for t in (q, k, v)]
+    low = [t.detach().to(amp).requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=amp):
+        out, lse = ops.attention_block(*mixed, *args, **kw)
+        compiled = torch.compile(
+            lambda *t: ops.attention_block(*t, *args, **kw), backend="aot_eager", fullgraph=True
+        )
+        out_c, lse_c = compiled(*(t.detach() for t in mixed))
+    want, want_lse = ops.attention_block(*low, *args, **kw)
+    assert out.dtype == amp and lse.dtype == torch.float32
+    for got in ((out, lse), (out_c, lse_c)):
+        assert torch.equal(got[0], want) and torch.equal(got[1], want_lse)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out.float() * dout).sum().backward()
+    (want.float() * dout).sum().backward()
+    for a, b in zip(mixed, low):
+        assert a.grad.dtype == a.dtype
+        assert torch.equal(a.grad, b.grad.to(a.dtype))
+    # the backward op called directly under autocast: a float32 dout meets half-precision v
+    with torch.autocast("cpu", dtype=amp):
+        grads = ops.attention_block_backward(dout, q, k, v, want, want_lse, *args, causal=True, window_left=6)
+    want_grads = ops.attention_block_backward(
+        dout.to(amp), q.to(amp), k.to(amp), v, want, want_lse, *args, causal=True, window_left=6
+    )
+    for a, b in zip(grads, want_grads):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match=f"attention_block: q, k and v must share a dtype, got torch.float32, "
+                       f"torch.float32, {amp}"):  # fmt: skip
+        ops.attention_block(q, k, v, *args, **kw)
+    with pytest.raises(TypeError, match="attention_block_backward: q, k and v must share a dtype"):
+        ops.attention_block_backward(dout, q, k, v, want, want_lse, *args, causal=True)
 
 
 def test_parallel_reraises_a_worker_error_and_thread_count_is_restored():

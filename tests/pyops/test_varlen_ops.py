@@ -355,17 +355,17 @@ def test_round_trips(lengths, seed, hidden):
 
 
 def test_backend_can_be_forced(monkeypatch):
-    from mmbalance.kernels import _launch
+    from mmbalance.kernels import dispatch
 
     x = torch.zeros(3, 2)
     monkeypatch.setenv("MMBALANCE_VARLEN_BACKEND", "reference")
-    assert _launch.use_triton(x) is False
+    assert dispatch.use_triton(x) is False
     monkeypatch.setenv("MMBALANCE_VARLEN_BACKEND", "triton")
-    if _launch.INTERPRET:
-        assert _launch.use_triton(x) is True
+    if dispatch.INTERPRET:
+        assert dispatch.use_triton(x) is True
     else:
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-            _launch.use_triton(x)
+            dispatch.use_triton(x)
     monkeypatch.setenv("MMBALANCE_VARLEN_BACKEND", "fast")
     with pytest.raises(ValueError, match="MMBALANCE_VARLEN_BACKEND"):
-        _launch.use_triton(x)
+        dispatch.use_triton(x)

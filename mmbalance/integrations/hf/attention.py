@@ -18,15 +18,23 @@ batch packed into it):
   with any batch size (every row split where its ``position_ids`` restart), bidirectional
   attention inside image blocks (Gemma3's ``block_sequence_ids``: a second call over each block's
   later keys, merged by log-sum-exp);
-* without our mask (a model that builds none): ``is_causal``, ``sliding_window`` (flash-attn's
-  semantics), ``cu_seq_lens_q/k`` (causal bottom-right when they differ), ``position_ids`` (2-D,
-  or the text row of 3-D M-RoPE ``[4, B, L]`` positions, as transformers reads them);
-* ``softcap`` (Gemma2) and attention sinks ``s_aux`` (gpt-oss, with their gradient).
+* without our mask (a model that builds none, cross-attention): ``is_causal`` (a module without
+  it is bidirectional; causal calls with fewer queries than keys are bottom-right, a cache's),
+  ``sliding_window`` (flash-attn's semantics), ``cu_seq_lens_q/k`` (causal bottom-right when they
+  differ), ``position_ids`` (2-D, or the text row of 3-D M-RoPE ``[4, B, L]`` positions, as
+  transformers reads them), 2-D padding masks and 4-D masks of 0/-inf (or bool) whose rows see at
+  most two runs of keys (Mllama's ``cross_attention_mask``);
+* ``softcap`` (Gemma2) and attention sinks ``s_aux`` (gpt-oss, with their gradient);
+* ``torch.autocast``: q, k and v run in the autocast dtype.
+
+Every plan is made once per forward and reused by the layers; under ``torch.compile`` planning
+stays outside the graph (``attention_compile.py``).
 
 Everything else a model hands an attention function is refused with an error that names the
 backend and the feature, never ignored: attention dropout in training, ``position_bias`` (T5),
-``output_attentions``, 4-D or custom masks, other unions of mask functions (a bidirectional
-decoder, ``use_bidirectional_attention``), paged caches, unknown keywords.
+``output_attentions``, 4-D masks with an attention bias or one per head, custom masks, other
+unions of mask functions (a bidirectional decoder, ``use_bidirectional_attention``), causal calls
+with more queries than keys and no ``cu_seq_lens``, paged caches, unknown keywords.
 
     from mmbalance.integrations.hf import register_attention
     register_attention()
@@ -46,10 +54,18 @@ from torch import Tensor
 from mmbalance.pyops.attention_ops import attention_block, merge_attention_states
 from mmbalance.pyops.varlen import cu_seqlens_from_lengths
 
-from .attention_mask import ATTENTION_NAME, VarlenMask, varlen_mask
+from .attention_compile import PlanCache, outside_graph
+from .attention_mask import ATTENTION_NAME, VarlenMask, dense_mask_runs, set_planner, varlen_mask
 from .cp_attention import CP_KEYWORD, cp_attention
 
-__all__ = ["ATTENTION_NAME", "register_attention", "varlen_attention", "varlen_mask", "VarlenMask"]
+__all__ = [
+    "ATTENTION_NAME",
+    "plan_mask",
+    "register_attention",
+    "varlen_attention",
+    "varlen_mask",
+    "VarlenMask",
+]
 
 # keywords that shape the attention and are implemented here
 _IMPLEMENTED = {
@@ -358,6 +374,110 @@ def _plan(spec: VarlenMask, b: int, lq: int, lk: int, cu: tuple[Tensor, Tensor] 
     return plan
 
 
+def plan_mask(spec: VarlenMask, device: torch.device) -> None:
+    """Plan the op calls of ``spec``'s layers ahead of them (their usual shape: the mask's batch,
+    query and key lengths), as the mask function does inside ``torch.compile``."""
+    key = (spec.q_length, spec.kv_length, spec.batch_size, device)
+    if key not in spec.plans:
+        spec.plans[key] = _plan(spec, spec.batch_size, spec.q_length, spec.kv_length, None, device)
+
+
+set_planner(plan_mask)
+
+
+@outside_graph(ATTENTION_NAME, "its planning of a call")
+def _plan_with_mask(spec: VarlenMask, b, lq, lk, cu, device, position_ids) -> _Plan:
+    """A call with our mask but no plan for it yet: explicit ``cu_seq_lens``, ``position_ids`` of
+    packed rows for a mask built without them, or a shape the mask function did not plan for."""
+    if cu is not None:
+        # every layer of a forward gets the same cu_seq_lens tensors
+        ckey = ("cu", lq, lk, b, device, id(cu[0]), id(cu[1]))
+        hit = spec.plans.get(ckey)
+        if hit is None or hit[0] is not cu[0] or hit[1] is not cu[1]:
+            hit = spec.plans[ckey] = (cu[0], cu[1], _plan(spec, b, lq, lk, cu, device))
+        return hit[2]
+    if position_ids is not None:
+        # some models build their mask without position_ids (gpt-oss): packed rows are then read
+        # from the positions the layer gets, as flash-attention does (once per tensor: every layer
+        # gets the same one)
+        pkey = ("positions", lq, lk, b, device, id(position_ids))
+        hit = spec.plans.get(pkey)
+        if hit is None or hit[0] is not position_ids:
+            packing = _packing_from_position_ids(position_ids, b, lq)
+            packed = spec
+            if packing is not None:
+                packed = dataclasses.replace(spec, segments=packing[0], positions=packing[1], plans={})
+            hit = spec.plans[pkey] = (position_ids, _plan(packed, b, lq, lk, None, device))
+        return hit[1]
+    key = (lq, lk, b, device)
+    if key not in spec.plans:
+        spec.plans[key] = _plan(spec, b, lq, lk, None, device)
+    return spec.plans[key]
+
+
+def _shape_plan(b: int, lq: int, lk: int, causal: bool, window) -> tuple[int, int] | None:
+    """Whether a call without a mask, ``cu_seq_lens`` or packing is planned from its shape alone
+    (every row one sequence over all its keys; causal: bottom-right, a cache's): its window, or
+    None when it needs the host."""
+    if lq <= 0 or lk <= 0 or (causal and lq > lk):
+        return None
+    if window is None:
+        return -1, -1
+    left, right = window  # _window_needed for these sequences: queries at lk - lq .. lk - 1
+    return (left if left >= 0 and lk - 1 > left else -1), (
+        right if right >= 0 and not causal and lq - 1 > right else -1
+    )
+
+
+def _rows_plan(b: int, lq: int, lk: int, window: tuple[int, int], device) -> _Plan:
+    """``_plan`` of a shape-only call, in tensor ops Dynamo traces (no host data)."""
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * lq
+    cu_k = cu_q if lq == lk else torch.arange(b + 1, dtype=torch.int32, device=device) * lk
+    return _Plan(k_index=None, cu_q=cu_q, cu_k=cu_k, max_q=lq, max_k=lk, causal_offset=lk - lq,
+                 q_runs=None, k_runs=None, window=window)  # fmt: skip
+
+
+# calls without our mask (cross-attention, vision towers' cu_seq_lens, masks from outside): every
+# layer of a forward brings the same tensors, so the first layer plans for all
+_KEYWORD_PLANS = PlanCache()
+
+
+@outside_graph(ATTENTION_NAME, "its planning of a call")
+def _plan_without_mask(
+    attention_mask, b, lq, lk, causal, window, cu, position_ids, device
+) -> tuple[_Plan, bool]:
+    """The plan (and the op's causal flag) of a call whose mask is a 2-D or 4-D tensor or None."""
+
+    def make() -> tuple[_Plan, bool]:
+        if attention_mask is not None and attention_mask.dim() == 4:
+            if cu is not None:
+                raise ValueError(
+                    f"{ATTENTION_NAME}: cu_seq_lens_q/k together with a 4-D attention mask; give one of them"
+                )
+            seqs = [
+                _Seq(
+                    r, r * lq + q0, nq, runs[0][0] if runs else 0, [(r * lk + k0, kn, k0) for k0, kn in runs]
+                )
+                for r, q0, nq, runs in dense_mask_runs(attention_mask, b, lq, lk)
+            ]
+            return _build_plan(seqs, b * lq, b * lk, False, None, device), False
+        if causal and cu is None and lq > lk:
+            # bottom-right alignment would leave the first queries without keys: that is never
+            # self-attention over a cache, whose keys include the queries
+            raise ValueError(
+                f"{ATTENTION_NAME}: causal attention with more queries ({lq}) than keys ({lk}) and no "
+                "cu_seq_lens_q/k; cross-attention must say is_causal=False (a module without is_causal is "
+                "bidirectional)"
+            )
+        spec = _mask_from_keywords(
+            attention_mask, b, lq, lk, causal, window, None if cu is not None else position_ids
+        )
+        return _plan(spec, b, lq, lk, cu, device), causal
+
+    tensors = (attention_mask, *(cu if cu is not None else (None, None)), position_ids)
+    return _KEYWORD_PLANS.get_or_plan(tensors, (b, lq, lk, causal, window, device), make)
+
+
 # ------------------------------------------------------------------------- masks from keywords
 def _text_positions(position_ids: Tensor, b: int) -> Tensor | None:
     """The positions that mark packing boundaries, as transformers reads them: 2-D ``[B, L]``
@@ -418,6 +538,11 @@ def varlen_attention(
     """transformers' attention-function signature: ``query [B, H, Lq, D]``, ``key``/``value``
     ``[B, Hkv, Lk, D]`` (GQA: ``H % Hkv == 0``); returns ``(out [B, Lq, H, Dv], None)``.
 
+    Under ``torch.autocast`` the attention runs in the autocast dtype (q, k and v cast to it, as
+    transformers' flash-attention path does: HF decoders hand over float32 queries and keys, RoPE
+    being float32, and half-precision values); the output has that dtype. Without our mask, a
+    module that does not say ``is_causal`` (or says False) is bidirectional.
+
     With a dynamic context-parallel shard in the keywords (``mmbalance_cp``, from
     :meth:`~mmbalance.integrations.hf.dynamic_cp.DynamicCPHandle.shard`) it runs the shard's ring
     or varlen attention instead (``cp_attention.py``)."""
@@ -425,10 +550,11 @@ def varlen_attention(
     _check_keywords(module, dropout, kwargs)
     if shard is not None:
         return cp_attention(module, query, key, value, attention_mask, scaling, shard, kwargs)
+    query, key, value = _one_dtype(query, key, value)
     b, h, lq, d = query.shape
     lk, dv = key.shape[2], value.shape[-1]
     causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    causal = bool(getattr(module, "is_causal", False) if causal is None else causal)
     sliding = kwargs.get("sliding_window")
     kw_window = None
     if sliding is not None and sliding > 0:
@@ -452,51 +578,37 @@ def varlen_attention(
                 f"{ATTENTION_NAME}: the layer asks for sliding_window={sliding} but its mask has no sliding "
                 "window (the model built a full-attention mask for it)"
             )
+        causal = spec.causal
         plain = spec.segments is None and spec.padding is None and spec.q_offset == spec.kv_offset == 0
         position_ids = kwargs.get("position_ids")
-        if cu is not None:
-            plan = _plan(spec, b, lq, lk, cu, device)
-        elif plain and lq == lk and position_ids is not None:
-            # some models build their mask without position_ids (gpt-oss): packed rows are then
-            # read from the positions the layer gets, as flash-attention does (once per tensor:
-            # every layer gets the same one)
-            pkey = ("positions", lq, lk, b, str(device), id(position_ids))
-            hit = spec.plans.get(pkey)
-            if hit is None or hit[0] is not position_ids:
-                packing = _packing_from_position_ids(position_ids, b, lq)
-                packed = spec
-                if packing is not None:
-                    packed = dataclasses.replace(spec, segments=packing[0], positions=packing[1], plans={})
-                hit = spec.plans[pkey] = (position_ids, _plan(packed, b, lq, lk, None, device))
-            plan = hit[1]
-        else:
-            key_ = (lq, lk, b, str(device))
-            cached = spec.plans.get(key_)
-            if cached is None:
-                cached = spec.plans[key_] = _plan(spec, b, lq, lk, None, device)
-            plan = cached
-    elif attention_mask is None or (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2):
+        by_positions = cu is None and plain and lq == lk and position_ids is not None
+        # the plan of this shape is on the mask after its first layer (under torch.compile: made by
+        # the mask function), a lookup Dynamo traces without a graph break
+        plan = None if cu is not None or by_positions else spec.plans.get((lq, lk, b, device))
+        if plan is None:
+            plan = _plan_with_mask(spec, b, lq, lk, cu, device, position_ids if by_positions else None)
+    elif attention_mask is None or (isinstance(attention_mask, Tensor) and attention_mask.dim() in (2, 4)):
         config = getattr(module, "config", None)
         if getattr(config, "attention_chunk_size", None) and attention_mask is None:
             raise _refuse(
                 "chunked attention without its own mask function (register_attention() installs it; "
                 "a mask passed in from outside carries no chunks)"
             )
-        spec = _mask_from_keywords(
-            attention_mask,
-            b,
-            lq,
-            lk,
-            causal,
-            kw_window,
-            None if cu is not None else kwargs.get("position_ids"),
-        )
-        plan = _plan(spec, b, lq, lk, cu, device)
+        position_ids = kwargs.get("position_ids")
+        shaped = None
+        if attention_mask is None and cu is None and (lq != lk or position_ids is None):
+            shaped = _shape_plan(b, lq, lk, causal, kw_window)
+        if shaped is not None:  # e.g. cross-attention without a mask: nothing to read, no graph break
+            plan = _rows_plan(b, lq, lk, shaped, device)
+        else:
+            plan, causal = _plan_without_mask(
+                attention_mask, b, lq, lk, causal, kw_window, cu, position_ids, device
+            )
     else:
         shape = tuple(getattr(attention_mask, "shape", ()))
         raise _refuse(
-            f"{type(attention_mask).__name__} attention masks of shape {shape} (4-D or custom masks); models "
-            "get its own mask function from register_attention()"
+            f"{type(attention_mask).__name__} attention masks of shape {shape} (custom masks); models get its "
+            "own mask function from register_attention()"
         )
 
     extra: dict[str, Any] = {}
@@ -528,7 +640,7 @@ def varlen_attention(
     if plan.k_index is not None:
         kq, vq = k.index_select(0, plan.k_index), v.index_select(0, plan.k_index)
     out, lse = attention_block(
-        q, kq, vq, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, softmax_scale=scale, causal=spec.causal,
+        q, kq, vq, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, softmax_scale=scale, causal=causal,
         causal_offset=plan.causal_offset, q_runs=plan.q_runs, k_runs=plan.k_runs, **extra,
     )  # fmt: skip
     if plan.blocks is not None:
@@ -537,6 +649,26 @@ def varlen_attention(
     if width != dv:
         out = out[..., :dv]
     return out, None
+
+
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _one_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v in one dtype: the autocast dtype inside ``torch.autocast`` (float64 stays), else
+    they must share one already (a TypeError naming the backend)."""
+    device_type = query.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE else t for t in (query, key, value))
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(
+            f"{ATTENTION_NAME}: query, key and value must share a dtype outside torch.autocast, got {query.dtype}, "
+            f"{key.dtype} and {value.dtype}. Mixed-precision training runs the model under torch.autocast "
+            "(TrainingArguments(bf16=True) or fp16=True do), where they are cast to the autocast dtype; else "
+            "cast the model to one dtype"
+        )
+    return query, key, value
 
 
 def _add_block_keys(out, lse, q, k, v, bp: _BlockPlan, scale: float, softcap) -> Tensor:

@@ -21,13 +21,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 # transformers passes a prepared BlockMask (or 4-D tensor) through its mask builders unchanged
 from torch.nn.attention.flex_attention import BlockMask as _Prepared
 
-__all__ = ["ATTENTION_NAME", "VarlenMask", "varlen_mask", "parse_mask_function"]
+from .attention_compile import outside_graph
+
+__all__ = [
+    "ATTENTION_NAME",
+    "VarlenMask",
+    "dense_mask_runs",
+    "parse_mask_function",
+    "set_planner",
+    "varlen_mask",
+]
 
 ATTENTION_NAME = "mmbalance_varlen"
 
@@ -60,7 +70,8 @@ class VarlenMask(_Prepared):
     segments: Tensor | None = None
     positions: Tensor | None = None
     blocks: Tensor | None = None
-    # host-side plans, one per (query length, key length, device), shared by every layer
+    # host-side plans, one per (query length, key length, batch, device), shared by every layer
+    # (the mask function makes the usual one before the layers run)
     plans: dict = field(default_factory=dict, repr=False)
 
     # transformers treats a prepared mask as a tensor or a flex BlockMask in a few places:
@@ -278,7 +289,52 @@ def varlen_mask(
     **kwargs,
 ) -> VarlenMask:
     """``AttentionMaskInterface`` function of ``"mmbalance_varlen"`` (the signature of
-    ``masking_utils.sdpa_mask``): a :class:`VarlenMask`, never a dense mask."""
+    ``masking_utils.sdpa_mask``): a :class:`VarlenMask`, never a dense mask.
+
+    Given the ``device`` (transformers passes it) it also plans the op calls of the mask's layers
+    right away (their usual shape: this batch, query and key length), so that the layers only look
+    the plan up. Inside ``torch.compile`` it runs outside the graph (reading transformers' mask
+    function back is host work: one graph break per mask), and the layers trace through to the op
+    without a break; ``fullgraph=True`` raises ``NotImplementedError`` here (``attention_compile.py``).
+    A mask built outside the compiled region (``generate`` builds its decoding masks before it
+    calls the compiled forward) is planned already, so such a forward compiles even with
+    ``fullgraph=True``.
+    """
+    return _mask_and_plan(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function,
+        attention_mask,
+        kwargs.get("device"),
+    )
+
+
+@outside_graph(ATTENTION_NAME, "its mask function")
+def _mask_and_plan(
+    batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, device
+):
+    spec = _describe(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+    if device is not None and _PLANNER:
+        _PLANNER[0](spec, torch.device(device))
+    return spec
+
+
+# the planner of a mask's op calls: it lives with the attention function (attention.py), which
+# hands it over when it is imported (this module does not import that one: no circle)
+_PLANNER: list = []
+
+
+def set_planner(planner) -> None:
+    """Plan every mask this function builds with ``planner(spec, device)`` (the attention's own)."""
+    _PLANNER[:] = [planner]
+
+
+def _describe(
+    batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask: Tensor | None
+) -> VarlenMask:
     from transformers.masking_utils import causal_mask_function
 
     pat = parse_mask_function(causal_mask_function if mask_function is None else mask_function)
@@ -317,3 +373,54 @@ def _and_padding(a: Tensor, b: Tensor) -> Tensor:
     a = torch.nn.functional.pad(a.to(torch.bool), (0, width - a.shape[-1]))
     b = torch.nn.functional.pad(b.to(torch.bool), (0, width - b.shape[-1]))
     return a & b
+
+
+def dense_mask_runs(
+    mask: Tensor, b: int, lq: int, lk: int
+) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
+    """The keys each query may see under a 4-D mask handed to the attention function (Mllama's
+    cross-attention mask, or one passed in from outside), as ``(row, first query, queries, key
+    runs)``: consecutive queries of a row that see the same keys form one entry, its keys at most
+    two runs ``(first key, length)``.
+
+    ``mask``: ``[B or 1, 1, Lq or 1, Lk]``, boolean (True: attend, as sdpa reads it) or float and
+    additive with only ``0`` (attend) and ``-inf`` or the dtype's minimum (masked), as eager adds
+    it. Anything else (an attention bias, per-head masks, a row with more than two runs of keys) is
+    refused with a ``ValueError`` naming the backend. A query that sees no key gets ``0`` (eager
+    would average the values under the dtype's minimum, or return NaN under ``-inf``).
+    """
+    shape = tuple(mask.shape)
+    if mask.dim() != 4 or shape[0] not in (1, b) or shape[2] not in (1, lq) or shape[3] != lk:
+        raise _refuse(f"a 4-D mask of shape {shape} for {b} rows of {lq} queries x {lk} keys")
+    if shape[1] != 1:
+        raise _refuse(f"a 4-D mask with one mask per head (shape {shape})")
+    m = mask.detach()
+    if m.dtype == torch.bool:
+        allowed = m
+    elif m.is_floating_point():
+        allowed = m == 0
+        blocked = m <= torch.finfo(m.dtype).min / 2
+        if not bool((allowed | blocked).all()):
+            raise _refuse(
+                "a 4-D mask with additive values other than 0 and -inf (an attention bias, e.g. ALiBi or a "
+                "relative position bias)"
+            )
+    else:
+        raise _refuse(f"a 4-D mask of dtype {m.dtype} (expected bool or float)")
+    grid = allowed[:, 0].to("cpu").numpy()  # [B or 1, Lq or 1, Lk]
+    out = []
+    for r in range(b):
+        rows = grid[r if grid.shape[0] > 1 else 0]
+        starts = [0]
+        if rows.shape[0] > 1:
+            starts += (np.flatnonzero((rows[1:] != rows[:-1]).any(axis=1)) + 1).tolist()
+        ends = starts[1:] + [lq]
+        for s, e in zip(starts, ends):
+            edges = np.diff(np.concatenate([[0], rows[min(s, rows.shape[0] - 1)].astype(np.int8), [0]]))
+            runs = list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+            if len(runs) > 2:
+                raise _refuse(
+                    f"a 4-D mask whose row {r}, query {s} sees {len(runs)} separate runs of keys (at most 2)"
+                )
+            out.append((r, s, e - s, [(a, z - a) for a, z in runs]))
+    return out

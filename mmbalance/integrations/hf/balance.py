@@ -53,9 +53,9 @@ from mmbalance.pyops import cu_seqlens_from_lengths
 from . import models as _builtin  # noqa: F401 - registers the built-in adapters
 from .encoder_adapter import EncoderAdapter, Items, adapters_for, supported_classes
 
-__all__ = ["EncoderBalanceHandle", "apply_encoder_balance"]
+__all__ = ["HANDLE_ATTR", "EncoderBalanceHandle", "ZeroLink", "apply_encoder_balance", "own_group"]
 
-_ATTR = "_mmbalance_encoder_balance"
+HANDLE_ATTR = "_mmbalance_encoder_balance"
 _COST_UNITS = 1e9  # the largest item cost, in the integer units the planner balances
 
 
@@ -66,7 +66,7 @@ def _unwrap(model):
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-class _ZeroLink(torch.autograd.Function):
+class ZeroLink(torch.autograd.Function):
     """A zero scalar whose backward sends zero gradients to ``tensors``: adding it to something
     the loss depends on makes every rank's backward run through ``tensors`` (the returned outputs
     and the stand-in encoding, hence the backward all-to-all and the encoder), without reading
@@ -147,7 +147,7 @@ class EncoderBalanceHandle:
     def _install(self) -> None:
         model = self.model
         model.forward = self
-        model.__dict__[_ATTR] = self
+        model.__dict__[HANDLE_ATTR] = self
         stock_generate = getattr(model, "generate", None)
         if callable(stock_generate):
 
@@ -177,7 +177,7 @@ class EncoderBalanceHandle:
                 setattr(model, name, old)
             else:
                 model.__dict__.pop(name, None)
-        model.__dict__.pop(_ATTR, None)
+        model.__dict__.pop(HANDLE_ATTR, None)
         self._removed = True
         group, self.group = self.group, None
         if group is not None and dist.is_initialized():
@@ -220,7 +220,7 @@ class EncoderBalanceHandle:
         links = [t for t in links if t.requires_grad]
         if not links:
             return self._forward(**call)
-        anchor = _ZeroLink.apply(*links)
+        anchor = ZeroLink.apply(*links)
         embeds = call.get("inputs_embeds")
         if _floating(embeds):
             call["inputs_embeds"] = embeds + anchor.to(embeds.dtype)
@@ -416,7 +416,7 @@ def apply_encoder_balance(
     inner = _unwrap(model)
     if not isinstance(inner, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if _ATTR in inner.__dict__:
+    if HANDLE_ATTR in inner.__dict__:
         raise ValueError(
             f"{type(inner).__name__} already has encoder balancing applied; call handle.remove() first"
         )

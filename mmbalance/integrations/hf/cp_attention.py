@@ -114,7 +114,7 @@ def refusal(module, attention_mask, kwargs: dict) -> NotImplementedError | None:
     if getattr(config, "attention_chunk_size", None):
         return _not_run("chunked attention (attention_chunk_size)")
     causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else causal
+    causal = getattr(module, "is_causal", False) if causal is None else causal  # as varlen_attention reads it
     if not causal:
         return _not_run("bidirectional or cross-attention (is_causal=False)")
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:

@@ -32,7 +32,7 @@ from mmbalance.collectives.ring_plan import ring_plan
 from mmbalance.integrations.data import BalancedBatchSampler
 
 from .cp_attention import CP_KEYWORD, CPShard
-from .dynamic_cp import IGNORE, plan_layout, split_sequences
+from .cp_plan import IGNORE, plan_layout, split_sequences
 from .dynamic_cp_vlm import MEDIA_KEYWORD
 
 __all__ = ["CPBatchSampler", "CPCollator", "SlotMeta", "StreamLoader", "TaggedDataset", "RankSlice"]

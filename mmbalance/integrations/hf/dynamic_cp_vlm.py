@@ -55,28 +55,38 @@ from mmbalance.balancing import CostModel, Plan, post_balance
 from mmbalance.collectives import rebalance
 from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.alltoall import gather_table
+from mmbalance.collectives.group import comm_device
 from mmbalance.pyops import cu_seqlens_from_lengths
 
-from .balance import _ATTR as _ENCODER_BALANCE_ATTR
-from .balance import _ZeroLink
+from .balance import HANDLE_ATTR as _ENCODER_BALANCE_ATTR
+from .balance import ZeroLink
 from .cp_attention import CP_KEYWORD
-from .dynamic_cp import (
+from .cp_plan import (
     Sequences,
-    _comm_device,
-    _cost_key,
-    _model_device,
-    _positions,
-    _text_config,
+    cost_key,
     idle_shard,
+    model_device,
     pad_id,
+    pieces,
     plan_layout,
+    positions,
     shard_of,
     split_sequences,
+    text_config,
 )
 from .encoder_adapter import EncoderAdapter, Items, adapters_for, flops_linear
 from .models.common import as_int, core, pooled
 
-__all__ = ["SUPPORTED", "VLMFamily", "encoder_seconds", "shard_vlm", "vlm_family"]
+__all__ = [
+    "MEDIA_KEYWORD",
+    "SUPPORTED",
+    "GroupCutter",
+    "VLMFamily",
+    "encoder_seconds",
+    "install_media_hook",
+    "shard_vlm",
+    "vlm_family",
+]
 
 IGNORE = -100
 _TEXT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -296,7 +306,7 @@ def encoder_seconds(
 
 
 def _llm_params(model) -> float:
-    text = _text_config(model)
+    text = text_config(model)
     h = int(getattr(text, "hidden_size", 4096) or 4096)
     heads = int(getattr(text, "num_attention_heads", 32) or 32)
     head_dim = int(getattr(text, "head_dim", None) or h // heads)
@@ -608,7 +618,7 @@ class _Comm:
         self.own = own
         self.rank = dist.get_rank(own) if own is not None else 0
         self.world = dist.get_world_size(own) if own is not None else 1
-        self.device = _comm_device(own) if own is not None else torch.device("cpu")
+        self.device = comm_device(own) if own is not None else torch.device("cpu")
 
     def move(self, tensors: list[Tensor], lengths: np.ndarray, plan: Plan) -> list[Tensor]:
         """``rebalance`` of ``tensors`` (this rank's examples of ``lengths`` rows) along ``plan``."""
@@ -632,18 +642,18 @@ def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Ma
     """This rank's batch read, the agreement, and the gathered table: ``(local, step)``."""
     model = handle.model
     width = 6 + max([len(a.meta_columns) for a in adapters] + [1])
-    if handle._own is None:
+    if handle.own is None:
         local = _prepare(handle, family, adapters, batch)
         table = _table(local, width)
         return local, _parse(table, np.zeros(table.shape[0], dtype=np.int64), 1, adapters)
-    own_ranks = tuple(dist.get_process_group_ranks(handle._own))
+    own_ranks = tuple(dist.get_process_group_ranks(handle.own))
     enc_ranks = None if eh is None else tuple(dist.get_process_group_ranks(eh.group))
     found: _Local | None = None
     table_in = None
-    with Entry("apply_dynamic_cp.shard", handle._own) as e:
+    with Entry("apply_dynamic_cp.shard", handle.own) as e:
         e.fields = {
             "max_tokens_per_rank": handle.max_tokens_per_rank,
-            "cost": _cost_key(handle.cost),
+            "cost": cost_key(handle.cost),
             "model": type(model).__name__,
             "encoder balance": enc_ranks,
             "adapters": [f"{type(a).__name__}(split_frames={a.splits_frames})" for a in adapters],
@@ -657,7 +667,7 @@ def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Ma
         e.fields["labels"] = found.seqs.has_labels
         e.fields["encoder options"] = repr([sorted(o.items()) for o in found.options])
         table_in = _table(found, width)
-    table, src = gather_table(table_in, handle._own, entry=e)
+    table, src = gather_table(table_in, handle.own, entry=e)
     assert found is not None  # a rank whose batch failed has raised in gather_table
     return found, _parse(table, src, comm.world, adapters)
 
@@ -680,7 +690,7 @@ def _media(handle, family: VLMFamily, adapters, local: _Local, step: _Step, layo
     """Encode every item once and send its feature rows to the shards of its placeholders."""
     model = handle.model
     rank, world = comm.rank, comm.world
-    device = _model_device(model)
+    device = model_device(model)
     streams = family.streams(model)
     piece_seq, piece_off = _piece_coords(step.lengths, layout.piece_len)
     runs = _Runs(step, step.lengths.size)
@@ -712,7 +722,7 @@ def _media(handle, family: VLMFamily, adapters, local: _Local, step: _Step, layo
         recv = pix_plan.recv_order(rank)
         opts = local.options[k]
         if recv.size:
-            tower = _model_device(core(model))
+            tower = model_device(core(model))
             outputs = adapter.encode(model, [t.to(tower) for t in moved], step.meta[k][recv], **opts)
             res.encoded_rows += int(rows[recv].sum())
         else:  # nothing to encode here: a tiny item keeps the encoder calls equal on every rank
@@ -758,11 +768,11 @@ def _media(handle, family: VLMFamily, adapters, local: _Local, step: _Step, layo
 def shard_vlm(handle, batch: Mapping) -> dict:
     """:meth:`DynamicCPHandle.shard` for a vision-language model (see the module docstring)."""
     model = handle.model
-    family: VLMFamily = handle._vlm
-    comm = _Comm(handle._own)
+    family: VLMFamily = handle.vlm
+    comm = _Comm(handle.own)
     rank, world = comm.rank, comm.world
     eh = _encoder_handle(model)
-    adapters = list(eh.adapters.values()) if eh is not None else handle._adapters
+    adapters = list(eh.adapters.values()) if eh is not None else handle.adapters
     local, step = _gather(handle, family, adapters, batch, eh, comm)
     lengths, labelled = step.lengths, step.labelled
 
@@ -780,11 +790,11 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     layout = plan_layout(
         lengths, step.seq_src, world, handle.max_tokens_per_rank, cost, handle.context_parallel
     )
-    groups = handle._ring_groups(layout) if handle._own is not None else {}
+    groups = handle.ring_groups(layout) if handle.own is not None else {}
 
     # ---- the token columns to their pieces
     seqs = local.seqs
-    cols = [seqs.input_ids, seqs.labels, seqs.shift_labels, _positions(seqs.lengths)]
+    cols = [seqs.input_ids, seqs.labels, seqs.shift_labels, positions(seqs.lengths)]
     if family.mrope:
         assert local.positions is not None
         cols += [local.positions[:, j] for j in range(3)]
@@ -809,20 +819,20 @@ def shard_vlm(handle, batch: Mapping) -> dict:
                 f"the shard holds {want} {name} placeholders but {have} feature rows arrived"
             )
     links = [t for t in media.links if t.requires_grad]
-    if links and handle._own is not None:
-        shard.anchor = _ZeroLink.apply(*links)
+    if links and handle.own is not None:
+        shard.anchor = ZeroLink.apply(*links)
 
     # ---- stats: modelled LLM time (the handle's cost) plus every rank's encoder seconds
     before, after = _modelled(handle.cost, lengths, step.seq_src, layout, world)
     if before is not None and after is not None:
         before, after = before + media.home, after + media.load
-    handle._record(lengths, step.seq_src, labelled, layout, world, plan, before, after)
+    handle.record(lengths, step.seq_src, labelled, layout, world, plan, before, after)
     handle.stats["encoders"] = media.encoders
     handle.stats["split_items"] = media.split_items
     handle.stats["encoded_rows"] = media.encoded_rows
     handle.stats["local_sequences"] = int(seqs.lengths.size)
 
-    out = out.to(_model_device(model))
+    out = out.to(model_device(model))
     kw: dict = {"input_ids": out[:, 0].unsqueeze(0), "use_cache": False, CP_KEYWORD: shard}
     if family.mrope:
         kw["position_ids"] = out[:, 3:7].t().contiguous().unsqueeze(1)  # [4, 1, T]: text, t, h, w
@@ -910,8 +920,6 @@ class GroupCutter:
     ) -> tuple[Sequences, Tensor | None, PendingMedia]:
         from mmbalance.balancing.cp_schedule import CPGroup
 
-        from .dynamic_cp import _pieces
-
         local = _prepare(self, self.family, self.adapters, batch)
         adapters = self.adapters
         width = 6 + max([len(a.meta_columns) for a in adapters] + [1])
@@ -919,7 +927,7 @@ class GroupCutter:
         step = _parse(table, np.zeros(table.shape[0], dtype=np.int64), 1, adapters)
         n = step.lengths.size
         group = CPGroup(int(degree), tuple(range(degree)), np.arange(n, dtype=np.int64), 0.0)
-        plen, _, pdst, _ = _pieces(step.lengths, np.zeros(n, dtype=np.int64), [group], degree)
+        plen, _, pdst, _ = pieces(step.lengths, np.zeros(n, dtype=np.int64), [group], degree)
         piece_seq, piece_off = _piece_coords(step.lengths, plen)
         runs = _Runs(step, n)
         layout = _GroupLayout([group])
@@ -979,8 +987,8 @@ def resolve_media(model, kwargs: dict) -> dict:
         raise TypeError(f"{MEDIA_KEYWORD} must be a PendingMedia (from balance_trainer's collator)")
     shard = kwargs.get(CP_KEYWORD)
     group = shard.process_group() if shard is not None else None
-    device = _model_device(model)
-    tower = _model_device(core(model))
+    device = model_device(model)
+    tower = model_device(core(model))
     mm: dict[str, object] = dict(kwargs.get("mm_encoder_outputs") or {})
     links: list[Tensor] = []
     for e in pending.entries:
@@ -994,7 +1002,7 @@ def resolve_media(model, kwargs: dict) -> dict:
         if e.plan is None:
             continue
         if pending.degree > 1:
-            comm = _comm_device(group)
+            comm = comm_device(group)
             cu = cu_seqlens_from_lengths(e.segments.astype(np.int64), device=comm)
             received, _ = rebalance([t.to(comm) for t in outputs], cu, e.plan, group)
         else:
@@ -1018,7 +1026,7 @@ def resolve_media(model, kwargs: dict) -> dict:
         kwargs["mm_encoder_outputs"] = mm
     links = [t for t in links if t.requires_grad]
     if links and shard is not None:
-        shard.anchor = _ZeroLink.apply(*links)
+        shard.anchor = ZeroLink.apply(*links)
     return kwargs
 
 

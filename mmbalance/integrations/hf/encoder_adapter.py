@@ -47,6 +47,7 @@ __all__ = [
     "packed_rows",
     "register_adapter",
     "registered_adapters",
+    "supported_classes",
 ]
 
 

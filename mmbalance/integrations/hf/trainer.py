@@ -23,7 +23,7 @@ import numpy as np
 from mmbalance.collectives.inflight import mark_distributed_run
 from mmbalance.integrations.data import BalancedBatchSampler
 
-from .dynamic_cp import cost_model_of
+from .cp_plan import cost_model_of
 
 __all__ = ["balance_trainer"]
 
@@ -289,8 +289,8 @@ def _balanced_train_dataloader(self):
     dataset, collator = _collator_of(self, dataset)
     batch_sampler: Any = sampler
     if self._mmbalance_cp is not None:
+        from .cp_plan import pad_id
         from .cp_trainer import CPBatchSampler, CPCollator, TaggedDataset
-        from .dynamic_cp import pad_id
         from .dynamic_cp_vlm import GroupCutter, install_media_hook, vlm_family
 
         budget, cost = self._mmbalance_cp

@@ -1,5 +1,5 @@
 """What the built-in adapters share: where a model keeps its towers, the ``mm_encoder_outputs``
-hook, the tile-tower base class and the audio placeholder scatter."""
+hook, the tile-tower and audio-tower base classes and the audio placeholder scatter."""
 
 from __future__ import annotations
 
@@ -49,6 +49,17 @@ def dtype_device(module) -> tuple[torch.dtype, torch.device]:
     is safe on FSDP2-sharded towers on a rank that is not running them."""
     p = next(module.parameters())
     return p.dtype, p.device
+
+
+def vision_feature_options(model, kwargs: dict) -> tuple:
+    """This call's ``(vision_feature_layer, vision_feature_select_strategy)``: the forward's when
+    given there, else the config's, as the models themselves read them."""
+    cfg = model.config
+    layer = kwargs.get("vision_feature_layer")
+    strategy = kwargs.get("vision_feature_select_strategy")
+    layer = cfg.vision_feature_layer if layer is None else layer
+    strategy = cfg.vision_feature_select_strategy if strategy is None else strategy
+    return layer, strategy
 
 
 class TileAdapter(EncoderAdapter):
@@ -112,3 +123,35 @@ def scatter_audio(model, kwargs: dict, features: Tensor, token_id: int, keep_ids
     if not keep_ids:
         kwargs["input_ids"] = None
     return kwargs
+
+
+class AudioAdapter(EncoderAdapter):
+    """Audio towers: one item per clip, the clip's valid mel frames as its metadata."""
+
+    encoder = "audio"
+    meta_columns = ("frames",)
+
+    def _tower(self, model):
+        return core(model).audio_tower
+
+    def _dtype_device(self, model):
+        return dtype_device(self._tower(model))
+
+    def _clips(self, model, kwargs: dict) -> tuple[Tensor, np.ndarray] | None:
+        """``(input_features in the tower's dtype, valid frames of each clip)`` of a forward that
+        passes audio features; ``None`` when it passes none (or passes ``inputs_embeds`` instead).
+
+        Raises:
+            ValueError: ``input_features`` without ``feature_attention_mask``.
+        """
+        feats = kwargs.get("input_features")
+        if feats is None or kwargs.get("inputs_embeds") is not None:
+            return None
+        mask = kwargs.get("feature_attention_mask")
+        if mask is None:
+            raise ValueError("input_features is given without feature_attention_mask")
+        dtype, _ = self._dtype_device(model)
+        return feats.to(dtype), torch.as_tensor(mask).sum(-1).cpu().numpy().astype(np.int64)
+
+    def out_rows(self, model, meta):
+        return audio_out_len(meta[:, 0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..encoder_adapter import register_adapter
-from .common import TileAdapter, as_int, core, mm_outputs, pooled
+from .common import TileAdapter, as_int, core, mm_outputs, pooled, vision_feature_options
 
 __all__ = ["InternVLAdapter"]
 
@@ -16,11 +16,7 @@ class InternVLAdapter(TileAdapter):
     model_classes = ("InternVLForConditionalGeneration", "InternVLModel")
 
     def call_options(self, model, kwargs):
-        cfg = model.config
-        layer = kwargs.get("vision_feature_layer")
-        strategy = kwargs.get("vision_feature_select_strategy")
-        layer = cfg.vision_feature_layer if layer is None else layer
-        strategy = cfg.vision_feature_select_strategy if strategy is None else strategy
+        layer, strategy = vision_feature_options(model, kwargs)
         if strategy != "default":
             # the pixel shuffle needs the square grid of patches, without the CLS token
             raise ValueError(f"vision_feature_select_strategy={strategy!r}: InternVL takes 'default' only")

@@ -11,18 +11,14 @@ import numpy as np
 import torch
 
 from ..encoder_adapter import packed_rows, register_adapter
-from .common import TileAdapter, as_int, core, mm_outputs, pooled
+from .common import TileAdapter, as_int, core, mm_outputs, pooled, vision_feature_options
 
 __all__ = ["LlavaAdapter", "LlavaNextAdapter"]
 
 
 class _ClipTiles(TileAdapter):
     def call_options(self, model, kwargs):
-        cfg = model.config
-        layer = kwargs.get("vision_feature_layer")
-        strategy = kwargs.get("vision_feature_select_strategy")
-        layer = cfg.vision_feature_layer if layer is None else layer
-        strategy = cfg.vision_feature_select_strategy if strategy is None else strategy
+        layer, strategy = vision_feature_options(model, kwargs)
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}")
         return {

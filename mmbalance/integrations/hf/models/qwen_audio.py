@@ -5,44 +5,32 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..encoder_adapter import EncoderAdapter, Items, register_adapter
-from .common import audio_out_len, core, dtype_device, scatter_audio
+from ..encoder_adapter import Items, register_adapter
+from .common import AudioAdapter, core, scatter_audio
 
 __all__ = ["Qwen2AudioAdapter"]
 
 
 @register_adapter
-class Qwen2AudioAdapter(EncoderAdapter):
+class Qwen2AudioAdapter(AudioAdapter):
     """Qwen2-Audio's Whisper tower: one item per clip (every clip is padded to the fixed 30 s
     input, so every clip costs the same); the clip's valid frames travel as metadata."""
 
-    encoder = "audio"
-    meta_columns = ("frames",)
     model_classes = ("Qwen2AudioForConditionalGeneration",)
-
-    def _tower(self, model):
-        return core(model).audio_tower
 
     def _shape(self, model) -> tuple[int, int]:
         cfg = self._tower(model).config
         return int(cfg.num_mel_bins), 2 * int(cfg.max_source_positions)
 
-    def _dtype_device(self, model):
-        return dtype_device(self._tower(model))
-
     def extract(self, model, kwargs):
-        feats = kwargs.get("input_features")
-        if feats is None or kwargs.get("inputs_embeds") is not None:
+        found = self._clips(model, kwargs)
+        if found is None:
             return None
-        mask = kwargs.get("feature_attention_mask")
-        if mask is None:
-            raise ValueError("input_features is given without feature_attention_mask")
-        frames = torch.as_tensor(mask).sum(-1).cpu().numpy().astype(np.int64)
-        dtype, _ = self._dtype_device(model)
+        feats, frames = found
         kwargs["input_features"] = None
         kwargs["feature_attention_mask"] = None
         n = feats.shape[0]
-        return Items([feats.to(dtype)], np.ones(n, dtype=np.int64), frames[:, None])
+        return Items([feats], np.ones(n, dtype=np.int64), frames[:, None])
 
     def empty_payload(self, model):
         dtype, device = self._dtype_device(model)
@@ -52,9 +40,6 @@ class Qwen2AudioAdapter(EncoderAdapter):
         dtype, device = self._dtype_device(model)
         mel, frames = self._shape(model)
         return [torch.zeros(1, mel, frames, dtype=dtype, device=device)], np.array([[frames]], dtype=np.int64)
-
-    def out_rows(self, model, meta):
-        return audio_out_len(meta[:, 0])
 
     def cost(self, model, meta, rows):
         return np.ones(rows.size)

@@ -4,11 +4,12 @@ The measurements feed :meth:`mmbalance.balancing.CostModel.fit`, which fits the 
 planners use and reports its error::
 
     from mmbalance.balancing import CostModel
-    from mmbalance.collectives.profile import profile
+    from mmbalance.bench.profile import profile
     meas = profile(layer, lengths=(512, 1024, 2048, 4096, 8192), hidden_size=4096)
     model = CostModel.fit(meas)          # model.fit_report: mean / max relative error
 
-It runs torch, so it lives here and not in the torch-free ``mmbalance.balancing``. One process measures CP degree 1 only; the ring
+It runs torch and measures, so it lives with the benchmarks' timing and not in the torch-free
+``mmbalance.balancing``; it talks to no other rank. One process measures CP degree 1 only; the ring
 terms (``CostModel.ring``, ``ring_latency``) come from timings of ring attention in a distributed
 run (pass them as ``(lengths, degree, seconds)`` measurements too) or from the link bandwidth.
 """
