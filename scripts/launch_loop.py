@@ -126,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--examples", nargs="+", default=list(EXAMPLES), help="scripts in examples/")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--nproc", type=int, default=2, help="ranks per launch")
-    p.add_argument("--budget-min", type=float, default=None, help="stop starting launches after this many minutes")
-    p.add_argument("--stacks", type=Path, default=None, help="write the stacks of hung workers into this folder")
+    p.add_argument(
+        "--budget-min", type=float, default=None, help="stop starting launches after this many minutes"
+    )
+    p.add_argument(
+        "--stacks", type=Path, default=None, help="write the stacks of hung workers into this folder"
+    )
     p.add_argument("--json", type=Path, default=None, help="write every launch here (JSON)")
     args = p.parse_args(argv)
     if args.runs < 1 or args.timeout <= 0 or args.nproc < 1:
@@ -144,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.budget_min is not None and time.monotonic() - start > 60 * args.budget_min:
                 stopped = True
                 break
-            row = launch(script, mode, args.timeout, args.nproc, args.stacks, f"{Path(script).stem}-{mode}-{run}")
+            row = launch(
+                script, mode, args.timeout, args.nproc, args.stacks, f"{Path(script).stem}-{mode}-{run}"
+            )
             row["run"] = run
             rows.append(row)
             print(f"[{len(rows)}] {script} {mode} run {run + 1}: {row['outcome']} in {row['seconds']:.1f} s",

@@ -70,7 +70,8 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
         try:
             result = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have ended the run itself (collectives.shutdown)
+                dist.destroy_process_group()
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
         queue.put((rank, False, traceback.format_exc()))

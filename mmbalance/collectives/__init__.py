@@ -5,7 +5,9 @@
 * context parallelism: :func:`cp_shard`, :func:`ring_attention`, :func:`cp_unshard`, :class:`GroupPool`;
 * tensor parallelism: :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
   :class:`ColumnParallelLinear`, :class:`RowParallelLinear`;
-* :class:`RankMismatchError`, what every entry point raises on every rank when ranks disagree.
+* :class:`RankMismatchError`, what every entry point raises on every rank when ranks disagree;
+* :func:`shutdown`, the end of a distributed run in an order that cannot hang (instead of
+  ``dist.destroy_process_group()``; see ``collectives.teardown``).
 
 Everything else stays importable from its module (``collectives.alltoall.route_of``,
 ``collectives.overlap_plan.ShardLayout``, ``collectives.broadcast.broadcast_from_leader``, ...).
@@ -26,6 +28,7 @@ from .orchestrator import (
 from .overlap import all_gather_matmul, matmul_reduce_scatter
 from .overlap_plan import OverlapCostModel, ShardLayout, choose_chunks, exchange_shard_sizes  # noqa: E402, F401
 from .ring import RingPlan, cp_shard, cp_unshard, ring_attention, ring_plan  # noqa: E402, F401
+from .teardown import shutdown
 from .tp_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -47,4 +50,5 @@ __all__ = [
     "matmul_reduce_scatter",
     "rebalance",
     "ring_attention",
+    "shutdown",
 ]
