@@ -270,27 +270,31 @@ def shutdown(timeout: float | None = None) -> None:
         except Exception as exc:  # noqa: BLE001 - reported below, after the local teardown
             failed = (g, exc)
             break
-    failed_name = _group_name(failed[0]) if failed else ""
+    if failed is not None:
+        # a worker may stay inside the failed barrier: nothing waits for it, and no group is joined
+        name = _group_name(failed[0])
+        gc.collect()
+        dist.destroy_process_group()
+        _let_go(False)
+        raise RuntimeError(
+            f"shutdown: rank {rank}: the barrier of {name} failed ({type(failed[1]).__name__}: "
+            f"{failed[1]}); a rank died or does not call shutdown(). The groups are destroyed; their "
+            "worker threads are left to the process's exit"
+        ) from failed[1]
     inflight._release_parked()
     wait_for_backend_threads(_SHUTDOWN_WAIT_S)
     gc.collect()
     dist.destroy_process_group()
-    _settle(_SHUTDOWN_WAIT_S, let_go=failed is None)
-    if failed is not None:
-        raise RuntimeError(
-            f"shutdown: rank {rank}: the barrier of {failed_name} failed ({type(failed[1]).__name__}: "
-            f"{failed[1]}); a rank died or does not call shutdown(). The groups are destroyed; their "
-            "worker threads are left to the process's exit"
-        ) from failed[1]
+    _settle(_SHUTDOWN_WAIT_S)
 
 
-def _settle(wait_s: float, let_go: bool = True) -> bool | None:
+def _settle(wait_s: float) -> bool | None:
     """The local part: idle workers, a collection, idle workers again, then release the groups kept
-    by :func:`release_at_exit` (for good when the workers never became idle or ``let_go`` is off)."""
+    by :func:`release_at_exit` (for good when the workers never became idle)."""
     idle = wait_for_backend_threads(wait_s)
     gc.collect()  # groups and works in reference cycles go now, while nothing of theirs needs the GIL
     idle = wait_for_backend_threads(wait_s) if idle is not False else False
-    _let_go(idle if let_go else False)
+    _let_go(idle)
     return idle
 
 

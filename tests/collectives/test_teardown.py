@@ -204,6 +204,36 @@ def test_ranks_that_are_not_all_in_shutdown_raise_on_every_rank():
     assert "different collective" in on_0 and "different collective" in on_1
 
 
+def _barrier_fails_on_rank_1(rank: int, world: int) -> str:
+    if rank == 1:  # as if this rank's connection broke at the barrier
+        real = teardown.dist.barrier
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected: connection closed")
+
+        teardown.dist.barrier = broken
+    try:
+        t0 = time.monotonic()
+        shutdown(timeout=3)
+        return "no error"
+    except RuntimeError as exc:
+        return f"{exc} after {time.monotonic() - t0:.0f}s; initialized={dist.is_initialized()}"
+    finally:
+        if rank == 1:
+            teardown.dist.barrier = real
+
+
+@pytest.mark.distributed
+def test_a_failed_barrier_raises_on_every_rank_and_hangs_nowhere():
+    on_0, on_1 = run_distributed(_barrier_fails_on_rank_1, 2, timeout=120)
+    # rank 1's barrier broke; rank 0 waited for it for the timeout given
+    assert on_1.startswith("shutdown: rank 1: the barrier of the default group failed") and "injected" in on_1
+    assert on_0.startswith("shutdown: rank 0: the barrier of the default group failed")
+    for msg in (on_0, on_1):
+        assert msg.endswith("initialized=False")  # destroyed all the same
+        assert float(msg.rsplit(" after ", 1)[1].split("s;")[0]) < 30
+
+
 # ----------------------------------------------------------------------------- whole programs
 @pytest.mark.distributed
 @pytest.mark.parametrize("pattern", ["last-all-reduce", "late-peer"])
