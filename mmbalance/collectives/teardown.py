@@ -43,6 +43,7 @@ import math
 import os
 import platform
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -294,6 +295,14 @@ def _settle(wait_s: float) -> bool | None:
     idle = wait_for_backend_threads(wait_s)
     gc.collect()  # groups and works in reference cycles go now, while nothing of theirs needs the GIL
     idle = wait_for_backend_threads(wait_s) if idle is not False else False
+    if idle is False and _HELD:
+        warnings.warn(
+            f"gloo worker threads were still busy after {wait_s:.0f} s (a collective that waits for a peer, "
+            "or an async work nobody waited for): their process groups are kept, never destroyed, so that "
+            "nothing joins a thread that may not return",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     _let_go(idle)
     return idle
 
