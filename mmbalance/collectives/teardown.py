@@ -23,9 +23,8 @@ still owes a release. So
   group's destructor; the exit hook below lets go of it once the workers are idle;
 * :func:`shutdown` (collective) does all of it at once: every rank agrees it is shutting down, a
   barrier on every group (gloo's barrier also waits for the group's earlier works), CUDA
-  synchronized, the workers idle, a collection (groups and works in reference cycles are freed
-  while nothing of theirs needs the GIL), every group destroyed. A model that still holds a group
-  frees it later with idle workers, which is safe.
+  synchronized, every group destroyed while still kept, then the workers idle, a collection and
+  the groups let go. A model that still holds a group frees it later with idle workers: safe.
 
 The exit hook (registered on import, it runs before the interpreter finalizes) does the local part
 in any process that used ``torch.distributed`` through this package: wait for idle workers, collect,
@@ -220,11 +219,12 @@ def shutdown(timeout: float | None = None) -> None:
        every rank raise, instead of pairing the barrier with that collective);
     2. a barrier on every group of the process (creation order, the default group first): gloo's
        barrier also waits for the group's earlier works; CUDA is synchronized first;
-    3. every gloo worker thread finishes releasing what the last collectives held (the GIL is
-       released while this waits), and a collection frees groups and works caught in reference
-       cycles;
-    4. every group is destroyed (``dist.destroy_process_group()``). A model that still holds a group
-       (DDP's reducer) frees it later, with idle workers: safe.
+    3. every group is destroyed (``dist.destroy_process_group()``) while this call still keeps
+       them, so none is freed yet;
+    4. every gloo worker thread finishes releasing what the last collectives held (the GIL is
+       released while this waits), a collection frees what reference cycles kept, and the groups
+       are let go: one nobody else holds is freed now, one a model still holds (DDP's reducer) when
+       the model is freed, with idle workers either way.
 
     Call it where the program would call ``dist.destroy_process_group()``; models may stay alive.
 
@@ -283,9 +283,7 @@ def shutdown(timeout: float | None = None) -> None:
             "worker threads are left to the process's exit"
         ) from failed[1]
     inflight._release_parked()
-    wait_for_backend_threads(_SHUTDOWN_WAIT_S)
-    gc.collect()
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # the groups are held: none is freed here
     _settle(_SHUTDOWN_WAIT_S)
 
 
@@ -315,6 +313,10 @@ def _at_exit() -> None:
     except Exception:  # noqa: BLE001 - a half torn-down package at exit
         used = bool(_HELD)
     if not used:
+        return
+    if not (_HELD or initialized()):
+        # nothing alive to free here: the workers only have to be done before finalization starts
+        wait_for_backend_threads(_EXIT_WAIT_S)
         return
     idle = _settle(_EXIT_WAIT_S)
     if idle is False and initialized():
