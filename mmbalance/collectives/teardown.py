@@ -190,7 +190,13 @@ def _group_name(group) -> str:
 def release_at_exit(group=None) -> None:
     """Keep ``group`` (default: every group of this process) alive until this process exits: a DDP
     model, or whatever else holds the group last, then no longer runs its destructor when it is
-    freed. The exit hook lets go of it once its worker threads are idle. Local (not collective)."""
+    freed. The exit hook lets go of it once its worker threads are idle. Local (not collective).
+
+    Raises:
+        TypeError: ``group`` is not a process group.
+    """
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     inflight.mark_distributed_run()
     groups = _live_groups() if group is None else [group]
     for g in groups:

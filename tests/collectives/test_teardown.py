@@ -62,6 +62,13 @@ def test_wait_for_backend_threads_names_a_bad_timeout(bad):
         teardown.wait_for_backend_threads(bad)
 
 
+def test_release_at_exit_names_a_bad_group():
+    with pytest.raises(TypeError, match="group"):
+        teardown.release_at_exit("world")
+    teardown.release_at_exit()  # no process group: nothing to keep
+    assert not teardown._HELD
+
+
 def _named_thread(name: str, body, ready: threading.Event):
     """A thread whose OS name is ``name`` (as gloo names its workers) running ``body()``."""
 
