@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+from mmbalance.collectives import shutdown
 from mmbalance.integrations.hf import apply_encoder_balance
 
 IMAGE, VSTART, VEND, TEXT = 100, 101, 102, 5
@@ -109,10 +110,9 @@ def main() -> None:
                   "step time is the sum of their work; balancing shows in the max/mean above")  # fmt: skip
     if handle:
         handle.remove()
-    # Free DDP (its reducer holds the process group) before the group goes: tearing down a gloo
-    # group from inside the reducer's destructor at interpreter exit can deadlock.
-    del model, opt
-    dist.destroy_process_group()
+    # instead of dist.destroy_process_group(): DDP's reducer still holds the group, and freeing it
+    # right after the last collective above can hang in torch's gloo teardown
+    shutdown()
 
 
 if __name__ == "__main__":

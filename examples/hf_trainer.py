@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+from mmbalance.collectives import shutdown
 from mmbalance.integrations.hf import balance_trainer
 
 VOCAB = 128
@@ -111,8 +112,9 @@ def main() -> None:
         print(f"padded tokens per step (slowest rank per micro-batch, summed): {per_step.mean().item():.1f}")
         print(f"examples trained: {int(examples.item())} of {len(Skewed())} x {args.epochs} epoch(s)")
         print(f"last loss: {losses[-1]:.4f}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # instead of dist.destroy_process_group(): the trainer's DDP model still holds the group, and
+    # freeing it right after the last collective above can hang in torch's gloo teardown
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ def end_like_a_program() -> None:
 def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
     import torch.distributed as dist
 
+    from mmbalance.collectives import teardown
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
@@ -72,7 +74,11 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
         try:
             result = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have ended the run itself (collectives.shutdown)
+                # local (a rank that failed must not wait for the others): gloo's workers first let
+                # go of what fn's last collectives held, or destroying the group can deadlock
+                teardown.wait_for_backend_threads(10)
+                dist.destroy_process_group()
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
         queue.put((rank, False, traceback.format_exc()))
@@ -176,7 +182,7 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                    proc.wait(timeout=30)  # a killed process ends; never wait without a bound
             outs = []
             for log in logs:
                 log.seek(0)

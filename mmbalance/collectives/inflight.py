@@ -24,7 +24,6 @@ device has finished it, and waiting for that would turn every call into a device
 from __future__ import annotations
 
 import atexit
-import gc
 import pickle
 import sys
 import threading
@@ -85,33 +84,17 @@ def _release_parked() -> None:
 
 
 # Collectives this package does not run (DDP's all-reduces, Trainer's and accelerate's gathers) keep
-# the same hazard: the program's last one may leave a gloo worker about to return a Python
-# reference, and process groups and works caught in reference cycles are only freed by the
-# collection that runs during finalization, when their worker threads can no longer take the GIL.
-# So a program that used torch.distributed gets, at exit and before the interpreter finalizes, one
-# collection (process groups in cycles are destroyed now, joining their workers with the GIL
-# released) and a moment without the GIL (a worker waiting for it returns its reference now).
-_EXIT_GRACE_S = 0.05
+# the same hazard, and a worker that still owes a release when the group is destroyed deadlocks the
+# destructor: collectives/teardown.py (``shutdown()`` and the exit hook) covers both.
 _DISTRIBUTED_SEEN = False
 
 
 def mark_distributed_run() -> None:
-    """Note that this process runs torch.distributed collectives: the exit hook then runs even if
-    the process group is destroyed before the program ends (integrations call it; so does every
-    collective of this package)."""
+    """Note that this process runs torch.distributed collectives: the exit hook of
+    ``collectives/teardown.py`` then runs even if the process group is destroyed before the program
+    ends (integrations call it; so does every collective of this package)."""
     global _DISTRIBUTED_SEEN
     _DISTRIBUTED_SEEN = True
-
-
-@atexit.register
-def _let_backend_threads_finish() -> None:
-    try:
-        seen = _DISTRIBUTED_SEEN or (dist.is_available() and dist.is_initialized())
-    except Exception:  # noqa: BLE001 - a half torn-down package at exit
-        seen = _DISTRIBUTED_SEEN
-    if seen:
-        gc.collect()
-        time.sleep(_EXIT_GRACE_S)  # releases the GIL
 
 
 class Inflight:

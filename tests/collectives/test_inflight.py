@@ -39,7 +39,8 @@ def test_a_late_python_reference_keeps_the_call_waiting():
     t.start()
     flight.wait()
     done = time.monotonic()
-    t.join()
+    t.join(timeout=10)
+    assert not t.is_alive()
     assert released and done >= released[0]
     assert not inflight._PARKED
 

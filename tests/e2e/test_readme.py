@@ -166,7 +166,11 @@ def _torchrun(script: Path, pids: Path, timeout: float = 120.0) -> tuple[int, st
                 os.kill(int(f.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
-        out, _ = proc.communicate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a worker that wrote no pid still holds the pipe
+            proc.kill()
+            out = ""
         return -999, out
     return proc.returncode, out
 

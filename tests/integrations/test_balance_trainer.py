@@ -66,6 +66,8 @@ def test_two_ranks_train_like_the_replay_and_resume_in_order():
                 for name in ("full", "resumed") for r in (0, 1)}  # fmt: skip
         full_w = torch.load(Path(tmp) / "full.pt")
         resumed_w = torch.load(Path(tmp) / "resumed.pt")
+    for log in logs.values():  # one train-end callback, the default group kept until exit
+        assert log["teardown"] == {"callbacks": 1, "world held": True}
     g, world = S.ACCUM, 2
     per_epoch = logs["full", 0]["per_epoch"]
     steps_per_epoch = -(-S.N // (S.BATCH * world * g))
@@ -174,6 +176,29 @@ def test_warns_when_tokens_are_not_averaged_across_ranks(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="average_tokens_across_devices"):
         balance_trainer(t)
     assert t.balanced_sampler.num_replicas == 2
+
+
+def test_several_ranks_get_the_teardown_callback_once(tmp_path, monkeypatch):
+    from mmbalance.collectives import teardown
+    from mmbalance.integrations.hf import balance_trainer
+    from mmbalance.integrations.hf.trainer import _teardown_callback_class
+
+    cls = _teardown_callback_class()
+    one = balance_trainer(_trainer(str(tmp_path)))
+    # one rank: nothing to arrange
+    assert not any(isinstance(cb, cls) for cb in one.callback_handler.callbacks)
+    t = _trainer(str(tmp_path))
+    monkeypatch.setattr(type(t.args), "world_size", property(lambda self: 2))
+    balance_trainer(t)
+    balance_trainer(t)  # again (a new dataset): still one callback
+    assert sum(isinstance(cb, cls) for cb in t.callback_handler.callbacks) == 1
+    called = []
+    monkeypatch.setattr(teardown, "_HELD", [])
+    monkeypatch.setattr(
+        "mmbalance.integrations.hf.trainer.wait_for_backend_threads", lambda *a: called.append(a) or True
+    )
+    t.callback_handler.on_train_end(t.args, t.state, t.control)  # what Trainer calls at the end of train()
+    assert called == [()]
 
 
 def test_datasets_length_column_and_unused_columns(tmp_path):

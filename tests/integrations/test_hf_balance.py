@@ -195,6 +195,9 @@ def test_a_step_without_images_anywhere_runs_the_stock_path(world):
 
 # ---------------------------------------------------------------------------------- the handle
 def _handle_behaviour(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from mmbalance.collectives import teardown
     from mmbalance.integrations.hf import EncoderBalanceHandle, apply_encoder_balance
 
     out = {}
@@ -203,12 +206,19 @@ def _handle_behaviour(rank: int, world: int) -> dict:
     with apply_encoder_balance(model) as handle:
         assert isinstance(handle, EncoderBalanceHandle)
         assert model.forward is handle
+        # the world is kept until exit (freeing a DDP model then cannot destroy it: no teardown
+        # hang); the balancing's own group is not, remove() releases it
+        own = handle.group
+        out["world held"] = any(g is dist.group.WORLD for g in teardown._HELD)
+        out["own held"] = any(g is own for g in teardown._HELD)
         try:
             apply_encoder_balance(model)
             out["second"] = None
         except ValueError as exc:
             out["second"] = str(exc)
     out["restored"] = "forward" not in model.__dict__ and model.forward.__func__ is cls_forward
+    out["own destroyed"] = own not in dist.distributed_c10d._world.pg_map
+    del own
     try:
         apply_encoder_balance(torch.nn.Linear(2, 2))
         out["unknown"] = None
@@ -235,6 +245,7 @@ def test_handle_remove_context_manager_and_errors():
             and "Linear" in res["unknown"]
         )
         assert res["eval_stats"] == {}
+        assert res["world held"] and not res["own held"] and res["own destroyed"]
 
 
 # ---------------------------------------------------------------------------------- a user's adapter

@@ -86,8 +86,22 @@ def train(name: str, resume: str | None = None):
     trainer = balance_trainer(Trainer(model=model, args=args, train_dataset=data, data_collator=collate))
     trainer.train(resume_from_checkpoint=resume)
     rank = int(os.environ["RANK"])
+    # the teardown arrangement: a train-end callback, and the default group kept until exit (the
+    # program ends with a plain destroy_process_group() and must still exit with code 0)
+    import torch.distributed as dist
+
+    from mmbalance.collectives import teardown
+    from mmbalance.integrations.hf.trainer import _teardown_callback_class
+
+    callbacks = [type(cb) for cb in trainer.callback_handler.callbacks]
+    arranged = {
+        "callbacks": callbacks.count(_teardown_callback_class()),
+        "world held": any(g is dist.group.WORLD for g in teardown._HELD),
+    }
     with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
-        json.dump({"batches": data.log, "per_epoch": len(trainer.get_train_dataloader())}, f)
+        json.dump(
+            {"batches": data.log, "per_epoch": len(trainer.get_train_dataloader()), "teardown": arranged}, f
+        )
     if rank == 0:
         torch.save(
             {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")

@@ -48,6 +48,7 @@ from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.alltoall import gather_table
 from mmbalance.collectives.group import group_timeout, world_of
 from mmbalance.collectives.inflight import gather_objects
+from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_threads
 from mmbalance.pyops import cu_seqlens_from_lengths
 
 from . import models as _builtin  # noqa: F401 - registers the built-in adapters
@@ -57,6 +58,7 @@ __all__ = ["HANDLE_ATTR", "EncoderBalanceHandle", "ZeroLink", "apply_encoder_bal
 
 HANDLE_ATTR = "_mmbalance_encoder_balance"
 _COST_UNITS = 1e9  # the largest item cost, in the integer units the planner balances
+_REMOVE_WAIT_S = 5.0  # remove(): how long to wait for gloo's workers before destroying the group
 
 
 def _unwrap(model):
@@ -181,6 +183,8 @@ class EncoderBalanceHandle:
         self._removed = True
         group, self.group = self.group, None
         if group is not None and dist.is_initialized():
+            # the group may be its own last owner: its workers must be done with every tensor first
+            wait_for_backend_threads(_REMOVE_WAIT_S)
             dist.destroy_process_group(group)
 
     def __enter__(self) -> EncoderBalanceHandle:
@@ -407,6 +411,11 @@ def apply_encoder_balance(
     Returns:
         An :class:`EncoderBalanceHandle`: ``handle.stats``, ``handle.remove()``; a context manager.
 
+    ``group`` and the world are kept until the process exits, so that freeing a DDP model (its
+    reducer is often a group's last owner) cannot destroy a group while one of gloo's worker threads
+    still needs the GIL, which hangs (see :func:`mmbalance.collectives.shutdown`, which a program
+    calls where it would call ``dist.destroy_process_group()``).
+
     Raises:
         ValueError: ``model``'s class has no adapter (the message lists the supported ones), the
             model is already balanced, or an argument is invalid.
@@ -466,4 +475,9 @@ def apply_encoder_balance(
         raise
     handle = EncoderBalanceHandle(inner, chosen, own, cost, ranks_per_node, training_only)
     handle._install()
+    # The data-parallel group (and the world) is kept until the process exits: DDP's reducer, often
+    # its last owner, then never destroys it while a gloo worker still needs the GIL (that can hang;
+    # collectives/teardown.py). The balancing's own group is released by remove().
+    release_at_exit(base)
+    release_at_exit(dist.group.WORLD)
     return handle

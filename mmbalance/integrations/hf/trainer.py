@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmbalance.collectives.inflight import mark_distributed_run
+from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_threads
 from mmbalance.integrations.data import BalancedBatchSampler
 
 from .cp_plan import cost_model_of
@@ -116,6 +116,13 @@ def balance_trainer(
     the global token count of the step: keep ``average_tokens_across_devices=True`` (the default;
     a warning says when it is off on several ranks).
 
+    On several ranks it also arranges the end of the run so that it cannot hang at teardown (see
+    :func:`mmbalance.collectives.shutdown`): the process groups are kept until the process exits, and
+    at train end a callback waits until gloo's worker threads have released the last collectives'
+    tensors. Nothing collective happens then, so ``evaluate()``, saving and the program's own
+    collectives after ``train()`` work as before; call ``shutdown()`` where the program ends its
+    distributed work.
+
     Raises:
         ValueError: ``lengths`` of a different size than the dataset; a dataset smaller than one
             step with ``dataloader_drop_last``; an unsized or missing ``train_dataset``; accelerate
@@ -173,7 +180,7 @@ def balance_trainer(
             )
         if args.max_steps is None or args.max_steps <= 0:
             raise ValueError("a streamed train_dataset has no length: set TrainingArguments(max_steps=...)")
-        _warn_tokens(args)
+        _warn_tokens(trainer)
         trainer._mmbalance_stream = (context_parallel, max_tokens_per_rank, cost)
         trainer.get_train_dataloader = types.MethodType(_stream_train_dataloader, trainer)
         return trainer
@@ -182,7 +189,7 @@ def balance_trainer(
     count = len(lengths)
     if count != n:
         raise ValueError(f"lengths has {count} entries but trainer.train_dataset has {n} examples")
-    world = _warn_tokens(args)
+    world = _warn_tokens(trainer)
     seed = args.data_seed if args.data_seed is not None else args.seed
     options: dict[str, Any] = dict(
         num_replicas=world,
@@ -203,10 +210,11 @@ def balance_trainer(
     return trainer
 
 
-def _warn_tokens(args) -> int:
+def _warn_tokens(trainer) -> int:
+    args = trainer.args
     world = max(1, args.world_size)
     if world > 1:
-        mark_distributed_run()  # the exit hook that lets gloo's workers finish (collectives/inflight.py)
+        _arrange_teardown(trainer)
     if world > 1 and not args.average_tokens_across_devices:
         warnings.warn(
             "average_tokens_across_devices is off: with balanced batches the ranks' micro-batches hold "
@@ -267,6 +275,40 @@ def _stream_train_dataloader(self):
         pin_memory=args.dataloader_pin_memory, drop_last=False,
     )  # fmt: skip
     return StreamLoader(loader, handle, part)
+
+
+_CALLBACK_CLASS: type | None = None
+
+
+def _teardown_callback_class() -> type:
+    """The ``TrainerCallback`` that ends training in an order that cannot hang at teardown (built on
+    first use: transformers is imported lazily)."""
+    global _CALLBACK_CLASS
+    if _CALLBACK_CLASS is None:
+        from transformers import TrainerCallback
+
+        class ReleaseGroupsAtExit(TrainerCallback):
+            """At train end: wait until gloo's worker threads have released what the last collectives
+            held, and keep the process groups until the process exits. Whatever frees the model later
+            (DDP's reducer is often a group's last owner) then no longer destroys a group whose worker
+            still needs the GIL, which could hang (``collectives/teardown.py``). Local: no collective,
+            so evaluation, saving and the program's own collectives after ``train()`` work as before."""
+
+            def on_train_end(self, args, state, control, **kwargs):
+                release_at_exit()
+                wait_for_backend_threads()
+
+        _CALLBACK_CLASS = ReleaseGroupsAtExit
+    return _CALLBACK_CLASS
+
+
+def _arrange_teardown(trainer) -> None:
+    """Keep the process groups until exit now (a run that fails before its end is covered too) and
+    add the train-end callback once."""
+    release_at_exit()
+    cls = _teardown_callback_class()
+    if not any(isinstance(cb, cls) for cb in trainer.callback_handler.callbacks):
+        trainer.add_callback(cls())
 
 
 def _balanced_train_dataloader(self):
