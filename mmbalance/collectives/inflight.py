@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .group import comm_device
 
-__all__ = ["Inflight", "gather_objects", "mark_distributed_run", "run"]
+__all__ = ["Inflight", "distributed_seen", "gather_objects", "mark_distributed_run", "release_parked", "run"]
 
 # How long a release may take before the aliases are parked (kept alive, released at exit) instead
 # of waited for: a worker this late is stuck elsewhere, and the caller must not hang on it.
@@ -75,7 +75,7 @@ def _release(aliases: list[tuple[torch.Tensor, int]], timeout: float = _RELEASE_
 
 
 @atexit.register
-def _release_parked() -> None:
+def release_parked() -> None:
     # atexit runs before the interpreter finalizes: a worker may still take the GIL here.
     with _PARKED_LOCK:
         parked = list(_PARKED)
@@ -87,6 +87,11 @@ def _release_parked() -> None:
 # the same hazard, and a worker that still owes a release when the group is destroyed deadlocks the
 # destructor: collectives/teardown.py (``shutdown()`` and the exit hook) covers both.
 _DISTRIBUTED_SEEN = False
+
+
+def distributed_seen() -> bool:
+    """Whether this process has marked itself as part of a distributed run (:func:`mark_distributed_run`)."""
+    return _DISTRIBUTED_SEEN
 
 
 def mark_distributed_run() -> None:

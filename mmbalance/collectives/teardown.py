@@ -288,7 +288,7 @@ def shutdown(timeout: float | None = None) -> None:
             f"{failed[1]}); a rank died or does not call shutdown(). The groups are destroyed; their "
             "worker threads are left to the process's exit"
         ) from failed[1]
-    inflight._release_parked()
+    inflight.release_parked()
     dist.destroy_process_group()  # the groups are held: none is freed here
     _settle(_SHUTDOWN_WAIT_S)
 
@@ -315,7 +315,7 @@ def _settle(wait_s: float) -> bool | None:
 def _at_exit() -> None:
     # atexit runs before the interpreter finalizes: a worker may still take the GIL here
     try:
-        used = inflight._DISTRIBUTED_SEEN or bool(_HELD) or initialized()
+        used = inflight.distributed_seen() or bool(_HELD) or initialized()
     except Exception:  # noqa: BLE001 - a half torn-down package at exit
         used = bool(_HELD)
     if not used:
