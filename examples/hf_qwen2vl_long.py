@@ -27,6 +27,7 @@ import torch.distributed as dist
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from mmbalance.balancing import CostModel
+from mmbalance.collectives import shutdown
 from mmbalance.integrations.hf import apply_dynamic_cp, apply_encoder_balance, register_attention
 
 IMAGE, VIDEO, VSTART, VEND, TEXT = 100, 101, 102, 103, 5
@@ -140,7 +141,9 @@ def main() -> None:
     handle.remove()
     if encoders is not None:
         encoders.remove()
-    dist.destroy_process_group()
+    # instead of dist.destroy_process_group(): freeing a group right after the last collective above
+    # can hang in torch's gloo teardown
+    shutdown()
 
 
 if __name__ == "__main__":

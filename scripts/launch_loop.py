@@ -1,11 +1,18 @@
 """Launch every example script many times under torchrun and count the runs that hang or fail.
 
-    python scripts/launch_loop.py [--runs 50] [--timeout 240] [--examples hf_trainer.py hf_qwen2vl.py]
-                                  [--modes balanced no-balance] [--budget-min 90] [--stacks DIR] [--json F]
+    python scripts/launch_loop.py [--runs 50] [--timeout 300] [--examples hf_trainer.py ...]
+                                  [--modes balanced no-balance ...] [--budget-min 90] [--stacks DIR] [--json F]
 
-Each launch is ``python -m torch.distributed.run --standalone --nproc-per-node 2 examples/<script>``
-(plus ``--no-balance`` for that mode), from the repository root, with ``OMP_NUM_THREADS=1``. A launch
-is
+Each launch is ``python -m torch.distributed.run --standalone --nproc-per-node N examples/<script>``
+plus the mode's flags, from the repository root, with ``OMP_NUM_THREADS=1``. The examples, their
+ranks and their modes (what their docstrings offer):
+
+* ``hf_trainer.py``, 2 ranks: ``balanced`` (``balance_trainer``), ``no-balance`` (``--no-balance``);
+* ``hf_qwen2vl.py``, 2 ranks: ``balanced`` (``apply_encoder_balance``), ``no-balance``;
+* ``hf_qwen2vl_long.py``, 4 ranks: ``dynamic-cp`` (``apply_dynamic_cp``), ``encoder-balance``
+  (``--encoder-balance``: the encoders balanced over the world too).
+
+A launch is
 
 * ``ok``: torchrun exited with code 0 within ``--timeout`` seconds;
 * ``hang``: it did not (every process of the launch is then killed; with ``--stacks DIR`` the Python
@@ -32,8 +39,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = ("hf_trainer.py", "hf_qwen2vl.py")
-MODES = ("balanced", "no-balance")
+# example -> (ranks, {mode: flags})
+EXAMPLES: dict[str, tuple[int, dict[str, list[str]]]] = {
+    "hf_trainer.py": (2, {"balanced": [], "no-balance": ["--no-balance"]}),
+    "hf_qwen2vl.py": (2, {"balanced": [], "no-balance": ["--no-balance"]}),
+    "hf_qwen2vl_long.py": (4, {"dynamic-cp": [], "encoder-balance": ["--encoder-balance"]}),
+}
+MODES = sorted({m for _, modes in EXAMPLES.values() for m in modes})
 
 
 def _children(pid: int) -> list[int]:
@@ -75,9 +87,10 @@ def _stacks(pids: list[int], path: Path) -> None:
                 f.write("neither gdb nor py-spy is installed: no stacks\n")
 
 
-def launch(script: str, mode: str, timeout: float, nproc: int, stacks: Path | None, tag: str) -> dict:
+def launch(script: str, mode: str, timeout: float, stacks: Path | None, tag: str) -> dict:
+    nproc, modes = EXAMPLES[script]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(REPO / "examples" / script)] + (["--no-balance"] if mode == "no-balance" else [])  # fmt: skip
+           str(REPO / "examples" / script), *modes[mode]]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -100,14 +113,17 @@ def launch(script: str, mode: str, timeout: float, nproc: int, stacks: Path | No
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        out, _ = proc.communicate()
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # a process nobody found still holds the pipe
+            out = ""
     return {"example": script, "mode": mode, "outcome": outcome, "returncode": proc.returncode,
             "seconds": round(time.monotonic() - t0, 2), "tail": out[-3000:]}  # fmt: skip
 
 
 def report(rows: list[dict], configs: list[tuple[str, str]]) -> str:
-    lines = ["| example | mode | launches | ok | hangs | failures | median s | max s (ok) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["| example | ranks | mode | launches | ok | hangs | failures | median s | max s (ok) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for script, mode in configs:
         mine = [r for r in rows if r["example"] == script and r["mode"] == mode]
         ok = [r["seconds"] for r in mine if r["outcome"] == "ok"]
@@ -115,17 +131,21 @@ def report(rows: list[dict], configs: list[tuple[str, str]]) -> str:
         fails = sum(r["outcome"] == "fail" for r in mine)
         med = f"{statistics.median(ok):.1f}" if ok else "-"
         mx = f"{max(ok):.1f}" if ok else "-"
-        lines.append(f"| {script} | {mode} | {len(mine)} | {len(ok)} | {hangs} | {fails} | {med} | {mx} |")
+        ranks = EXAMPLES[script][0]
+        lines.append(
+            f"| {script} | {ranks} | {mode} | {len(mine)} | {len(ok)} | {hangs} | {fails} | {med} | {mx} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=50, help="launches of every example and mode (default 50)")
-    p.add_argument("--timeout", type=float, default=240.0, help="seconds before a launch counts as hung")
-    p.add_argument("--examples", nargs="+", default=list(EXAMPLES), help="scripts in examples/")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--nproc", type=int, default=2, help="ranks per launch")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a launch counts as hung")
+    p.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=list(EXAMPLES))
+    p.add_argument(
+        "--modes", nargs="+", default=None, choices=MODES, help="default: every mode of each example"
+    )
     p.add_argument(
         "--budget-min", type=float, default=None, help="stop starting launches after this many minutes"
     )
@@ -134,12 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, default=None, help="write every launch here (JSON)")
     args = p.parse_args(argv)
-    if args.runs < 1 or args.timeout <= 0 or args.nproc < 1:
-        p.error("--runs, --timeout and --nproc must be positive")
+    if args.runs < 1 or args.timeout <= 0:
+        p.error("--runs and --timeout must be positive")
     for script in args.examples:
         if not (REPO / "examples" / script).is_file():
             p.error(f"--examples: no examples/{script}")
-    configs = [(s, m) for s in args.examples for m in args.modes]
+    configs = [(s, m) for s in args.examples for m in EXAMPLES[s][1] if args.modes is None or m in args.modes]
+    if not configs:
+        p.error(f"--modes: none of {args.modes} is a mode of {args.examples}")
     rows: list[dict] = []
     start = time.monotonic()
     stopped = False
@@ -148,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.budget_min is not None and time.monotonic() - start > 60 * args.budget_min:
                 stopped = True
                 break
-            row = launch(
-                script, mode, args.timeout, args.nproc, args.stacks, f"{Path(script).stem}-{mode}-{run}"
-            )
+            row = launch(script, mode, args.timeout, args.stacks, f"{Path(script).stem}-{mode}-{run}")
             row["run"] = run
             rows.append(row)
             print(f"[{len(rows)}] {script} {mode} run {run + 1}: {row['outcome']} in {row['seconds']:.1f} s",

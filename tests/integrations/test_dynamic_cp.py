@@ -21,7 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 from mmbalance.balancing import CostModel  # noqa: E402
 from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
 from mmbalance.integrations.hf.cp_plan import plan_layout, split_sequences  # noqa: E402
-from tests.dist_utils import REPO, launch  # noqa: E402
+from tests.dist_utils import REPO, launch, run_distributed  # noqa: E402
 
 SCRIPT = REPO / "tests" / "integrations" / "cp_plain_loop.py"
 
@@ -47,6 +47,23 @@ def _tiny(attn="mmbalance_varlen", **extra):
                       num_attention_heads=4, num_key_value_heads=2, **extra)  # fmt: skip
     torch.manual_seed(0)
     return Qwen2ForCausalLM._from_config(cfg, attn_implementation=attn)
+
+
+def _kept_until_exit(rank: int, world: int) -> list[bool]:
+    import torch.distributed as dist
+
+    from mmbalance.collectives import teardown
+
+    handle = apply_dynamic_cp(_tiny(), max_tokens_per_rank=64)
+    held = [any(g is dist.group.WORLD for g in teardown._HELD), any(g is handle.own for g in teardown._HELD)]
+    handle.remove()
+    return held
+
+
+@pytest.mark.distributed
+def test_the_world_is_kept_until_exit_and_the_handles_groups_are_not():
+    # freeing a DDP model then cannot destroy the world while a gloo worker needs the GIL
+    assert run_distributed(_kept_until_exit, 2) == [[True, False], [True, False]]
 
 
 def test_split_sequences_reads_packed_and_padded_batches_alike():

@@ -41,6 +41,7 @@ from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.alltoall import gather_table
 from mmbalance.collectives.group import comm_device, world_of
 from mmbalance.collectives.inflight import gather_objects, mark_distributed_run, run
+from mmbalance.collectives.teardown import release_at_exit
 
 from .attention_mask import ATTENTION_NAME
 from .balance import own_group
@@ -331,7 +332,9 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
 
     The handle creates process groups of its own (one over ``group``'s ranks, plus one per CP
     rank set that the schedules use, created once and reused: :class:`GroupPool`), so its
-    all-to-alls and rings never interleave with DDP's or FSDP's collectives.
+    all-to-alls and rings never interleave with DDP's or FSDP's collectives. ``group`` and the
+    world are kept until the process exits, so that freeing a DDP model cannot destroy a group
+    while a gloo worker still needs the GIL (see :func:`mmbalance.collectives.shutdown`).
 
     Raises:
         ValueError: a model not using ``mmbalance_varlen``, a multimodal model the sharding does
@@ -384,6 +387,11 @@ def make_handle(model, budget: int | None, cost, group, context_parallel: bool,
         own = own_group(base)
         pool = GroupPool()
         mark_distributed_run()
+        # the data-parallel group and the world are kept until the process exits: freeing a model
+        # (DDP's reducer is often a group's last owner) then never destroys one while a gloo worker
+        # still needs the GIL, which hangs (collectives/teardown.py)
+        release_at_exit(base)
+        release_at_exit(dist.group.WORLD)
         with Entry("apply_dynamic_cp", own) as e:
             e.fields = {
                 "max_tokens_per_rank": budget,
