@@ -11,7 +11,6 @@ hangs); and so does a process that reported success but then did not exit with c
 from __future__ import annotations
 
 import os
-import queue as queue_mod
 import signal
 import subprocess
 import sys
@@ -23,7 +22,14 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from mmbalance.bench.harness import describe_exit
+from mmbalance.bench.harness import (
+    await_reports,
+    describe_exit,
+    died_without_report,
+    exits_in_words,
+    send_report,
+    settle,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,9 +85,9 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
                 # go of what fn's last collectives held, or destroying the group can deadlock
                 teardown.wait_for_backend_threads(10)
                 dist.destroy_process_group()
-        queue.put((rank, True, result))
+        send_report(queue, (rank, True, result))
     except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
-        queue.put((rank, False, traceback.format_exc()))
+        send_report(queue, (rank, False, traceback.format_exc()))
         return
     end_like_a_program()
 
@@ -105,40 +111,23 @@ def run_distributed(
         results: dict[int, object] = {}
         errors: dict[int, str] = {}
         try:
-            for _ in range(world_size):
-                try:
-                    rank, ok, value = queue.get(timeout=timeout)
-                except queue_mod.Empty as exc:
-                    raise TimeoutError(
-                        f"distributed test did not finish within {timeout:.0f}s; finished ranks: {sorted(results)}"
-                    ) from exc
-                except Exception as exc:
-                    raise RuntimeError(
-                        "could not receive a rank's result (return numpy arrays or Python values, not "
-                        "tensors: tensors travel as shared-memory handles that die with the worker)"
-                    ) from exc
+            reports, died = await_reports(queue, procs, timeout, stop=lambda report: not report[1])
+            for rank, (_, ok, value) in reports.items():
                 (results if ok else errors)[rank] = value
-                if errors:
-                    break
+            if not errors and died:
+                raise RuntimeError(died_without_report(died))
+            if not errors and len(results) < world_size:
+                raise TimeoutError(
+                    f"distributed test did not finish within {timeout:.0f}s; finished ranks: {sorted(results)}"
+                )
         finally:
-            grace = time.monotonic() + (exit_grace if len(results) == world_size else 5.0)
-            hung = set()
-            for r, p in enumerate(procs):
-                p.join(timeout=max(0.1, grace - time.monotonic()))
-                if p.is_alive():
-                    hung.add(r)
-                    p.kill()
-                    p.join(timeout=5)
+            hung = settle(procs, exit_grace if len(results) == world_size else 5.0)
         if errors:
             rank = min(errors)
             raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
-            what = "; ".join(
-                f"rank {r}'s process "
-                + (f"did not exit within {exit_grace:.0f}s" if r in hung else describe_exit(code))
-                for r, code in bad
-            )
+            what = exits_in_words(bad, hung, exit_grace)
             raise RuntimeError(f"every rank returned its result, but then {what} (a failure at exit)")
         return [results[r] for r in range(world_size)]
 

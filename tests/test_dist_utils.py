@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -24,6 +25,12 @@ def _abort_at_exit(rank: int, world: int) -> int:
     return rank
 
 
+def _die_in_body(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(3)  # no report, no exception: the process just ends
+    return rank
+
+
 def test_run_distributed_returns_values_by_rank():
     assert run_distributed(_value, 2) == [2, 12]
 
@@ -38,3 +45,18 @@ def test_run_ranks_reports_how_each_process_ended():
     assert [o.value for o in outcomes] == [0, 1]
     assert outcomes[0].exited_cleanly
     assert not outcomes[1].exited_cleanly and outcomes[1].exit_status == -6
+
+
+def test_a_rank_that_dies_without_reporting_fails_at_once():
+    # rank 0 passes; rank 1's process ends in the body: the call must say so as soon as the
+    # process is gone, not after waiting out its timeout for a report that never comes
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1's process exited with code 3 before it reported"):
+        run_distributed(_die_in_body, 2, timeout=60.0)
+    assert time.monotonic() - t0 < 30.0
+
+
+def test_run_ranks_waits_past_a_death_for_every_outcome():
+    outcomes = run_ranks(_die_in_body, 2)
+    assert outcomes[0].value == 0 and outcomes[0].exited_cleanly
+    assert not outcomes[1].reported and outcomes[1].exitcode == 3

@@ -227,6 +227,90 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def send_report(queue, message: tuple) -> None:
+    """Put ``message`` on a multiprocessing ``queue`` and wait until it is written to the pipe.
+
+    ``queue.put`` hands the message to a feeder thread; a process that goes on to die in its exit
+    handlers (an abort at exit, the very failure the callers look for) would take an unsent report
+    with it, and the parent would wait for it until its timeout. The queue is closed afterwards:
+    one report per process."""
+    queue.put(message)
+    queue.close()
+    queue.join_thread()
+
+
+def await_reports(
+    queue, procs, timeout: float, *, stop: Callable[[tuple], bool] | None = None, past_deaths: bool = False
+):
+    """Collect one report (a tuple whose first item is the rank) from each of ``procs`` until every
+    one reported, ``stop(report)`` is true for one, a process died without reporting (unless
+    ``past_deaths``: then until every process reported or died), or ``timeout`` seconds pass.
+
+    Returns ``(reports, died)``: the reports by rank, and the exit codes of the processes that
+    ended without reporting (a crash, a signal, ``os._exit``). The queue is polled, so a dead
+    process is noticed within a second or so, not at the timeout."""
+    import queue as queue_mod
+
+    reports: dict[int, tuple] = {}
+    died: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+
+    def take(wait: float) -> bool:
+        try:
+            message = queue.get(timeout=wait) if wait > 0 else queue.get_nowait()
+        except queue_mod.Empty:
+            return False
+        except Exception as exc:
+            raise RuntimeError(
+                "could not receive a rank's report (return numpy arrays or Python values, not tensors: "
+                "tensors travel as shared-memory handles that die with the process)"
+            ) from exc
+        reports[message[0]] = message
+        return stop is not None and stop(message)
+
+    while len(reports) + len(died) < len(procs) and time.monotonic() < deadline:
+        if take(min(0.5, max(0.01, deadline - time.monotonic()))):
+            break
+        gone = [r for r, p in enumerate(procs) if r not in reports and p.exitcode is not None]
+        if gone:
+            # a report is in the pipe before its process exits (send_report): drain, then the
+            # processes still without one died without reporting
+            while take(0):
+                pass
+            died.update({r: procs[r].exitcode for r in gone if r not in reports})
+            if died and not past_deaths:
+                break
+    return reports, died
+
+
+def died_without_report(died: dict[int, int]) -> str:
+    """Words for the processes that ended before they reported (``await_reports``'s ``died``)."""
+    return "; ".join(
+        f"rank {r}'s process {describe_exit(code)} before it reported" for r, code in sorted(died.items())
+    )
+
+
+def settle(procs, grace: float) -> set[int]:
+    """Give ``procs`` ``grace`` seconds in all to exit, kill the ones that do not; their ranks."""
+    deadline = time.monotonic() + grace
+    hung = set()
+    for r, p in enumerate(procs):
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            hung.add(r)
+            p.kill()
+            p.join(timeout=5)
+    return hung
+
+
+def exits_in_words(bad: list[tuple[int, int | None]], hung: set[int], grace: float) -> str:
+    """How each ``(rank, exit code)`` in ``bad`` ended, in words; ``hung`` ranks had to be killed."""
+    return "; ".join(
+        f"rank {r}'s process " + (f"did not exit within {grace:.0f}s" if r in hung else describe_exit(code))
+        for r, code in bad
+    )
+
+
 def spawn(
     fn: Callable[..., Any],
     world: int,
@@ -245,9 +329,7 @@ def spawn(
     call with its traceback; so does a process that finished its work but then did not exit with
     code 0 within ``exit_grace`` seconds (an abort at exit is a failure, not a detail), and any rank
     that has not reported within ``timeout`` seconds."""
-    import queue as queue_mod
     import tempfile
-    import time
 
     import torch
     import torch.multiprocessing as mp
@@ -267,35 +349,25 @@ def spawn(
         for p in procs:
             p.start()
         out: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
         try:
-            while len(out) < world:
-                try:
-                    rank, value, err = queue.get(timeout=max(0.1, deadline - time.monotonic()))
-                except queue_mod.Empty:
-                    raise TimeoutError(
-                        f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout:.0f}s"
-                    ) from None
+            reports, died = await_reports(queue, procs, timeout, stop=lambda message: bool(message[2]))
+            for rank, (_, value, err) in sorted(reports.items()):
                 if err:
                     raise RuntimeError(f"rank {rank} failed:\n{err}")
                 out[rank] = value
+            if died:
+                raise RuntimeError(died_without_report(died))
+            if len(out) < world:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout:.0f}s"
+                )
         finally:
-            grace = time.monotonic() + (exit_grace if len(out) == world else 5.0)
-            hung = set()
-            for r, p in enumerate(procs):
-                p.join(timeout=max(0.1, grace - time.monotonic()))
-                if p.is_alive():
-                    hung.add(r)
-                    p.kill()
-                    p.join(timeout=5)
+            hung = settle(procs, exit_grace if len(out) == world else 5.0)
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
-            what = "; ".join(
-                f"rank {r}'s process "
-                + (f"did not exit within {exit_grace:.0f}s" if r in hung else describe_exit(code))
-                for r, code in bad
+            raise RuntimeError(
+                f"every rank finished its work, but then {exits_in_words(bad, hung, exit_grace)}"
             )
-            raise RuntimeError(f"every rank finished its work, but then {what}")
     return [out[r] for r in range(world)]
 
 
@@ -319,6 +391,6 @@ def _spawned(rank, world, init, backend, pg_timeout, fn, args, queue):
             value = fn(rank, world, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, value, None))
+        send_report(queue, (rank, value, None))
     except Exception:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, None, traceback.format_exc()))
+        send_report(queue, (rank, None, traceback.format_exc()))

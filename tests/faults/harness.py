@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue as queue_mod
 import tempfile
 import time
 import traceback
@@ -27,6 +26,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp  # noqa: F401 - the workers' module resolves tensors through it
 
+from mmbalance.bench.harness import await_reports, send_report, settle
 from tests.dist_utils import end_like_a_program, worker_context
 
 
@@ -101,9 +101,9 @@ def _worker(rank, world, init_file, fn, args, queue, pg_timeout):
         )
         value = fn(rank, world, *args)
         ForkingPickler.dumps(value)  # fail here, loudly, rather than silently in the queue's feeder thread
-        queue.put((rank, value, None))
+        send_report(queue, (rank, value, None))
     except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, None, traceback.format_exc()))
+        send_report(queue, (rank, None, traceback.format_exc()))
         return
     end_like_a_program()
     # no destroy_process_group: after a fault the group may be broken, and tearing it down can
@@ -127,39 +127,13 @@ def run_ranks(
         for p in procs:
             p.start()
         outcomes: dict[int, Outcome] = {}
-        deadline = time.monotonic() + timeout
         try:
-            while len(outcomes) < world and time.monotonic() < deadline:
-                try:
-                    rank, value, error = queue.get(timeout=0.5)
-                    outcomes[rank] = Outcome(rank, value, error)
-                except queue_mod.Empty:
-                    pass
-                # a process that exited with a failure code without reporting died (os._exit, a
-                # signal, an abort); one that exited cleanly has reported (its message may still
-                # be in flight)
-                for r, p in enumerate(procs):
-                    if r not in outcomes and p.exitcode not in (None, 0):
-                        time.sleep(0.5)
-                        try:
-                            while True:
-                                rank, value, error = queue.get_nowait()
-                                outcomes[rank] = Outcome(rank, value, error)
-                        except queue_mod.Empty:
-                            pass
-                        if r not in outcomes:
-                            outcomes[r] = Outcome(r, exitcode=p.exitcode)
+            reports, died = await_reports(queue, procs, timeout, past_deaths=True)
+            outcomes.update({r: Outcome(r, value, error) for r, (_, value, error) in reports.items()})
+            outcomes.update({r: Outcome(r, exitcode=code) for r, code in died.items()})
         finally:
-            statuses = []
-            grace = time.monotonic() + (exit_grace if len(outcomes) == world else 2.0)
-            for p in procs:
-                p.join(timeout=max(0.1, grace - time.monotonic()))
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-                    statuses.append(KILLED)
-                else:
-                    statuses.append(p.exitcode)
+            hung = settle(procs, exit_grace if len(outcomes) == world else 2.0)
+        statuses = [KILLED if r in hung else p.exitcode for r, p in enumerate(procs)]
         for r in range(world):
             if r not in outcomes:
                 raise TimeoutError(f"rank {r} neither reported nor exited within {timeout:.0f}s: a hang")
