@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.18")
 
 import mmbalance.integrations.hf.attention as attn  # noqa: E402
+import mmbalance.integrations.hf.attention_plan as attn_plan  # noqa: E402
 from mmbalance.integrations.hf import ATTENTION_NAME, register_attention  # noqa: E402
 
 VOCAB = 64
@@ -46,16 +47,16 @@ def _packed(lens=LENS, seed=1):
 
 @pytest.fixture
 def plans(monkeypatch) -> list[int]:
-    """How many times the backend plans (``_plan`` or a 4-D mask's plan)."""
+    """How many times the backend plans (``host_plan`` or a 4-D mask's plan)."""
     calls: list[int] = []
-    for name in ("_plan", "dense_mask_runs"):
-        real = getattr(attn, name)
+    for name in ("host_plan", "dense_mask_runs"):  # the planner's module: attention_plan.py
+        real = getattr(attn_plan, name)
 
         def spy(*args, _real=real, **kwargs):
             calls.append(1)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(attn, name, spy)
+        monkeypatch.setattr(attn_plan, name, spy)
     return calls
 
 
@@ -166,12 +167,12 @@ def test_shape_only_plans_equal_the_host_plan(lq, lk, causal, window):
     """Calls without a mask, cu_seq_lens or packing are planned from their shapes in tensor ops
     (no graph break): the same plan the host planner makes."""
     if causal and lq > lk:
-        assert attn._shape_plan(2, lq, lk, causal, window) is None  # refused by the host planner
+        assert attn_plan.shape_plan(2, lq, lk, causal, window) is None  # refused by the host planner
         return
-    shaped = attn._shape_plan(2, lq, lk, causal, window)
-    mine = attn._rows_plan(2, lq, lk, shaped, torch.device("cpu"))
-    spec = attn._mask_from_keywords(None, 2, lq, lk, causal, window, None)
-    want = attn._plan(spec, 2, lq, lk, None, torch.device("cpu"))
+    shaped = attn_plan.shape_plan(2, lq, lk, causal, window)
+    mine = attn_plan.rows_plan(2, lq, lk, shaped, torch.device("cpu"))
+    spec = attn_plan.mask_from_keywords(None, 2, lq, lk, causal, window, None)
+    want = attn_plan.host_plan(spec, 2, lq, lk, None, torch.device("cpu"))
     for name in ("cu_q", "cu_k", "k_index", "q_runs", "k_runs"):
         a, b = getattr(mine, name), getattr(want, name)
         assert (a is None and b is None) or torch.equal(a, b), name

@@ -1,7 +1,7 @@
 """``"mmbalance_varlen"`` under ``torch.compile``, and its plans cached across a forward's layers.
 
 The backend plans every batch on the host: where each packed sequence starts, which keys a padded
-row keeps (``attention.py``, ``_plan``). That reads tensor values, so Dynamo cannot trace it. The
+row keeps (``attention_plan.py``, ``host_plan``). That reads tensor values, so Dynamo cannot trace it. The
 planning stays out of the graph:
 
 * the mask function (``attention_mask.varlen_mask``) plans the mask it returns right away, so the
