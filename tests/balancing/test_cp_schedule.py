@@ -8,103 +8,24 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mmbalance.balancing import CostModel, cp_schedule
 from mmbalance.balancing._core_api import core
 from mmbalance.balancing.cp_schedule import DEFAULT_COST
 from mmbalance.balancing.paper import paper_cp_schedule
-
-SETTINGS = settings(
-    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+from tests.balancing.cp_refs import (
+    SETTINGS,
+    PerSequence,
+    batches,
+    check_valid,
+    models,
+    paper_makespan,
+    static_groups_additive,
+    static_makespan,
+    transformer_per_sequence,
 )
-
-models = st.sampled_from(
-    [
-        DEFAULT_COST,
-        CostModel(linear=1.0, attention=1e-4, ring=0.5),
-        CostModel(linear=1.0, attention=2e-4, ring=0.2, ring_latency=50.0, fixed=10.0, mask="full"),
-        CostModel(linear=1.0, attention=1e-4, ring=0.3, overlap=False),
-        CostModel(linear=1.0),
-    ]
-)
-
-
-@st.composite
-def batches(draw):
-    num_ranks = draw(st.integers(1, 12))
-    mem = draw(st.integers(64, 4096))
-    n = draw(st.integers(0, 40))
-    short = st.integers(0, mem)
-    long = st.integers(mem, mem * num_ranks)
-    lengths = draw(st.lists(st.one_of(short, short, long), min_size=n, max_size=n))
-    # keep the batch within the total memory (else the schedule must refuse it)
-    total, kept = 0, []
-    for x in lengths:
-        if total + x <= mem * num_ranks:
-            kept.append(x)
-            total += x
-    return kept, num_ranks, mem
-
-
-def check_valid(sched, lengths, num_ranks, mem, cost):
-    lengths = np.asarray(lengths, dtype=np.int64)
-    seen = np.concatenate([g.sequences for g in sched]) if len(sched) else np.zeros(0, dtype=np.int64)
-    assert np.array_equal(np.sort(seen), np.arange(lengths.size))  # every sequence exactly once
-    assert sum(g.degree for g in sched) <= num_ranks
-    ranks = [r for g in sched for r in g.ranks]
-    assert len(ranks) == len(set(ranks)) and all(0 <= r < num_ranks for r in ranks)
-    for g in sched:
-        assert g.degree >= 1 and len(g.ranks) == g.degree and list(g.ranks) == sorted(g.ranks)
-        assert g.sequences.dtype == np.int64 and g.sequences.size > 0
-        assert lengths[g.sequences].sum() <= g.degree * mem  # memory of every rank respected
-        assert g.time == pytest.approx(cost.time(lengths[g.sequences], g.degree), rel=1e-9)
-    assert sched.makespan == pytest.approx(max((g.time for g in sched), default=0.0), rel=1e-12)
-
-
-# --- references written plainly -------------------------------------------------------------------
-
-
-def static_makespan(lengths, num_ranks, mem, cost, c):
-    """A static uniform degree c: N // c groups, longest first to the group that stays fastest."""
-    groups = static_groups(lengths, num_ranks, mem, cost, c)
-    if groups is None:
-        return None
-    return max((cost.time([lengths[j] for j in g], c) for g in groups), default=0.0)
-
-
-def paper_makespan(lengths, num_ranks, mem, cost):
-    """DHP section 4.3: best-fit-decreasing atomic groups, then algorithm 1 (the 2-D DP over degrees)."""
-    bins = []  # [free tokens, dmin, members]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fits = [b for b in bins if b[0] >= lengths[i]]
-        if fits:
-            b = min(fits, key=lambda b: (b[0], bins.index(b)))
-        else:
-            dmin = max(1, -(-lengths[i] // mem))
-            b = [dmin * mem, dmin, []]
-            bins.append(b)
-        b[0] -= lengths[i]
-        b[2].append(i)
-    dmin = [b[1] for b in bins]
-    if not bins:
-        return 0.0
-    if sum(dmin) > num_ranks:
-        return None
-    inf = float("inf")
-    dp = [[inf] * (num_ranks + 1) for _ in range(len(bins) + 1)]
-    dp[0][0] = 0.0
-    for k, b in enumerate(bins, start=1):
-        members = [lengths[j] for j in b[2]]
-        for j in range(num_ranks + 1):
-            for d in range(b[1], j + 1):
-                if dp[k - 1][j - d] < inf:
-                    dp[k][j] = min(dp[k][j], max(dp[k - 1][j - d], cost.time(members, d)))
-    return dp[len(bins)][num_ranks]
-
-
-# --- properties -------------------------------------------------------------------------------------
 
 
 @SETTINGS
@@ -277,218 +198,6 @@ def test_real_data_512_sequences_64_ranks():
         )
 
 
-# --- callable costs: per-sequence (vectorized) and per-group ------------------------------------
-
-
-def _transformer_per_sequence(ls, d):
-    x = ls.astype(np.float64)
-    return DEFAULT_COST.predict(x, x * x, np.float64(d))
-
-
-def _degree_penalty(ls, d):  # not convex in d: degrees divisible by 3 pay extra
-    x = ls.astype(np.float64)
-    return 1e-3 * x / d + 1e-7 * x * x / d + 0.3 * (d % 3 == 0) + 0.05 * (d - 1)
-
-
-def _scrambled(ls, d):  # not monotone in the length either
-    return ((ls * 7919) % 101 + 1.0) / np.sqrt(d) + 2.0 * (ls > 0) * (d > 4)
-
-
-def _free(ls, d):  # every time 0: ties everywhere
-    return np.zeros(ls.shape)
-
-
-per_sequence_costs = st.sampled_from([_transformer_per_sequence, _degree_penalty, _scrambled, _free])
-
-
-class PerSequence:
-    """A per-sequence cost as a group cost: the sum over the group (for the references above)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def time(self, ls, d):
-        return float(self.fn(np.asarray(ls, dtype=np.int64), d).sum())
-
-
-def static_groups_additive(lengths, num_ranks, mem, fn, c):
-    """Static degree c under per-sequence times: the group with the least time after adding wins."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    t = fn(lengths, c)
-    times, tokens = np.zeros(num_ranks // c), np.zeros(num_ranks // c, dtype=np.int64)
-    for i in sorted(range(lengths.size), key=lambda i: (-lengths[i], i)):
-        after = np.where(tokens + lengths[i] <= c * mem, times + t[i], np.inf)
-        k = int(np.argmin(after))
-        if after[k] == np.inf:
-            return None
-        times[k], tokens[k] = after[k], tokens[k] + lengths[i]
-    return times.max(initial=0.0)
-
-
-@SETTINGS
-@given(batch=batches(), fn=per_sequence_costs)
-def test_vectorized_never_worse_than_static_or_paper(batch, fn):
-    lengths, num_ranks, mem = batch
-    sched = cp_schedule(lengths, num_ranks, mem, fn)
-    check_valid(sched, lengths, num_ranks, mem, PerSequence(fn))
-    statics = [static_groups_additive(lengths, num_ranks, mem, fn, c) for c in range(1, num_ranks + 1)]
-    feasible = [s for s in statics if s is not None]
-    if feasible:
-        assert sched.makespan <= min(feasible) * (1 + 1e-9) + 1e-12
-        assert sched.info["static_makespan"] == pytest.approx(min(feasible), rel=1e-9, abs=1e-12)
-    paper = paper_makespan(lengths, num_ranks, mem, PerSequence(fn))
-    if paper is not None:
-        assert sched.makespan <= paper * (1 + 1e-9) + 1e-12
-    assert sched.makespan >= sched.info["lower_bound"] * (1 - 1e-9) - 1e-12
-
-
-def static_groups(lengths, num_ranks, mem, cost, c):
-    """The non-empty groups (indices) of the static degree c, or None if a sequence fits nowhere."""
-    groups = [[] for _ in range(num_ranks // c)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        best, best_t = None, None
-        for k, g in enumerate(groups):
-            if sum(lengths[j] for j in g) + lengths[i] > c * mem:
-                continue
-            t = cost.time([lengths[j] for j in g] + [lengths[i]], c)
-            if best is None or t < best_t:
-                best, best_t = k, t
-        if best is None:
-            return None
-        groups[best].append(i)
-    return [g for g in groups if g]
-
-
-@SETTINGS
-@given(batch=batches(), fn=per_sequence_costs)
-def test_group_callable_never_worse_than_static(batch, fn):
-    # A per-group callable: static degrees are grouped under the form fitted to it, timed by it.
-    from mmbalance.balancing.cp_schedule import _probe_fit
-
-    lengths, num_ranks, mem = batch
-
-    def cost(ls, d):
-        return float(fn(ls, d).sum()) + 0.01 * (d > 1)  # a per-group constant too
-
-    sched = cp_schedule(lengths, num_ranks, mem, cost)
-    if not lengths:
-        return
-    proxy = _probe_fit(cost, np.asarray(lengths, dtype=np.int64), num_ranks, mem)
-    statics = []
-    for c in range(1, num_ranks + 1):
-        groups = static_groups(lengths, num_ranks, mem, proxy, c)
-        if groups is not None:
-            statics.append(max(cost(np.asarray(lengths, dtype=np.int64)[g], c) for g in groups))
-    for g in sched:
-        assert g.time == pytest.approx(cost(np.asarray(lengths, dtype=np.int64)[g.sequences], g.degree))
-    if statics:
-        assert sched.makespan <= min(statics) * (1 + 1e-9) + 1e-12
-        assert sched.info["static_makespan"] == pytest.approx(min(statics), rel=1e-9, abs=1e-12)
-
-
-@pytest.mark.parametrize("n", [50, 800], ids=["n50", "n800"])
-def test_vectorized_cost_is_called_once_per_degree(n):
-    calls = []
-
-    def cost(ls, d):
-        calls.append((ls.shape, d))
-        return 1e-4 * ls / d + 1e-9 * ls.astype(np.float64) ** 2 / d + 1e-3 * (d - 1)
-
-    lengths = np.random.default_rng(n).integers(1, 2000, n)
-    sched = cp_schedule(lengths, 16, 65536, cost)
-    assert [d for _, d in calls] == list(range(1, 17))  # independent of the number of sequences
-    assert all(shape == (n,) for shape, _ in calls)
-    assert sched.info["method"] != "empty"
-    calls.clear()
-    cp_schedule(lengths, 16, 65536, cost, vectorized=True)
-    assert len(calls) == 16
-
-
-def test_vectorized_cost_sees_read_only_lengths():
-    def cost(ls, d):
-        ls[0] = 0  # must not corrupt the schedule
-        return ls / d
-
-    with pytest.raises(ValueError, match="read-only"):
-        cp_schedule([5, 6], 2, 8, cost)
-
-
-def test_explicit_group_form_is_not_probed():
-    sizes = []
-
-    def cost(ls, d):
-        sizes.append(ls.size)
-        return float(ls.sum()) / d
-
-    cp_schedule([5, 6, 7], 2, 100, cost, vectorized=False)
-    assert sizes[0] == 1  # the fit's probes come first, not a call with all the sequences
-
-
-@pytest.mark.parametrize(
-    "cost, kwargs, err, match",
-    [
-        (lambda ls, d: ls[:-1] / d, {}, ValueError, r"cost\(lengths, 1\) returned shape \(2,\)"),
-        (
-            lambda ls, d: np.where(d == 2, np.nan, ls / d),
-            {},
-            ValueError,
-            r"cost\(lengths, 2\) must return finite",
-        ),
-        (lambda ls, d: ls / d - 6.0, {}, ValueError, r"cost\(lengths, 1\) .* lengths\[0\] = 5"),
-        (
-            lambda ls, d: np.array(["a"] * ls.size),
-            {},
-            TypeError,
-            r"cost\(lengths, 1\) must return real numbers",
-        ),
-        (lambda ls, d: ls > 0, {}, TypeError, "cost.*bool"),
-        (lambda ls, d: ls * 1j, {}, TypeError, "cost.*complex"),
-        (lambda ls, d: float(ls.sum()), {"vectorized": True}, ValueError, r"shape \(\)"),
-        (lambda ls, d: np.nan, {}, ValueError, r"cost\(lengths, 1\) must return a finite number"),
-        (lambda ls, d: "fast", {}, TypeError, r"cost\(lengths, 1\) must return a number"),
-        (lambda ls, d: [[1.0], [1.0, 2.0]], {}, TypeError, r"cost\(lengths, 1\) must return a number"),
-        (lambda ls, d: ls / d, {"vectorized": "yes"}, TypeError, "vectorized"),
-        (CostModel(), {"vectorized": True}, ValueError, "vectorized"),
-    ],
-    ids=[
-        "short",
-        "nan",
-        "negative",
-        "strings",
-        "bools",
-        "complex",
-        "scalar-vectorized",
-        "nan-group",
-        "string-group",
-        "ragged",
-        "vectorized-type",
-        "vectorized-model",
-    ],
-)
-def test_callable_errors_name_the_argument(cost, kwargs, err, match):
-    with pytest.raises(err, match=match):
-        cp_schedule([5, 6, 7], 4, 100, cost, **kwargs)
-
-
-def test_negative_zero_times():
-    sched = cp_schedule([5, 6, 7], 4, 100, lambda ls, d: -0.0 * ls)
-    assert sched.makespan == 0.0 and sorted(np.concatenate([g.sequences for g in sched]).tolist()) == [
-        0,
-        1,
-        2,
-    ]
-
-
-def test_callable_size_limits():
-    with pytest.raises(ValueError, match="num_ranks = 5000"):
-        cp_schedule([5, 6], 5000, 100, lambda ls, d: ls / d)
-    with pytest.raises(ValueError, match=r"lengths: .* 4096 \* 4096"):
-        cp_schedule(np.ones(4096, dtype=np.int64), 4096, 100, lambda ls, d: ls / d)
-
-
-# --- size: the greedy fill's ordered path against a plain one, and large inputs -----------------
-
-
 def greedy_reference(lengths, num_ranks, mem, cost, c):
     """cp_static_groups's greedy, plainly: sums in insertion order, the first smallest wins."""
     g = num_ranks // c
@@ -574,8 +283,8 @@ def test_many_sequences_and_ranks():
 def test_vectorized_many_ranks_and_sequences():
     rng = np.random.default_rng(6)
     lengths = rng.integers(1, 20000, 2000)
-    sched = cp_schedule(lengths, 4096, 16384, _transformer_per_sequence)
-    check_valid(sched, lengths, 4096, 16384, PerSequence(_transformer_per_sequence))
+    sched = cp_schedule(lengths, 4096, 16384, transformer_per_sequence)
+    check_valid(sched, lengths, 4096, 16384, PerSequence(transformer_per_sequence))
     assert sched.makespan <= sched.info["static_makespan"] * (1 + 1e-12)
 
 
