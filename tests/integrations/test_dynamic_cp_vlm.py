@@ -22,7 +22,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from mmbalance.balancing import CostModel  # noqa: E402
 from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
-from mmbalance.integrations.hf.dynamic_cp_vlm import SUPPORTED, _Runs, _Step  # noqa: E402
+from mmbalance.integrations.hf.dynamic_cp_vlm import SUPPORTED  # noqa: E402
+from mmbalance.integrations.hf.dynamic_cp_vlm_plan import GatheredStep, PlaceholderRuns  # noqa: E402
 from mmbalance.integrations.hf.models.common import core  # noqa: E402
 from tests.dist_utils import REPO, launch  # noqa: E402
 from tests.integrations import hf_zoo  # noqa: E402
@@ -190,14 +191,14 @@ def test_a_callable_cost_needs_encoder_cost_none_for_a_vlm():
 @given(runs=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6)), min_size=0, max_size=8), data=st.data())
 def test_placeholder_counts_before_any_offset(runs, data):
     kind = np.concatenate([np.full(n, k) for k, n in runs]) if runs else np.zeros(0, dtype=np.int64)
-    step = _Step(
+    step = GatheredStep(
         lengths=np.array([kind.size]), labelled=np.zeros(1), seq_src=np.zeros(1, dtype=np.int64),
         run_seq=np.zeros(len(runs), dtype=np.int64), run_kind=np.array([k for k, _ in runs], dtype=np.int64),
         run_len=np.array([n for _, n in runs], dtype=np.int64), src=[], seq=[], stream=[], rows=[], out_rows=[],
         meta=[],
     )  # fmt: skip
     x = np.array(data.draw(st.lists(st.integers(0, kind.size), min_size=1, max_size=6)), dtype=np.int64)
-    counted = _Runs(step, 1)
+    counted = PlaceholderRuns(step, 1)
     for k in (1, 2):
         want = np.array([int((kind[:v] == k).sum()) for v in x])
         assert counted.before(0, k, x).tolist() == want.tolist()

@@ -1,5 +1,5 @@
 """The numpy side of dynamic context parallelism, shared by the text path (``dynamic_cp.py``),
-the vision-language path (``dynamic_cp_vlm.py``) and the Trainer's data side (``cp_trainer.py``):
+the vision-language path (``dynamic_cp_vlm*.py``) and the Trainer's data side (``cp_trainer.py``):
 a batch read into its sequences (:func:`split_sequences`), the planner's cost for a model
 (:func:`cost_model_of`), one step's plan (:func:`plan_layout`: CP groups under the token budget,
 each sequence cut into the zigzag chunks of its group's ranks), and a rank's shard and model

@@ -10,7 +10,7 @@ collator cuts this rank's zigzag shard out of them (:class:`CPCollator`): nothin
 and the batch the model gets is already the shard, so Trainer counts the step's labelled tokens
 (``shift_labels``) on the shards, once each. For a vision-language model the collator also gives
 the M-RoPE positions of the whole sequences and the encoder work of this rank
-(:class:`~.dynamic_cp_vlm.PendingMedia`), which a forward pre-hook runs: every image and frame is
+(:class:`~.dynamic_cp_vlm_trainer.PendingMedia`), which a forward pre-hook runs: every image and frame is
 encoded by one member of its group, and one all-to-all over the group moves the feature rows.
 
 Streaming data (:class:`StreamLoader`): every rank draws its own examples from its slice of the
@@ -33,7 +33,7 @@ from mmbalance.integrations.data import BalancedBatchSampler
 
 from .cp_attention import CP_KEYWORD, CPShard
 from .cp_plan import IGNORE, plan_layout, split_sequences
-from .dynamic_cp_vlm import MEDIA_KEYWORD
+from .dynamic_cp_vlm_trainer import MEDIA_KEYWORD
 
 __all__ = ["CPBatchSampler", "CPCollator", "SlotMeta", "StreamLoader", "TaggedDataset", "RankSlice"]
 
@@ -148,7 +148,7 @@ class CPCollator:
     def __init__(self, collate: Callable, pad_id: int = 0, vlm=None):
         self.collate = collate
         self.pad_id = int(pad_id)
-        #: a vision-language model's GroupCutter (dynamic_cp_vlm.py): the shard then also carries
+        #: a vision-language model's GroupCutter (dynamic_cp_vlm_trainer.py): the shard then also carries
         #: M-RoPE positions ``[4, 1, T]`` and the PendingMedia the forward encodes
         self.vlm = vlm
 

@@ -136,7 +136,7 @@ class DynamicCPHandle:
         if self.removed:
             raise RuntimeError("this dynamic-CP handle was removed (handle.remove()); apply_dynamic_cp again")
         if self.vlm is not None:
-            from .dynamic_cp_vlm import shard_vlm
+            from .dynamic_cp_vlm_step import shard_vlm
 
             return shard_vlm(self, batch)
         device = model_device(self.model)

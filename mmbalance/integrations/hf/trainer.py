@@ -333,7 +333,8 @@ def _balanced_train_dataloader(self):
     if self._mmbalance_cp is not None:
         from .cp_plan import pad_id
         from .cp_trainer import CPBatchSampler, CPCollator, TaggedDataset
-        from .dynamic_cp_vlm import GroupCutter, install_media_hook, vlm_family
+        from .dynamic_cp_vlm import vlm_family
+        from .dynamic_cp_vlm_trainer import GroupCutter, install_media_hook
 
         budget, cost = self._mmbalance_cp
         batch_sampler = CPBatchSampler(sampler, budget, cost)

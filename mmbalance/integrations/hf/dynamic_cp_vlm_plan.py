@@ -1,0 +1,313 @@
+"""The numpy side of a vision-language step of dynamic context parallelism (see
+:mod:`.dynamic_cp_vlm`): a rank's batch read into sequences, M-RoPE positions and encoder items
+(:func:`read_batch`), the rows it contributes to the gathered table and the table read back
+(:class:`GatheredStep`), the placeholder runs, the feature segments that compose the encoder's plan
+with the LLM's pieces, and the encoding ranks of a group's items without encoder balancing. Shared
+by :func:`~.dynamic_cp_vlm_step.shard_vlm` and the Trainer's :class:`~.dynamic_cp_vlm_trainer.GroupCutter`;
+nothing here communicates."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from torch import Tensor
+
+from .cp_plan import Sequences, split_sequences
+from .dynamic_cp_vlm import VLMFamily, assign_media
+from .encoder_adapter import EncoderAdapter, Items
+
+__all__ = [
+    "GatheredStep",
+    "LocalBatch",
+    "PlaceholderRuns",
+    "feature_segments",
+    "local_table",
+    "parse_table",
+    "piece_coords",
+    "read_batch",
+    "spread_items",
+]
+
+_TEXT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
+
+
+# ------------------------------------------------------------------------------ the local batch
+@dataclass
+class LocalBatch:
+    """This rank's batch read (:func:`read_batch`): its sequences, their positions and placeholder
+    kinds, and per encoder adapter its items with their sequence, stream and feature rows."""
+
+    seqs: Sequences
+    positions: Tensor | None  # int64 [T, 3]
+    kinds: list[np.ndarray]  # per sequence: 0 text, 1 + stream at placeholders
+    items: list[Items | None]  # per adapter
+    item_seq: list[np.ndarray]  # per adapter: local sequence of every item
+    item_stream: list[np.ndarray]
+    out_rows: list[np.ndarray]
+    options: list[dict]
+
+
+def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Mapping) -> LocalBatch:
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a mapping of model inputs, got {type(batch).__name__}")
+    known = set(_TEXT_KEYS) | family.batch_keys | {"use_cache", "return_dict", "num_items_in_batch"}
+    for key, val in batch.items():
+        if key not in known and val is not None:
+            raise ValueError(
+                f"batch[{key!r}]: handle.shard does not know how to split this input of {family.label} (it takes "
+                f"{', '.join(sorted(set(_TEXT_KEYS) | family.batch_keys))})"
+            )
+    pos = batch.get("position_ids")
+    if isinstance(pos, Tensor) and pos.dim() == 3:
+        raise ValueError(
+            "batch['position_ids']: handle.shard computes the M-RoPE positions of every sequence itself (the "
+            "model's get_rope_index on the whole sequence); pass none, or 1-D packed positions [1, T]"
+        )
+    seqs = split_sequences({k: batch[k] for k in _TEXT_KEYS if k in batch})
+    model = handle.model
+    streams = family.streams(model)
+    lengths = seqs.lengths
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids_np = seqs.input_ids.numpy()
+    kinds = []
+    for s in range(lengths.size):
+        x = ids_np[starts[s] : starts[s + 1]]
+        kind = np.zeros(x.size, dtype=np.int64)
+        for k, (_, token) in enumerate(streams):
+            kind[x == token] = k + 1
+        kinds.append(kind)
+    counts = np.array([[int((kd == k + 1).sum()) for k in range(len(streams))] for kd in kinds],
+                      dtype=np.int64).reshape(-1, len(streams))  # fmt: skip
+    ids = [seqs.input_ids[starts[s] : starts[s + 1]] for s in range(lengths.size)]
+    positions = family.positions(model, batch, ids, kinds, seqs.spans) if family.mrope else None
+    items: list[Items | None] = []
+    item_seq: list[np.ndarray] = []
+    item_stream: list[np.ndarray] = []
+    out_rows: list[np.ndarray] = []
+    options: list[dict] = []
+    covered = np.zeros(len(streams), dtype=bool)
+    for adapter in adapters:
+        call = dict(batch)
+        opts = adapter.call_options(model, call)
+        got = adapter.extract(model, call)
+        if got is not None and len(got) == 0:
+            got = None
+        options.append(opts)
+        if got is None:
+            items.append(None)
+            for a in (item_seq, item_stream, out_rows):
+                a.append(np.zeros(0, dtype=np.int64))
+            continue
+        stream = family.item_streams(adapter, got.meta)
+        rows_out = np.asarray(adapter.out_rows(model, got.meta, **opts), dtype=np.int64)
+        seq_of = np.full(len(got), -1, dtype=np.int64)
+        for k in np.unique(stream).tolist():
+            idx = np.flatnonzero(stream == k)
+            name = streams[k][0]
+            per_seq = assign_media(rows_out[idx], counts[:, k], _media_key(family, name), name)
+            for s, mine in enumerate(per_seq):
+                seq_of[idx[mine]] = s
+            covered[k] = True
+        items.append(got)
+        item_seq.append(seq_of)
+        item_stream.append(stream)
+        out_rows.append(rows_out)
+    for k, (name, _) in enumerate(streams):
+        if not covered[k] and int(counts[:, k].sum()):
+            raise ValueError(
+                f"input_ids holds {int(counts[:, k].sum())} {name} placeholder tokens but the batch has no "
+                f"{_media_key(family, name)}"
+            )
+    return LocalBatch(seqs, positions, kinds, items, item_seq, item_stream, out_rows, options)
+
+
+def _media_key(family: VLMFamily, name: str) -> str:
+    return "pixel_values_videos" if name == "video" else "pixel_values"
+
+
+def local_table(local: LocalBatch, width: int) -> np.ndarray:
+    """The rows this rank contributes to the gathered table (see :func:`~.dynamic_cp_vlm_step.shard_vlm`)."""
+    rows = []
+    seqs = local.seqs
+    labelled = seqs.labelled
+    for s, n in enumerate(seqs.lengths.tolist()):
+        rows.append([0, s, n, int(labelled[s])])
+    for a, got in enumerate(local.items):
+        if got is None:
+            continue
+        for i in range(len(got)):
+            rows.append([1, int(local.item_seq[a][i]), a, int(local.item_stream[a][i]), int(got.rows[i]),
+                         int(local.out_rows[a][i]), *got.meta[i].tolist()])  # fmt: skip
+    for s, kind in enumerate(local.kinds):
+        if not kind.size:
+            continue
+        cut = np.flatnonzero(np.diff(kind)) + 1
+        starts = np.concatenate([[0], cut])
+        ends = np.concatenate([cut, [kind.size]])
+        for a, z in zip(starts.tolist(), ends.tolist()):
+            rows.append([2, s, int(kind[a]), z - a])
+    out = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+# ----------------------------------------------------------------------------- the gathered step
+@dataclass
+class GatheredStep:
+    """The gathered table of every rank read back (:func:`parse_table`): the sequences in global
+    order, their placeholder runs, and per encoder adapter the items of every rank, rank-major."""
+
+    lengths: np.ndarray
+    labelled: np.ndarray
+    seq_src: np.ndarray
+    run_seq: np.ndarray  # runs of placeholder kinds, per sequence in order
+    run_kind: np.ndarray
+    run_len: np.ndarray
+    # per adapter: the items of every rank, rank-major
+    src: list[np.ndarray]
+    seq: list[np.ndarray]
+    stream: list[np.ndarray]
+    rows: list[np.ndarray]
+    out_rows: list[np.ndarray]
+    meta: list[np.ndarray]
+
+
+def parse_table(
+    table: np.ndarray, src: np.ndarray, world: int, adapters: list[EncoderAdapter]
+) -> GatheredStep:
+    kind = table[:, 0]
+    is_seq, is_item, is_run = kind == 0, kind == 1, kind == 2
+    offset = np.concatenate([[0], np.cumsum(np.bincount(src[is_seq], minlength=world))]).astype(np.int64)
+
+    def glob(mask):
+        return offset[src[mask]] + table[mask, 1]
+
+    it = table[is_item]
+    it_src, it_seq = src[is_item], glob(is_item)
+    per = [it[:, 2] == a for a in range(len(adapters))]
+    return GatheredStep(
+        lengths=table[is_seq, 2].copy(),
+        labelled=table[is_seq, 3].copy(),
+        seq_src=src[is_seq].copy(),
+        run_seq=glob(is_run),
+        run_kind=table[is_run, 2].copy(),
+        run_len=table[is_run, 3].copy(),
+        src=[it_src[m] for m in per],
+        seq=[it_seq[m] for m in per],
+        stream=[it[m, 3] for m in per],
+        rows=[it[m, 4] for m in per],
+        out_rows=[it[m, 5] for m in per],
+        meta=[np.ascontiguousarray(it[m, 6 : 6 + len(a.meta_columns)]) for a, m in zip(adapters, per)],
+    )
+
+
+def piece_coords(lengths: np.ndarray, piece_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence and offset of every piece (pieces are in (sequence, offset) order and cover every
+    sequence back to back)."""
+    ends = np.cumsum(lengths)
+    start = np.cumsum(piece_len) - piece_len
+    seq = np.searchsorted(ends, start, side="right")
+    return seq.astype(np.int64), (start - (ends - lengths)[seq]).astype(np.int64)
+
+
+class PlaceholderRuns:
+    """Placeholder counts of every sequence before any offset, from the gathered run-length code."""
+
+    def __init__(self, step: GatheredStep, n: int):
+        order = np.argsort(step.run_seq, kind="stable")
+        self.seq, self.kind, self.len = step.run_seq[order], step.run_kind[order], step.run_len[order]
+        self.first = np.searchsorted(self.seq, np.arange(n + 1))
+
+    def before(self, s: int, k: int, x: np.ndarray) -> np.ndarray:
+        """Placeholders of kind ``k`` (``1 + stream``) in ``[0, x)`` of sequence ``s``."""
+        a, b = self.first[s], self.first[s + 1]
+        ln, kd = self.len[a:b], self.kind[a:b]
+        if not ln.size:
+            return np.zeros_like(x)
+        ends = np.cumsum(ln)
+        starts = ends - ln
+        upto = np.concatenate([[0], np.cumsum(np.where(kd == k, ln, 0))])
+        j = np.searchsorted(ends, x, side="right")  # the run holding token x (ln.size: x is the end)
+        jj = np.minimum(j, ln.size - 1)
+        partial = np.where((j < ln.size) & (kd[jj] == k), x - starts[jj], 0)
+        return (upto[j] + partial).astype(np.int64)
+
+
+def feature_segments(
+    step: GatheredStep, a: int, runs: PlaceholderRuns, piece_seq, piece_off, piece_len, piece_dst, enc, slot
+):
+    """The feature move of adapter ``a``: every item's output rows cut by the pieces that hold
+    their placeholders. Returns arrays per segment, sorted by (encoding rank, slot, row): length,
+    source (encoding) rank, destination rank, stream, global piece index, row in the stream of the
+    sequence."""
+    seq, stream, out_rows = step.seq[a], step.stream[a], step.out_rows[a]
+    n_items = seq.size
+    # the first stream row of every item: items of one (sequence, stream) follow each other in order
+    row0 = np.zeros(n_items, dtype=np.int64)
+    nxt: dict[tuple[int, int], int] = {}
+    for i in range(n_items):
+        key = (int(seq[i]), int(stream[i]))
+        row0[i] = nxt.get(key, 0)
+        nxt[key] = row0[i] + int(out_rows[i])
+    first = np.searchsorted(piece_seq, np.arange(step.lengths.size + 1))
+    bounds: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    out: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("len", "src", "dst", "stream", "piece", "row", "slot", "off")
+    }
+    for i in range(n_items):
+        s, k = int(seq[i]), int(stream[i])
+        p = np.arange(first[s], first[s + 1])
+        if (s, k) not in bounds:
+            bounds[(s, k)] = (
+                runs.before(s, k + 1, piece_off[p]),
+                runs.before(s, k + 1, piece_off[p] + piece_len[p]),
+            )
+        lo, hi = bounds[(s, k)]
+        a0 = np.maximum(lo, row0[i])
+        b0 = np.minimum(hi, row0[i] + out_rows[i])
+        keep = b0 > a0
+        m = int(keep.sum())
+        out["len"].append(b0[keep] - a0[keep])
+        out["src"].append(np.full(m, enc[i], dtype=np.int64))
+        out["dst"].append(piece_dst[p[keep]])
+        out["stream"].append(np.full(m, k, dtype=np.int64))
+        out["piece"].append(p[keep])
+        out["row"].append(a0[keep])
+        out["slot"].append(np.full(m, slot[i], dtype=np.int64))
+        out["off"].append(a0[keep] - row0[i])
+        if int((b0[keep] - a0[keep]).sum()) != int(out_rows[i]):
+            raise AssertionError("an item's feature rows are not covered by the pieces once")  # a planner bug
+    cat = {
+        k: np.concatenate(v).astype(np.int64) if v else np.zeros(0, dtype=np.int64) for k, v in out.items()
+    }
+    order = np.lexsort((cat["off"], cat["slot"], cat["src"]))
+    return {k: v[order] for k, v in cat.items()}
+
+
+def spread_items(step: GatheredStep, a: int, layout, seconds: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """Encoding rank of every item of adapter ``a`` without encoder balancing: its sequence's CP
+    group, the least loaded member (longest item first; ties to the lower rank)."""
+    n = step.lengths.size
+    gseq = _group_of(layout.schedule, n)
+    enc = np.full(step.seq[a].size, -1, dtype=np.int64)
+    gi_of = gseq[step.seq[a]] if step.seq[a].size else np.zeros(0, dtype=np.int64)
+    for gi, g in enumerate(layout.schedule):
+        idx = np.flatnonzero(gi_of == gi)
+        if not idx.size:
+            continue
+        members = np.asarray(g.ranks, dtype=np.int64)
+        for i in idx[np.argsort(-seconds[idx], kind="stable")].tolist():
+            r = members[int(np.argmin(load[members]))]
+            enc[i] = r
+            load[r] += seconds[i]
+    return enc
+
+
+def _group_of(schedule, n: int) -> np.ndarray:
+    out = np.full(n, -1, dtype=np.int64)
+    for k, g in enumerate(schedule):
+        out[np.asarray(g.sequences, dtype=np.int64)] = k
+    return out

@@ -1,0 +1,295 @@
+"""One vision-language step of dynamic context parallelism: :func:`shard_vlm`, what
+:meth:`DynamicCPHandle.shard` runs for the models of :mod:`.dynamic_cp_vlm` (the step is described
+there): the agreement and the gathered table, the plan, the token move, the encoder inputs' move,
+one encoder call per rank, the feature move to the shards, the shard's keywords and statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mmbalance.balancing import CostModel, Plan, imbalance, post_balance
+from mmbalance.collectives import rebalance
+from mmbalance.collectives.agreement import Entry
+from mmbalance.collectives.alltoall import gather_table
+from mmbalance.collectives.group import comm_device
+from mmbalance.pyops import cu_seqlens_from_lengths
+
+from .balance import HANDLE_ATTR as _ENCODER_BALANCE_ATTR
+from .balance import ZeroLink
+from .cp_attention import CP_KEYWORD
+from .cp_plan import cost_key, idle_shard, model_device, pad_id, plan_layout, positions, shard_of
+from .dynamic_cp_vlm import VLMFamily, encoder_seconds, group_cost
+from .dynamic_cp_vlm_plan import (
+    GatheredStep,
+    LocalBatch,
+    PlaceholderRuns,
+    feature_segments,
+    local_table,
+    parse_table,
+    piece_coords,
+    read_batch,
+    spread_items,
+)
+from .encoder_adapter import EncoderAdapter
+from .models.common import core, pooled
+
+__all__ = ["shard_vlm"]
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------------------------------- moves
+class _Comm:
+    """The step's collectives over the handle's group, or their one-process identities."""
+
+    def __init__(self, own):
+        self.own = own
+        self.rank = dist.get_rank(own) if own is not None else 0
+        self.world = dist.get_world_size(own) if own is not None else 1
+        self.device = comm_device(own) if own is not None else torch.device("cpu")
+
+    def move(self, tensors: list[Tensor], lengths: np.ndarray, plan: Plan) -> list[Tensor]:
+        """``rebalance`` of ``tensors`` (this rank's examples of ``lengths`` rows) along ``plan``."""
+        if self.own is None:  # one rank: every plan keeps the order
+            if not np.array_equal(plan.recv_order(0), np.arange(plan.num_examples)):
+                raise AssertionError("a one-rank plan reorders its examples")
+            return list(tensors)
+        moved = [t.to(self.device) for t in tensors]
+        cu = cu_seqlens_from_lengths(lengths.astype(np.int64), device=self.device)
+        out, _ = rebalance(moved, cu, plan, self.own)
+        return list(out)
+
+
+def _encoder_handle(model):
+    """The :class:`~.balance.EncoderBalanceHandle` applied to ``model``, if one is active."""
+    handle = model.__dict__.get(_ENCODER_BALANCE_ATTR)
+    return handle if handle is not None and handle.active else None
+
+
+def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Mapping, eh, comm: _Comm):
+    """This rank's batch read, the agreement, and the gathered table: ``(local, step)``."""
+    model = handle.model
+    width = 6 + max([len(a.meta_columns) for a in adapters] + [1])
+    if handle.own is None:
+        local = read_batch(handle, family, adapters, batch)
+        table = local_table(local, width)
+        return local, parse_table(table, np.zeros(table.shape[0], dtype=np.int64), 1, adapters)
+    own_ranks = tuple(dist.get_process_group_ranks(handle.own))
+    enc_ranks = None if eh is None else tuple(dist.get_process_group_ranks(eh.group))
+    found: LocalBatch | None = None
+    table_in = None
+    with Entry("apply_dynamic_cp.shard", handle.own) as e:
+        e.fields = {
+            "max_tokens_per_rank": handle.max_tokens_per_rank,
+            "cost": cost_key(handle.cost),
+            "model": type(model).__name__,
+            "encoder balance": enc_ranks,
+            "adapters": [f"{type(a).__name__}(split_frames={a.splits_frames})" for a in adapters],
+        }
+        if enc_ranks is not None and enc_ranks != own_ranks:
+            raise ValueError(
+                "group: apply_encoder_balance on this model balances over other ranks than apply_dynamic_cp; "
+                "give both the same group"
+            )
+        found = read_batch(handle, family, adapters, batch)
+        e.fields["labels"] = found.seqs.has_labels
+        e.fields["encoder options"] = repr([sorted(o.items()) for o in found.options])
+        table_in = local_table(found, width)
+    table, src = gather_table(table_in, handle.own, entry=e)
+    assert found is not None  # a rank whose batch failed has raised in gather_table
+    return found, parse_table(table, src, comm.world, adapters)
+
+
+@dataclass
+class _Media:
+    """What the media moves leave on this rank."""
+
+    mm: dict[str, object]  # mm_encoder_outputs
+    links: list[Tensor]  # what the anchor ties into every rank's backward
+    load: np.ndarray  # modelled encoder seconds per rank, as planned
+    home: np.ndarray  # ... as sampled (every rank encoding its own media)
+    split_items: dict[str, int]
+    encoded_rows: int
+    encoders: dict[str, dict]
+
+
+def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: GatheredStep, layout, seconds, eh,
+           comm: _Comm) -> _Media:  # fmt: skip
+    """Encode every item once and send its feature rows to the shards of its placeholders."""
+    model = handle.model
+    rank, world = comm.rank, comm.world
+    device = model_device(model)
+    streams = family.streams(model)
+    piece_seq, piece_off = piece_coords(step.lengths, layout.piece_len)
+    runs = PlaceholderRuns(step, step.lengths.size)
+    res = _Media({}, [], np.zeros(world), np.zeros(world), {}, 0, {})
+    for k, adapter in enumerate(adapters):
+        n_items = step.seq[k].size
+        if not n_items:  # no rank has an item of this encoder: nobody runs it
+            continue
+        rows = step.rows[k]
+        if eh is not None:  # the encoder balancing's plan, over the whole world
+            costs = eh.item_costs(adapter, step.meta[k], rows)
+            units = np.maximum(1, np.rint(costs * (1e9 / max(float(costs.max()), 1e-300)))).astype(np.int64)
+            pix_plan = post_balance(units, world, "sum", src_ranks=step.src[k],
+                                    ranks_per_node=eh.ranks_per_node).with_lengths(rows)  # fmt: skip
+            enc = pix_plan.dst_rank
+            np.add.at(res.load, enc, seconds[k])
+        else:  # each group encodes its own sequences' items
+            enc = spread_items(step, k, layout, seconds[k], res.load)
+            pix_plan = Plan.from_destinations(rows, enc, world, step.src[k])
+        np.add.at(res.home, step.src[k], seconds[k])
+        slot = np.zeros(n_items, dtype=np.int64)
+        for r in range(world):
+            o = pix_plan.recv_order(r)
+            slot[o] = np.arange(o.size)
+        got = local.items[k]
+        pay = got.payload if got is not None else adapter.empty_payload(model)
+        my_rows = got.rows if got is not None else np.zeros(0, dtype=np.int64)
+        moved = comm.move(pay, my_rows, pix_plan)
+        recv = pix_plan.recv_order(rank)
+        opts = local.options[k]
+        if recv.size:
+            tower = model_device(core(model))
+            outputs = adapter.encode(model, [t.to(tower) for t in moved], step.meta[k][recv], **opts)
+            res.encoded_rows += int(rows[recv].sum())
+        else:  # nothing to encode here: a tiny item keeps the encoder calls equal on every rank
+            d_payload, d_meta = adapter.dummy(model)
+            dummy_out = adapter.encode(model, d_payload, d_meta, **opts)
+            res.links.extend(dummy_out)
+            outputs = [t[:0] for t in dummy_out]
+        seg = feature_segments(
+            step, k, runs, piece_seq, piece_off, layout.piece_len, layout.piece_dst, enc, slot
+        )
+        feat_plan = Plan.from_destinations(seg["len"], seg["dst"], world, seg["src"])
+        mine = seg["src"] == rank
+        if int(seg["len"][mine].sum()) != int(outputs[0].shape[0]):
+            raise AssertionError("the encoder outputs do not match the feature move")  # a planner bug
+        received = comm.move(outputs, seg["len"][mine], feat_plan)
+        res.links.extend(received)
+        # the rows of every stream, in the order of the shard's placeholders
+        got_seg = feat_plan.recv_order(rank)
+        starts = np.concatenate([[0], np.cumsum(seg["len"][got_seg])]).astype(np.int64)
+        for st in np.unique(step.stream[k]).tolist():
+            sel = np.flatnonzero(seg["stream"][got_seg] == st)
+            if sel.size:
+                sel = sel[np.lexsort((seg["row"][got_seg][sel], seg["piece"][got_seg][sel]))]
+                index = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sel.tolist()])
+                idx = torch.from_numpy(index).to(received[0].device)
+                feats = [t.index_select(0, idx).to(device) for t in received]
+                deep = [(f,) for f in feats[1:]] if len(feats) > 1 else None
+                res.mm[streams[st][0]] = pooled((feats[0],), deep)
+            # items whose rows reach more than one rank
+            of = seg["stream"] == st
+            pairs = np.unique(np.stack([seg["src"][of], seg["slot"][of], seg["dst"][of]], 1), axis=0)
+            _, ranks_per_item = np.unique(pairs[:, :2], axis=0, return_counts=True)
+            name = streams[st][0]
+            res.split_items[name] = res.split_items.get(name, 0) + int((ranks_per_item > 1).sum())
+        mine_home = np.bincount(step.src[k], weights=seconds[k], minlength=world)
+        mine_load = np.bincount(enc, weights=seconds[k], minlength=world)
+        res.encoders[adapter.encoder] = {
+            "items": int(n_items), "rows": int(rows.sum()), "before": imbalance(mine_home), "after": imbalance(mine_load),
+        }  # fmt: skip
+    return res
+
+
+def shard_vlm(handle, batch: Mapping) -> dict:
+    """:meth:`DynamicCPHandle.shard` for a vision-language model (see the module docstring)."""
+    model = handle.model
+    family: VLMFamily = handle.vlm
+    comm = _Comm(handle.own)
+    rank, world = comm.rank, comm.world
+    eh = _encoder_handle(model)
+    adapters = list(eh.adapters.values()) if eh is not None else handle.adapters
+    local, step = _gather(handle, family, adapters, batch, eh, comm)
+    lengths, labelled = step.lengths, step.labelled
+
+    # ---- the plan: CP groups under the budget, with the encoder phase in the cost
+    seconds = [
+        encoder_seconds(handle, family, a, step.meta[k], step.rows[k]) if step.rows[k].size else np.zeros(0)
+        for k, a in enumerate(adapters)
+    ]
+    enc_seq = np.zeros(lengths.size)
+    for k in range(len(adapters)):
+        np.add.at(enc_seq, step.seq[k], seconds[k])
+    cost = handle.cost
+    if enc_seq.any() and eh is None and handle.encoder_cost is not None and isinstance(cost, CostModel):
+        cost = group_cost(cost, enc_seq)
+    layout = plan_layout(
+        lengths, step.seq_src, world, handle.max_tokens_per_rank, cost, handle.context_parallel
+    )
+    groups = handle.ring_groups(layout) if handle.own is not None else {}
+
+    # ---- the token columns to their pieces
+    seqs = local.seqs
+    cols = [seqs.input_ids, seqs.labels, seqs.shift_labels, positions(seqs.lengths)]
+    if family.mrope:
+        assert local.positions is not None
+        cols += [local.positions[:, j] for j in range(3)]
+    plan = Plan.from_destinations(layout.piece_len, layout.piece_dst, world, layout.piece_src)
+    out = comm.move([torch.stack(cols, dim=1)], layout.piece_len[layout.piece_src == rank], plan)[0].cpu()
+
+    # ---- the media, then the shard
+    media = _media(handle, family, adapters, local, step, layout, seconds, eh, comm)
+    mm = media.mm
+    shard = shard_of(layout, lengths, rank, groups, int(out.shape[0]))
+    if shard is None:
+        shard = idle_shard()
+        stand_in = [pad_id(model), IGNORE, IGNORE, 0] + ([0, 0, 0] if family.mrope else [])
+        out = torch.tensor([stand_in], dtype=torch.int64)
+    ids = out[:, 0].numpy()
+    for name, token in family.streams(model):
+        want = int((ids == token).sum())
+        entry = mm.get(name)
+        have = int(entry.pooler_output[0].shape[0]) if entry is not None else 0  # type: ignore[attr-defined]
+        if want != have:
+            raise AssertionError(
+                f"the shard holds {want} {name} placeholders but {have} feature rows arrived"
+            )
+    links = [t for t in media.links if t.requires_grad]
+    if links and handle.own is not None:
+        shard.anchor = ZeroLink.apply(*links)
+
+    # ---- stats: modelled LLM time (the handle's cost) plus every rank's encoder seconds
+    before, after = _modelled(handle.cost, lengths, step.seq_src, layout, world)
+    if before is not None and after is not None:
+        before, after = before + media.home, after + media.load
+    handle.record(lengths, step.seq_src, labelled, layout, world, plan, before, after)
+    handle.stats["encoders"] = media.encoders
+    handle.stats["split_items"] = media.split_items
+    handle.stats["encoded_rows"] = media.encoded_rows
+    handle.stats["local_sequences"] = int(seqs.lengths.size)
+
+    out = out.to(model_device(model))
+    kw: dict = {"input_ids": out[:, 0].unsqueeze(0), "use_cache": False, CP_KEYWORD: shard}
+    if family.mrope:
+        kw["position_ids"] = out[:, 3:7].t().contiguous().unsqueeze(1)  # [4, 1, T]: text, t, h, w
+    else:
+        kw["position_ids"] = out[:, 3].unsqueeze(0)
+    if mm:
+        kw["mm_encoder_outputs"] = mm
+    if seqs.has_labels:
+        kw["labels"] = out[:, 1].unsqueeze(0)
+        kw["shift_labels"] = out[:, 2].unsqueeze(0)
+        kw["num_items_in_batch"] = int(labelled.sum())
+    return kw
+
+
+def _modelled(cost, lengths, src, layout, world):
+    """Modelled LLM time per rank as sampled and as planned, with a :class:`CostModel` (else
+    ``(None, None)``: the handle's own statistics)."""
+    if not isinstance(cost, CostModel):
+        return None, None
+    before = np.array([cost.time(lengths[src == r]) if (src == r).any() else 0.0 for r in range(world)])
+    after = np.zeros(world)
+    for g in layout.schedule:
+        t = cost.time(lengths[np.asarray(g.sequences, dtype=np.int64)], g.degree)
+        for r in g.ranks:
+            after[r] = t
+    return before, after
