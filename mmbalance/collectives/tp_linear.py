@@ -22,6 +22,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -109,7 +110,85 @@ def _feature_problems(x: torch.Tensor, features: int, name: str) -> list[str]:
     return []
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """What the column- and row-parallel linears share: the arguments, this rank's slice of the
+    sharded features (``features_dim`` of the weight: 0 for the outputs, 1 for the inputs), the
+    master-weight initialisation, the copy from an ``nn.Linear`` and the reading of an input."""
+
+    features_dim: int
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, *, group, chunks, backend, device, dtype
+    ) -> None:
+        super().__init__()
+        rank, world = world_of(group)
+        sharded, name = (
+            (out_features, "out_features") if self.features_dim == 0 else (in_features, "in_features")
+        )
+        if sharded < world:
+            raise ValueError(f"{name} ({sharded}) must be at least the group size ({world})")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group = group
+        self.chunks = chunks
+        self.backend = backend
+        split = ShardLayout.even(sharded, world)
+        self.features = split.rows(rank)  # this rank's slice of the sharded features
+        shape = [out_features, in_features]
+        shape[self.features_dim] = split.sizes[rank]
+        self.weight = nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+        bias_size = split.sizes[rank] if self.features_dim == 0 else out_features
+        self.bias = nn.Parameter(torch.empty(bias_size, device=device, dtype=dtype)) if bias else None
+
+    def _keep(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Copy this rank's part of the dense ``weight`` and ``bias`` into the parameters."""
+        with torch.no_grad():
+            self.weight.copy_(weight[self.features] if self.features_dim == 0 else weight[:, self.features])
+            if self.bias is not None and bias is not None:
+                self.bias.copy_(bias[self.features] if self.features_dim == 0 else bias)
+
+    def reset_parameters(self) -> None:
+        """Draw the dense ``nn.Linear(in_features, out_features)`` weights from the current generator
+        and keep this rank's part: the sharded module equals, shard for shard, the dense module built
+        with the same seed (Megatron's master-weight rule). Every rank must be seeded alike (checked):
+        the row-parallel bias is replicated and would otherwise differ between ranks."""
+        _check_master_rng(self, self.group)
+        with torch.no_grad():
+            weight, bias = _master_linear(
+                self.in_features, self.out_features, self.bias is not None, self.weight
+            )
+        self._keep(weight, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw) -> Self:
+        """This rank's shard of an existing ``nn.Linear`` (same values, copied)."""
+        mod = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group=group,
+            device="meta",  # no random draw: the values are copied
+            dtype=linear.weight.dtype,
+            **kw,
+        ).to_empty(device=linear.weight.device)
+        mod._keep(linear.weight, linear.bias)
+        return mod
+
+    def _read(self, input: torch.Tensor, shard_sizes, features: int, name: str):
+        """``(input, its middle dimensions, this rank's sequence layout or None, problems)``: a bad input or ``shard_sizes`` becomes a problem the collective reports on
+        every rank, and an empty stand-in input."""
+        problems = _feature_problems(input, features, name)
+        if problems:
+            input = input.new_empty(0, features)
+        mid = tuple(input.shape[1:-1])
+        try:
+            layout = ShardLayout.from_sizes(shard_sizes) if shard_sizes is not None else _current_shards()
+        except (TypeError, ValueError) as exc:
+            problems, layout = [*problems, f"shard_sizes: {exc}"], None
+        return input, mid, layout, problems
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """``y = all_gather(x) @ weight.T + bias`` with the output features split over the group.
 
     Args:
@@ -125,6 +204,8 @@ class ColumnParallelLinear(nn.Module):
     ``nn.Linear(H, F)`` draws from the same seed (see :meth:`reset_parameters`).
     """
 
+    features_dim = 0
+
     def __init__(
         self,
         in_features: int,
@@ -138,74 +219,31 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        rank, world = world_of(group)
-        if out_features < world:
-            raise ValueError(f"out_features ({out_features}) must be at least the group size ({world})")
-        self.in_features = in_features
-        self.out_features = out_features
-        self.group = group
-        self.chunks = chunks
-        self.backend = backend
-        self.save_gathered = save_gathered
-        split = ShardLayout.even(out_features, world)
-        self.out_slice = split.rows(rank)
-        self.weight = nn.Parameter(torch.empty(split.sizes[rank], in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(split.sizes[rank], device=device, dtype=dtype)) if bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Draw the dense ``nn.Linear(H, F)`` weights from the current generator and keep this
-        rank's rows: the sharded module equals, shard for shard, the dense module built with the
-        same seed (Megatron's master-weight rule; every rank must be seeded alike, checked)."""
-        _check_master_rng(self, self.group)
-        with torch.no_grad():
-            weight, bias = _master_linear(
-                self.in_features, self.out_features, self.bias is not None, self.weight
-            )
-            self.weight.copy_(weight[self.out_slice])
-            if self.bias is not None:
-                self.bias.copy_(bias[self.out_slice])
-
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw
-    ) -> ColumnParallelLinear:
-        """This rank's shard of an existing ``nn.Linear`` (same values, copied)."""
-        mod = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
             group=group,
-            device="meta",  # no random draw: the values are copied
-            dtype=linear.weight.dtype,
-            **kw,
-        ).to_empty(device=linear.weight.device)
-        with torch.no_grad():
-            mod.weight.copy_(linear.weight[mod.out_slice])
-            if mod.bias is not None and linear.bias is not None:
-                mod.bias.copy_(linear.bias[mod.out_slice])
-        return mod
+            chunks=chunks,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+        )
+        self.save_gathered = save_gathered
+        self.out_slice = self.features
+        self.reset_parameters()
 
     def forward(
         self, input: torch.Tensor, shard_sizes: Sequence[int] | ShardLayout | None = None
     ) -> torch.Tensor:
-        problems = _feature_problems(input, self.in_features, "in_features")
-        if problems:
-            input = input.new_empty(0, self.in_features)
-        mid = tuple(input.shape[1:-1])
-        per_row = math.prod(mid)
-        try:
-            layout = ShardLayout.from_sizes(shard_sizes) if shard_sizes is not None else _current_shards()
-        except (TypeError, ValueError) as exc:
-            problems, layout = [*problems, f"shard_sizes: {exc}"], None
+        x, mid, layout, problems = self._read(input, shard_sizes, self.in_features, "in_features")
         y = all_gather_matmul(
-            input.reshape(-1, self.in_features),
+            x.reshape(-1, self.in_features),
             self.weight,
             self.group,
             chunks=self.chunks,
             bias=self.bias,
-            shard_sizes=_scaled(layout, per_row),
+            shard_sizes=_scaled(layout, math.prod(mid)),
             backend=self.backend,
             save_gathered=self.save_gathered,
             _problems=problems,
@@ -219,7 +257,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """``z = reduce_scatter(x @ weight.T) + bias`` with the input features split over the group.
 
     Args:
@@ -237,6 +275,8 @@ class RowParallelLinear(nn.Module):
     ``nn.Linear(F, H)`` draws from the same seed (see :meth:`reset_parameters`).
     """
 
+    features_dim = 1
+
     def __init__(
         self,
         in_features: int,
@@ -249,76 +289,34 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        rank, world = world_of(group)
-        if in_features < world:
-            raise ValueError(f"in_features ({in_features}) must be at least the group size ({world})")
-        self.in_features = in_features
-        self.out_features = out_features
-        self.group = group
-        self.chunks = chunks
-        self.backend = backend
-        split = ShardLayout.even(in_features, world)
-        self.in_slice = split.rows(rank)
-        self.weight = nn.Parameter(torch.empty(out_features, split.sizes[rank], device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Draw the dense ``nn.Linear(F, H)`` weights from the current generator and keep this
-        rank's columns (and the whole, replicated bias): the sharded module equals the dense module
-        built with the same seed. Every rank must be seeded alike (checked), or the replicated bias
-        would differ between ranks."""
-        _check_master_rng(self, self.group)
-        with torch.no_grad():
-            weight, bias = _master_linear(
-                self.in_features, self.out_features, self.bias is not None, self.weight
-            )
-            self.weight.copy_(weight[:, self.in_slice])
-            if self.bias is not None:
-                self.bias.copy_(bias)
-
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw
-    ) -> RowParallelLinear:
-        """This rank's shard of an existing ``nn.Linear`` (same values, copied)."""
-        mod = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
             group=group,
-            device="meta",  # no random draw: the values are copied
-            dtype=linear.weight.dtype,
-            **kw,
-        ).to_empty(device=linear.weight.device)
-        with torch.no_grad():
-            mod.weight.copy_(linear.weight[:, mod.in_slice])
-            if mod.bias is not None and linear.bias is not None:
-                mod.bias.copy_(linear.bias)
-        return mod
+            chunks=chunks,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+        )
+        self.in_slice = self.features
+        self.reset_parameters()
 
     def forward(
         self, input: torch.Tensor, shard_sizes: Sequence[int] | ShardLayout | None = None
     ) -> torch.Tensor:
-        problems = _feature_problems(input, self.weight.shape[1], "this rank's in_features")
-        if problems:
-            input = input.new_empty(0, self.weight.shape[1])
-        mid = tuple(input.shape[1:-1])
-        per_row = math.prod(mid)
-        try:
-            layout = ShardLayout.from_sizes(shard_sizes) if shard_sizes is not None else _current_shards()
-        except (TypeError, ValueError) as exc:
-            problems, layout = [*problems, f"shard_sizes: {exc}"], None
+        x, mid, layout, problems = self._read(
+            input, shard_sizes, self.weight.shape[1], "this rank's in_features"
+        )
         if layout is None:
-            layout = ShardLayout.even(input.shape[0], dist.get_world_size(self.group))
+            layout = ShardLayout.even(x.shape[0], dist.get_world_size(self.group))
         z = matmul_reduce_scatter(
-            input.reshape(-1, self.weight.shape[1]),
+            x.reshape(-1, self.weight.shape[1]),
             self.weight,
             self.group,
             chunks=self.chunks,
             bias=self.bias,
-            shard_sizes=_scaled(layout, per_row),
+            shard_sizes=_scaled(layout, math.prod(mid)),
             backend=self.backend,
             _problems=problems,
         )
