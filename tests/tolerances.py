@@ -33,3 +33,9 @@ def assert_close_lowp(out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.T
     assert ours <= LOWP_FACTOR * theirs + atol, (
         f"error {ours:.3e} > {LOWP_FACTOR} x torch error {theirs:.3e} + {atol}"
     )
+
+
+def worst_rel(a: dict, b: dict) -> float:
+    """The largest relative difference ``|a[k] - b[k]| / |b[k]|`` over the tensors of ``b`` (two
+    state dicts, say)."""
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)) for k in b)

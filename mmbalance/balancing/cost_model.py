@@ -28,7 +28,7 @@ produces such measurements for a user's module.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -330,6 +330,35 @@ class CostModel:
         a = self.attention * (1.0 + self.eta) * s2 / d
         c = np.where(d > 1, self.ring * s1 * (d - 1) / d + self.ring_latency * (d - 1), 0.0)
         return self.fixed + self.linear * s1 / d + (np.maximum(a, c) if self.overlap else a + c)
+
+    def with_encoder(self, encoder_seconds) -> Callable[[np.ndarray, int], np.ndarray]:
+        """The per-sequence cost :func:`~mmbalance.balancing.cp_schedule` plans with when a CP
+        group's members also run the encoders of its sequences' media: sequence ``s`` of ``l``
+        tokens on ``d`` ranks takes this model's time of ``[l]`` on ``d`` ranks plus
+        ``encoder_seconds[s] / d`` (its media's encoder time, spread over the group's members);
+        a group takes the sum over its sequences (so ``fixed`` counts once per sequence). Called
+        with the lengths ``encoder_seconds`` belongs to, one time per sequence.
+
+        >>> CostModel(linear=1.0).with_encoder([4.0, 0.0])(np.array([2, 3]), 2).tolist()
+        [3.0, 1.5]
+        """
+        enc = np.asarray(encoder_seconds, dtype=np.float64).reshape(-1)
+        if not np.all(np.isfinite(enc)) or np.any(enc < 0):
+            raise ValueError("encoder_seconds must be finite and >= 0")
+        if self.padded:
+            raise ValueError("with_encoder: a padded CostModel does not describe packed CP groups")
+
+        def cost(lengths: np.ndarray, degree: int) -> np.ndarray:
+            if lengths.shape != enc.shape:
+                raise ValueError(
+                    f"this cost was made for {enc.size} sequences, called with lengths of shape {lengths.shape}"
+                )
+            x = lengths.astype(np.float64)
+            d = np.full(x.shape, float(degree))
+            return np.where(lengths > 0, self.predict(x, x * x, d) + enc / d, 0.0)
+
+        cost.__qualname__ = "llm_and_encoder_cost"
+        return cost
 
     def error(self, measurements: Iterable) -> FitReport:
         """The model's relative error on other measurements (a held-out check of a fit)."""

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmbalance.balancing import CostModel, FitReport, Measurement
+from mmbalance.balancing import CostModel, FitReport, Measurement, cp_schedule
 
 SETTINGS = settings(
     max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -190,3 +190,26 @@ def test_predict_is_time_from_aggregates(rng, padded, overlap):
         got = model.predict(s1, s2, np.float64(d))
         want = [model.time(g, degree=d) for g in groups]
         np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_with_encoder_is_each_sequence_alone_plus_its_encoder_share(overlap):
+    rng = np.random.default_rng(3)
+    model = CostModel(linear=1e-4, attention=1e-8, ring=2e-5, ring_latency=1e-3, fixed=0.01, overlap=overlap)
+    lengths = np.array([0, 1, 7, 300, 4096, 20000])
+    enc = rng.random(lengths.size) * (lengths > 0)
+    cost = model.with_encoder(enc)
+    for d in (1, 2, 3, 7):
+        want = [model.time([n], d) + e / d if n else 0.0 for n, e in zip(lengths.tolist(), enc.tolist())]
+        np.testing.assert_allclose(cost(lengths, d), want, rtol=1e-12, atol=0)
+    sched = cp_schedule(lengths, 8, 4096, cost)  # the planner takes it as a per-sequence cost
+    assert sorted(np.concatenate([g.sequences for g in sched]).tolist()) == list(range(lengths.size))
+
+
+def test_with_encoder_refuses_bad_input():
+    with pytest.raises(ValueError, match="encoder_seconds"):
+        CostModel().with_encoder([1.0, -1.0])
+    with pytest.raises(ValueError, match="encoder_seconds"):
+        CostModel().with_encoder([np.nan])
+    with pytest.raises(ValueError, match="made for 2 sequences"):
+        CostModel().with_encoder([1.0, 2.0])(np.array([1, 2, 3]), 1)

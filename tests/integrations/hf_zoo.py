@@ -53,6 +53,10 @@ def build(name: str, seed: int = 0):
     torch.manual_seed(seed)
     ids = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
     qwen_vision = dict(patch_size=PATCH, temporal_patch_size=TPATCH, spatial_merge_size=MERGE)
+    qwen3_vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2,
+                        num_position_embeddings=16, deepstack_visual_indexes=[0, 1], **qwen_vision)  # fmt: skip
+    qwen3_text = dict(num_hidden_layers=2, head_dim=16,
+                      rope_parameters=_qwen_rope([4, 2, 2], mrope_interleaved=True))  # fmt: skip
     clip = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=2, image_size=S, patch_size=P, projection_dim=32)  # fmt: skip
     if name == "qwen2_vl":
@@ -82,45 +86,21 @@ def build(name: str, seed: int = 0):
         model = tf.Qwen2_5_VLForConditionalGeneration(cfg)
     elif name == "qwen3_vl":
         cfg = tf.Qwen3VLConfig(
-            text_config=_text(
-                num_hidden_layers=2,
-                head_dim=16,
-                rope_parameters=_qwen_rope([4, 2, 2], mrope_interleaved=True),
-            ),  # fmt: skip
-            vision_config=dict(
-                depth=2,
-                hidden_size=32,
-                out_hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                num_position_embeddings=16,
-                deepstack_visual_indexes=[0, 1],
-                **qwen_vision,
-            ),  # fmt: skip
+            text_config=_text(**qwen3_text),
+            vision_config=qwen3_vision,
             **ids,
         )
         model = tf.Qwen3VLForConditionalGeneration(cfg)
     elif name == "qwen3_vl_moe":
         cfg = tf.Qwen3VLMoeConfig(
             text_config=_text(
-                num_hidden_layers=2,
-                head_dim=16,
-                rope_parameters=_qwen_rope([4, 2, 2], mrope_interleaved=True),
+                **qwen3_text,
                 num_experts=4,
                 num_experts_per_tok=2,
                 moe_intermediate_size=16,
                 decoder_sparse_step=1,
             ),  # fmt: skip
-            vision_config=dict(
-                depth=2,
-                hidden_size=32,
-                out_hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                num_position_embeddings=16,
-                deepstack_visual_indexes=[0, 1],
-                **qwen_vision,
-            ),  # fmt: skip
+            vision_config=qwen3_vision,
             **ids,
         )
         model = tf.Qwen3VLMoeForConditionalGeneration(cfg)

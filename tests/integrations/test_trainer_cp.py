@@ -11,7 +11,6 @@ in a plain loop (``trainer_cp.py``, launched as torchrun would).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import tempfile
 from collections import Counter
@@ -24,17 +23,13 @@ pytest.importorskip("transformers", minversion="5.18")
 pytest.importorskip("accelerate")
 
 from tests.dist_utils import launch  # noqa: E402
+from tests.integrations import trainer_cp as S  # noqa: E402
+from tests.tolerances import worst_rel  # noqa: E402
 
-SCRIPT = Path(__file__).with_name("trainer_cp.py")
-_spec = importlib.util.spec_from_file_location("trainer_cp", SCRIPT)
-S = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(S)
+SCRIPT = Path(S.__file__)
+N = len(S.lengths())
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def _rel(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)) for k in b)
 
 
 def test_trainer_with_context_parallel_trains_like_without_it_and_resumes():
@@ -43,8 +38,8 @@ def test_trainer_with_context_parallel_trains_like_without_it_and_resumes():
         logs = {(n, r): json.loads((Path(tmp) / f"{n}-rank{r}.json").read_text())
                 for n in ("plain", "cp", "resumed") for r in range(4)}  # fmt: skip
         w = {n: torch.load(Path(tmp) / f"{n}.pt") for n in ("plain", "cp", "resumed")}
-    assert _rel(w["cp"], w["plain"]) <= 1e-5
-    assert _rel(w["resumed"], w["cp"]) <= 1e-5
+    assert worst_rel(w["cp"], w["plain"]) <= 1e-5
+    assert worst_rel(w["resumed"], w["cp"]) <= 1e-5
     assert max(logs["cp", r]["max_tokens"] for r in range(4)) <= S.BUDGET
     assert max(logs["plain", r]["max_tokens"] for r in range(4)) > S.BUDGET  # the budget splits something
     # every example once per epoch: each micro-batch slot is the union of the groups' examples
@@ -58,9 +53,9 @@ def test_trainer_with_context_parallel_trains_like_without_it_and_resumes():
     assert cp_slots == plain_slots, "each micro-batch slot trains the same examples as without CP"
     for e in range(S.EPOCHS):
         seen = Counter(i for s in cp_slots[e * per_epoch : (e + 1) * per_epoch] for i in s)
-        assert set(seen) == set(range(S.N))
+        assert set(seen) == set(range(N))
         step = S.BATCH * 4 * S.ACCUM  # examples per optimizer step; the last is padded with repeats
-        assert sum(seen.values()) == -(-S.N // step) * step
+        assert sum(seen.values()) == -(-N // step) * step
 
 
 def _replay(drawn: list[list], world: int) -> dict:
@@ -108,9 +103,9 @@ def test_streamed_data_in_trainer_and_plain_loop_matches_the_replay(world):
         # every drawn example trained once: each rank drew its slice, in stream order, nothing twice
         for r in range(world):
             ids = [i for _, mb in drawn[r] for i in mb]
-            mine = list(range(r, S.N, world))
+            mine = list(range(r, N, world))
             assert ids == (mine * 3)[: len(ids)], (n, r, ids)  # the slice in order, epoch after epoch
-        assert _rel(w[n], _replay(drawn, world)) <= 1e-5, n
+        assert worst_rel(w[n], _replay(drawn, world)) <= 1e-5, n
     budget = 48 if world >= 4 else 50
     for n in ("stream-cp", "loop"):
         assert max(logs[n, r]["max_tokens"] for r in range(world)) <= budget

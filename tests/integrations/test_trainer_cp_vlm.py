@@ -9,7 +9,6 @@ where a rank has nothing of its group's media to encode).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import tempfile
 from collections import Counter
@@ -22,17 +21,12 @@ pytest.importorskip("transformers", minversion="5.18")
 pytest.importorskip("accelerate")
 
 from tests.dist_utils import launch  # noqa: E402
+from tests.integrations import trainer_cp_vlm as S  # noqa: E402
+from tests.tolerances import worst_rel  # noqa: E402
 
-SCRIPT = Path(__file__).with_name("trainer_cp_vlm.py")
-_spec = importlib.util.spec_from_file_location("trainer_cp_vlm", SCRIPT)
-S = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(S)
+SCRIPT = Path(S.__file__)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def _rel(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)) for k in b)
 
 
 def test_trainer_with_context_parallel_on_a_vlm_trains_like_without_it():
@@ -41,7 +35,7 @@ def test_trainer_with_context_parallel_on_a_vlm_trains_like_without_it():
         logs = {(n, r): json.loads((Path(tmp) / f"{n}-rank{r}.json").read_text())
                 for n in ("plain", "cp") for r in range(4)}  # fmt: skip
         w = {n: torch.load(Path(tmp) / f"{n}.pt") for n in ("plain", "cp")}
-    assert _rel(w["cp"], w["plain"]) <= 1e-5
+    assert worst_rel(w["cp"], w["plain"]) <= 1e-5
     assert max(logs["cp", r]["max_tokens"] for r in range(4)) <= S.BUDGET
     assert max(logs["plain", r]["max_tokens"] for r in range(4)) > 2 * S.BUDGET  # the video is split
     slots = len(logs["cp", 0]["batches"])

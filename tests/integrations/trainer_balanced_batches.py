@@ -52,10 +52,11 @@ def collate(rows: list[dict]) -> dict:
 
 
 class Logged(torch.utils.data.Dataset):
-    """The examples; every micro-batch the loader fetches is logged (its indices, in order)."""
+    """The examples (``rows``, by default this script's); every micro-batch the loader fetches is
+    logged (its indices, in order)."""
 
-    def __init__(self):
-        self.rows = [example(i, l) for i, l in enumerate(lengths())]
+    def __init__(self, rows: list[dict] | None = None):
+        self.rows = rows if rows is not None else [example(i, l) for i, l in enumerate(lengths())]
         self.log: list[list[int]] = []
 
     def __len__(self):

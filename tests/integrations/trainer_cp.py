@@ -19,13 +19,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-N, VOCAB, BATCH, ACCUM, EPOCHS, LR, BUDGET = 37, 64, 2, 2, 2, 0.5, 52
+from tests.integrations.trainer_balanced_batches import (  # noqa: E402 - after the path
+    ACCUM,
+    BATCH,
+    EPOCHS,
+    LR,
+    VOCAB,
+    Logged,
+    collate,
+    lengths,
+)
 
-
-def lengths() -> list[int]:
-    """Skewed lengths: mostly short, a few long (the two longest, 53 and 56, exceed the budget)."""
-    g = torch.Generator().manual_seed(7)
-    return [int(x) for x in (3 + (torch.rand(N, generator=g) ** 4) * 60).long()]
+BUDGET = 52
 
 
 def build_model():
@@ -54,39 +59,17 @@ def example(i: int, length: int) -> dict:
     }
 
 
-def collate(rows: list[dict]) -> dict:
-    """Pads every micro-batch to its longest example."""
-    width = max(r["input_ids"].shape[0] for r in rows)
-    out = {}
-    for key, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
-        t = torch.full((len(rows), width), fill, dtype=torch.long)
-        for j, r in enumerate(rows):
-            t[j, : r[key].shape[0]] = r[key]
-        out[key] = t
-    return out
-
-
-class Logged(torch.utils.data.Dataset):
-    def __init__(self):
-        self.rows = [example(i, n) for i, n in enumerate(lengths())]
-        self.log: list[list[int]] = []
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-    def __getitems__(self, idx):
-        self.log.append([int(i) for i in idx])
-        return [self.rows[i] for i in idx]
+def examples() -> list[dict]:
+    """The skewed examples of ``trainer_balanced_batches`` (the two longest, 53 and 56 tokens, exceed
+    the budget), with a 2-token prompt masked out of the labels and their index."""
+    return [example(i, n) for i, n in enumerate(lengths())]
 
 
 class Stream(torch.utils.data.IterableDataset):
     """The examples as a stream (every rank sees the same stream); draws are logged per rank."""
 
     def __init__(self):
-        self.rows = [example(i, n) for i, n in enumerate(lengths())]
+        self.rows = examples()
         self.drawn: list = []  # [optimizer steps done when drawn, example ids] per micro-batch
         self.trainer = None
 
@@ -132,7 +115,7 @@ def train(name: str, cp: bool, resume: str | None = None):
     )
     model = build_model()
     seen = watch(model)
-    data = Logged()
+    data = Logged(examples())
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
     kw = {"context_parallel": True, "max_tokens_per_rank": BUDGET} if cp else {}
     balance_trainer(trainer, **kw)

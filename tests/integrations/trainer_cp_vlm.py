@@ -16,6 +16,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from tests.integrations.trainer_balanced_batches import Logged  # noqa: E402 - after the path
+
 BATCH, ACCUM, LR, BUDGET = 1, 2, 0.5, 64
 # one example each: a video of 8 frames (135 tokens > 2 * BUDGET), images (also two in one
 # sequence), text only; 16 examples = 2 optimizer steps of 4 ranks x 2 micro-batches
@@ -64,22 +66,6 @@ def collate(rows: list[dict]) -> dict:
     return hf_zoo.collate(one)
 
 
-class Logged(torch.utils.data.Dataset):
-    def __init__(self, model):
-        self.rows = [example(i, model) for i in range(N)]
-        self.log: list[list[int]] = []
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-    def __getitems__(self, idx):
-        self.log.append([int(i) for i in idx])
-        return [self.rows[i] for i in idx]
-
-
 def train(name: str, cp: bool):
     from transformers import Trainer, TrainingArguments
 
@@ -98,7 +84,7 @@ def train(name: str, cp: bool):
     tower: list[int] = []
     model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
     core(model).visual.register_forward_pre_hook(lambda m, a: tower.append(int(a[0].shape[0])))
-    data = Logged(model)
+    data = Logged([example(i, model) for i in range(N)])
     lengths = [int(r["input_ids"].shape[0]) for r in data.rows]
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
     kw = {"context_parallel": True, "max_tokens_per_rank": BUDGET} if cp else {}

@@ -42,8 +42,21 @@ __all__ = [
 ATTENTION_NAME = "mmbalance_varlen"
 
 
+@dataclass(kw_only=True)
+class _Terms:
+    """The mask terms a description (:class:`VarlenMask`) and a parsed mask function share."""
+
+    window: tuple[int, int] | None = None
+    chunk: int | None = None
+    left_padding: Tensor | None = None
+    padding: Tensor | None = None
+    segments: Tensor | None = None
+    positions: Tensor | None = None
+    blocks: Tensor | None = None
+
+
 @dataclass(eq=False, repr=False)
-class VarlenMask(_Prepared):
+class VarlenMask(_Prepared, _Terms):
     """What one transformers mask says, in the terms of the varlen op.
 
     A key ``j`` is allowed for query ``i`` of batch row ``b`` iff, with ``qa``/``ka`` their
@@ -63,13 +76,6 @@ class VarlenMask(_Prepared):
     q_offset: int = 0
     kv_offset: int = 0
     causal: bool = True
-    window: tuple[int, int] | None = None
-    chunk: int | None = None
-    left_padding: Tensor | None = None
-    padding: Tensor | None = None
-    segments: Tensor | None = None
-    positions: Tensor | None = None
-    blocks: Tensor | None = None
     # host-side plans, one per (query length, key length, batch, device), shared by every layer
     # (the mask function makes the usual one before the layers run)
     plans: dict = field(default_factory=dict, repr=False)
@@ -114,17 +120,10 @@ class VarlenMask(_Prepared):
 
 
 @dataclass
-class _Pattern:
+class _Pattern(_Terms):
     """Constraints read from a mask function (all and-ed)."""
 
     causal: bool | None = None
-    window: tuple[int, int] | None = None
-    chunk: int | None = None
-    left_padding: Tensor | None = None
-    padding: Tensor | None = None
-    segments: Tensor | None = None
-    positions: Tensor | None = None
-    blocks: Tensor | None = None
     q_shift: int = 0
     kv_shift: int = 0
 

@@ -1,7 +1,7 @@
 """Dynamic context parallelism for vision-language models: :meth:`DynamicCPHandle.shard` on the
 batches their processors give (images, videos), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE
 and LLaVA. This module holds the model families (batch keys, feature streams, M-RoPE positions,
-encoder FLOPs), the encoder cost and the per-sequence cost a group plans with; the numpy side of a
+encoder FLOPs) and the encoder cost (a group plans with :meth:`CostModel.with_encoder`); the numpy side of a
 step is in :mod:`.dynamic_cp_vlm_plan`, the step itself (:func:`~.dynamic_cp_vlm_step.shard_vlm`)
 in :mod:`.dynamic_cp_vlm_step`, the Trainer's collator side in :mod:`.dynamic_cp_vlm_trainer`.
 
@@ -62,8 +62,8 @@ __all__ = [
     "SUPPORTED",
     "VLMFamily",
     "assign_media",
+    "check_feature_rows",
     "encoder_seconds",
-    "group_cost",
     "vlm_family",
 ]
 
@@ -133,6 +133,19 @@ def assign_media(sizes: np.ndarray, counts: np.ndarray, key: str, what: str) -> 
             "(the media sizes do not match the placeholder tokens of input_ids)"
         )
     return [np.arange(at[s], at[s + 1], dtype=np.int64) for s in range(counts.size)]
+
+
+def check_feature_rows(ids, streams, mm: Mapping) -> None:
+    """Every placeholder stream of a shard (``(name, token id)`` pairs) got exactly one feature row
+    per placeholder token in ``ids``; ``mm`` holds the rows by stream name, as the model reads them."""
+    for name, token in streams:
+        want = int((ids == token).sum())
+        entry = mm.get(name)
+        have = int(entry.pooler_output[0].shape[0]) if entry is not None else 0
+        if want != have:
+            raise AssertionError(
+                f"the shard holds {want} {name} placeholders but {have} feature rows arrived"
+            )
 
 
 class _Qwen(VLMFamily):
@@ -291,25 +304,3 @@ def _llm_params(model) -> float:
     ffn = float(getattr(text, "intermediate_size", None) or 3.5 * h)
     layers = int(getattr(text, "num_hidden_layers", 32) or 32)
     return max(layers * (2.0 * h * h + 2.0 * h * kv + 3.0 * h * ffn), 1.0)
-
-
-def group_cost(llm: CostModel, enc: np.ndarray):
-    """The per-sequence cost :func:`~mmbalance.balancing.cp_schedule` plans with when a group's
-    members also encode: sequence ``s`` on ``d`` ranks takes
-    ``linear*l/d + max(attention*(1+eta)*l^2/d, ring*l*(d-1)/d + ring_latency*(d-1)) + E_s/d``
-    (``a + c`` without ``overlap``; ``fixed`` once per sequence), ``E_s`` the encoder seconds of
-    its media (spread over the group's members); a group takes the sum over its sequences."""
-    eta = llm.eta
-
-    def cost(lengths: np.ndarray, degree: int) -> np.ndarray:
-        if lengths.shape != enc.shape:
-            raise AssertionError("cp_schedule called the per-sequence cost with other sequences")
-        x = lengths.astype(np.float64)
-        d = float(degree)
-        a = llm.attention * (1.0 + eta) * x * x / d
-        c = llm.ring * x * (d - 1.0) / d + llm.ring_latency * (d - 1.0) if degree > 1 else np.zeros_like(x)
-        t = llm.fixed + llm.linear * x / d + (np.maximum(a, c) if llm.overlap else a + c) + enc / d
-        return np.where(lengths > 0, t, 0.0)
-
-    cost.__qualname__ = "llm_and_encoder_cost"
-    return cost

@@ -24,7 +24,7 @@ from .balance import HANDLE_ATTR as _ENCODER_BALANCE_ATTR
 from .balance import ZeroLink
 from .cp_attention import CP_KEYWORD
 from .cp_plan import cost_key, idle_shard, model_device, pad_id, plan_layout, positions, shard_of
-from .dynamic_cp_vlm import VLMFamily, encoder_seconds, group_cost
+from .dynamic_cp_vlm import VLMFamily, check_feature_rows, encoder_seconds
 from .dynamic_cp_vlm_plan import (
     GatheredStep,
     LocalBatch,
@@ -220,7 +220,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         np.add.at(enc_seq, step.seq[k], seconds[k])
     cost = handle.cost
     if enc_seq.any() and eh is None and handle.encoder_cost is not None and isinstance(cost, CostModel):
-        cost = group_cost(cost, enc_seq)
+        cost = cost.with_encoder(enc_seq)
     layout = plan_layout(
         lengths, step.seq_src, world, handle.max_tokens_per_rank, cost, handle.context_parallel
     )
@@ -243,15 +243,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         shard = idle_shard()
         stand_in = [pad_id(model), IGNORE, IGNORE, 0] + ([0, 0, 0] if family.mrope else [])
         out = torch.tensor([stand_in], dtype=torch.int64)
-    ids = out[:, 0].numpy()
-    for name, token in family.streams(model):
-        want = int((ids == token).sum())
-        entry = mm.get(name)
-        have = int(entry.pooler_output[0].shape[0]) if entry is not None else 0  # type: ignore[attr-defined]
-        if want != have:
-            raise AssertionError(
-                f"the shard holds {want} {name} placeholders but {have} feature rows arrived"
-            )
+    check_feature_rows(out[:, 0], family.streams(model), mm)
     links = [t for t in media.links if t.requires_grad]
     if links and handle.own is not None:
         shard.anchor = ZeroLink.apply(*links)

@@ -22,7 +22,7 @@ from mmbalance.pyops import cu_seqlens_from_lengths
 from .balance import ZeroLink
 from .cp_attention import CP_KEYWORD
 from .cp_plan import Sequences, model_device, pieces
-from .dynamic_cp_vlm import encoder_seconds, vlm_family
+from .dynamic_cp_vlm import check_feature_rows, encoder_seconds, vlm_family
 from .dynamic_cp_vlm_plan import (
     PlaceholderRuns,
     feature_segments,
@@ -184,14 +184,7 @@ def resolve_media(model, kwargs: dict) -> dict:
             mm[name] = pooled((feats[0],), [(f,) for f in feats[1:]] if len(feats) > 1 else None)
     ids = kwargs.get("input_ids")
     if ids is not None:
-        for name, token in pending.streams:
-            want = int((ids == token).sum())
-            entry = mm.get(name)
-            have = int(entry.pooler_output[0].shape[0]) if entry is not None else 0  # type: ignore[attr-defined]
-            if want != have:
-                raise AssertionError(
-                    f"the shard holds {want} {name} placeholders but {have} feature rows arrived"
-                )
+        check_feature_rows(ids, pending.streams, mm)
     if mm:
         kwargs["mm_encoder_outputs"] = mm
     links = [t for t in links if t.requires_grad]

@@ -62,22 +62,18 @@ class Idefics3Adapter(EncoderAdapter):
         n = int(real.sum())
         return Items([tiles[real].to(dtype), mask[real]], np.ones(n, np.int64), np.zeros((n, 1), np.int64))
 
-    def empty_payload(self, model):
+    def _tiles_of(self, model, make, n: int) -> list[torch.Tensor]:
+        """``n`` tiles and their pixel masks, made by ``make`` (``torch.empty``, ``torch.ones``)."""
         dtype, device = dtype_device(self._tower(model))
         c, s = self._tile(model)
-        return [
-            torch.empty(0, c, s, s, dtype=dtype, device=device),
-            torch.empty(0, s, s, dtype=torch.bool, device=device),
-        ]
+        return [make(n, c, s, s, dtype=dtype, device=device), make(n, s, s, dtype=torch.bool, device=device)]
+
+    def empty_payload(self, model):
+        return self._tiles_of(model, torch.empty, 0)
 
     def dummy(self, model):
-        dtype, device = dtype_device(self._tower(model))
-        c, s = self._tile(model)
         # a tile of ones: an all-zero tile would count as padding and be dropped
-        return [
-            torch.ones(1, c, s, s, dtype=dtype, device=device),
-            torch.ones(1, s, s, dtype=torch.bool, device=device),
-        ], np.zeros((1, 1), np.int64)
+        return self._tiles_of(model, torch.ones, 1), np.zeros((1, 1), np.int64)
 
     def out_rows(self, model, meta, **options):
         cfg = model.config
