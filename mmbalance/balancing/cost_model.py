@@ -360,6 +360,29 @@ class CostModel:
         cost.__qualname__ = "llm_and_encoder_cost"
         return cost
 
+    def step_with_encoders(self, groups: Iterable, lengths, encoder_seconds) -> float:
+        """Modelled seconds of a step whose encoders run before the LLM phase, with one exchange
+        over every rank between them: the busiest rank's encoder share plus the slowest group's
+        time. ``groups``: CP groups (``degree`` and ``sequences``, as :func:`cp_schedule` gives
+        them), each encoding its own sequences' media spread evenly over its members;
+        ``encoder_seconds`` per sequence.
+
+        >>> from types import SimpleNamespace as G
+        >>> CostModel(linear=1.0).step_with_encoders(
+        ...     [G(degree=2, sequences=[0]), G(degree=1, sequences=[1])], [4, 1], [6.0, 1.0])
+        5.0
+        """
+        lengths = as_lengths(lengths)
+        enc = np.asarray(encoder_seconds, dtype=np.float64).reshape(-1)
+        if enc.shape != lengths.shape:
+            raise ValueError(f"encoder_seconds has {enc.size} entries for {lengths.size} sequences")
+        encode = llm = 0.0
+        for g in groups:
+            members = np.asarray(g.sequences, dtype=np.int64)
+            encode = max(encode, float(enc[members].sum()) / g.degree)
+            llm = max(llm, self.time(lengths[members], g.degree))
+        return encode + llm
+
     def error(self, measurements: Iterable) -> FitReport:
         """The model's relative error on other measurements (a held-out check of a fit)."""
         rows = [_as_measurement(m, i) for i, m in enumerate(measurements)]

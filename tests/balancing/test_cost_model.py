@@ -213,3 +213,17 @@ def test_with_encoder_refuses_bad_input():
         CostModel().with_encoder([np.nan])
     with pytest.raises(ValueError, match="made for 2 sequences"):
         CostModel().with_encoder([1.0, 2.0])(np.array([1, 2, 3]), 1)
+
+
+def test_step_with_encoders_is_the_busiest_encoder_share_plus_the_slowest_group():
+    rng = np.random.default_rng(5)
+    model = CostModel(linear=1e-4, attention=1e-8, ring=2e-5, ring_latency=1e-3, fixed=0.01)
+    for _ in range(20):
+        lengths = rng.integers(1, 5000, int(rng.integers(1, 30)))
+        enc = rng.random(lengths.size)
+        sched = cp_schedule(lengths, 8, 8192, model.with_encoder(enc))
+        encode = max(sum(enc[i] for i in g.sequences) / g.degree for g in sched)
+        llm = max(model.time([lengths[i] for i in g.sequences], g.degree) for g in sched)
+        assert model.step_with_encoders(sched, lengths, enc) == pytest.approx(encode + llm, rel=1e-12)
+    with pytest.raises(ValueError, match="encoder_seconds has 1 entries for 2 sequences"):
+        model.step_with_encoders(sched, [1, 2], [0.5])

@@ -5,6 +5,7 @@ one encoder call per rank, the feature move to the shards, the shard's keywords 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -219,11 +220,20 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     for k in range(len(adapters)):
         np.add.at(enc_seq, step.seq[k], seconds[k])
     cost = handle.cost
+    costs = [cost]
     if enc_seq.any() and eh is None and handle.encoder_cost is not None and isinstance(cost, CostModel):
-        cost = cost.with_encoder(enc_seq)
-    layout = plan_layout(
-        lengths, step.seq_src, world, handle.max_tokens_per_rank, cost, handle.context_parallel
-    )
+        # the step pays the busiest rank's encoder share plus the slowest group's LLM time (the
+        # feature move between the phases is one all-to-all over the world): of the plans with the
+        # encoder phase in each group's cost and on the LLM cost alone, the faster under that sum
+        costs = [cost.with_encoder(enc_seq), cost]
+    layouts = [
+        plan_layout(lengths, step.seq_src, world, handle.max_tokens_per_rank, c, handle.context_parallel)
+        for c in costs
+    ]
+    layout = layouts[0]
+    if len(layouts) > 1:
+        layout = min(layouts, key=lambda lay: cost.step_with_encoders(lay.schedule, lengths, enc_seq))
+        layout = dataclasses.replace(layout, plan_s=sum(lay.plan_s for lay in layouts))
     groups = handle.ring_groups(layout) if handle.own is not None else {}
 
     # ---- the token columns to their pieces
