@@ -70,6 +70,10 @@ def _bench(args: argparse.Namespace) -> int:
         )
     if args.real and args.only and "cp" not in args.only:
         return usage_error("mmbalance bench", "--real adds the real steps of the cp benchmark: name cp too")
+    if args.vlm and args.only and "cp" not in args.only:
+        return usage_error(
+            "mmbalance bench", "--vlm selects the cp benchmark's vision-language data: name cp too"
+        )
     if args.json:
         json_path = os.path.abspath(args.json)
         if os.path.isdir(json_path):
@@ -90,7 +94,9 @@ def _bench(args: argparse.Namespace) -> int:
     for name in names:
         print(f"\n#### bench.{name}", flush=True)
         try:
-            real = ["--real"] if args.real and name == "cp" else []
+            real = (["--real"] if args.real and name == "cp" else []) + (
+                ["--vlm"] if args.vlm and name == "cp" else []
+            )
             load_benchmark(name).main(extra + real + ["--json", json_path])
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - one failing benchmark does not stop the rest
             if isinstance(exc, SystemExit) and not exc.code:
@@ -200,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument(
         "--real", action="store_true", help="cp: also real steps of a tiny Llama on 4 gloo ranks (torchrun)"
+    )
+    b.add_argument(
+        "--vlm",
+        action="store_true",
+        help="cp: vision-language data (long videos, image documents) against static CP and pre-embedding",
     )
     b.set_defaults(func=_bench)
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Context parallelism per step: static degrees, power-of-two hybrid CP and ours, on real and long-tail data.
 
-    mmbalance bench cp [--quick | --full] [--real] [--json FILE]
+    mmbalance bench cp [--quick | --full] [--vlm] [--real] [--json FILE]
     python -m mmbalance.bench.cp [--quick | --full] [--json FILE] [--markdown FILE] [--plot FILE.png]
         [--ranks 8,64,512] [--budgets 8192,16384] [--datasets ...] [--steps N] [--fill 0.75]
         [--cost FILE] [--strict] [--real | --real-only] [--real-steps 8] [--real-budget 512]
@@ -41,6 +41,10 @@ degrees it used. The run ends with the acceptance checks: ours at or below the b
 and both power-of-two hybrids at every step, at least 1.3x faster than the best static degree on
 long-tail data, plan time at most 5 ms at 512 ranks (``--strict``: exit 1 when one fails).
 
+``--vlm`` runs vision-language data instead (long ActivityNet videos, a mixture with image
+documents): static CP degrees and NeMo-style pre-embedding against ours, with and without encoder
+balancing, modelled (:mod:`mmbalance.bench.cp_vlm`; op ``cp_vlm_step``).
+
 ``--real`` (or ``--real-only``) then runs real steps of a tiny Llama on 4 gloo ranks through
 torchrun: :mod:`mmbalance.bench.cp_real` (step time and all-to-all bytes, ours against static
 degrees 1, 2 and 4; op ``cp_real_step``).
@@ -60,7 +64,7 @@ import numpy as np
 
 from mmbalance.balancing import CostModel, cp_schedule
 
-from . import cp_schemes
+from . import cp_schemes, cp_vlm
 from .cp_data import DATASETS, FILL, epoch_longest, step_batches
 from .harness import Row, base_parser, device_name, report
 
@@ -391,7 +395,15 @@ def main(argv=None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--ranks", help="comma-separated rank counts (default 8,64,512; --quick 8,64)")
     p.add_argument("--budgets", help="comma-separated tokens per rank (default 8192,32768)")
-    p.add_argument("--datasets", help=f"comma-separated, of {', '.join(DATASETS)} (default: all)")
+    p.add_argument(
+        "--datasets",
+        help=f"comma-separated, of {', '.join(DATASETS)}; with --vlm of {', '.join(cp_vlm.DATASETS)} (default: all)",
+    )
+    p.add_argument(
+        "--vlm",
+        action="store_true",
+        help="vision-language sequences (long videos, image documents): static CP and pre-embedding against ours",
+    )
     p.add_argument("--steps", type=int, help="steps per configuration (default 20; --quick 2, --full 100)")
     p.add_argument(
         "--fill", type=float, default=FILL, help="a step's tokens, as a fraction of all ranks' memory"
@@ -424,10 +436,11 @@ def main(argv=None) -> int:
     if not 0.0 < args.fill <= 1.0:
         print(f"bench.cp: --fill must be in (0, 1], got {args.fill}", file=sys.stderr)
         return 2
-    datasets = args.datasets.split(",") if args.datasets else list(DATASETS)
-    unknown = [d for d in datasets if d not in DATASETS]
+    known = cp_vlm.DATASETS if args.vlm else tuple(DATASETS)
+    datasets = args.datasets.split(",") if args.datasets else list(known)
+    unknown = [d for d in datasets if d not in known]
     if unknown:
-        print(f"bench.cp: unknown dataset(s) {unknown}; choose from {', '.join(DATASETS)}", file=sys.stderr)
+        print(f"bench.cp: unknown dataset(s) {unknown}; choose from {', '.join(known)}", file=sys.stderr)
         return 2
     ranks = _ints(args.ranks, "--ranks") if args.ranks else (8, 64) if args.quick else RANKS
     budgets = _ints(args.budgets, "--budgets") if args.budgets else BUDGETS
@@ -451,7 +464,26 @@ def main(argv=None) -> int:
             return 2
     checks: list[tuple[str, bool, str]] = []
     tables = []
-    if not args.real_only:
+    if args.vlm and not args.real_only:
+        print(f"cost model: {cost}; one encoder item: {1e3 * cp_vlm.item_seconds(cost):.2f} ms", flush=True)
+        vlm_results = []
+        for ds in datasets:
+            for world in ranks:
+                for mem in budgets:
+                    res_vlm = cp_vlm.run_config(ds, world, mem, steps, cost, fill=args.fill, seed=args.seed)
+                    vlm_results.append(res_vlm)
+                    title = f"cp --vlm: {ds}, {world} ranks, {mem} tokens per rank, {steps} steps"
+                    report(cp_vlm.rows_of(res_vlm), args.json, title)
+        tables.append(cp_vlm.summary_table(vlm_results))
+        print("\n== summary: mean modelled step time (ms) per scheme ==\n" + tables[-1])
+        checks = cp_vlm.acceptance(vlm_results)
+        print("\n== acceptance ==")
+        for what, ok, figures in checks:
+            print(f"{'pass' if ok else 'FAIL'}  {what}: {figures}")
+        if args.plot:
+            cp_vlm.plot(vlm_results, args.plot)
+            print(f"plot written to {args.plot}")
+    elif not args.real_only:
         reps = 1 if args.quick else 5 if args.full else 3
         print(f"cost model: {cost}", flush=True)
         results = []

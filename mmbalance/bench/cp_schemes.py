@@ -169,9 +169,16 @@ def _longest_first(lengths: np.ndarray) -> np.ndarray:
 
 
 def static_cp(
-    lengths: np.ndarray, world: int, memory_per_rank: int, degree: int, cost: CostModel
+    lengths: np.ndarray,
+    world: int,
+    memory_per_rank: int,
+    degree: int,
+    cost: CostModel,
+    encoder_seconds: np.ndarray | None = None,
 ) -> Schedule:
-    """A fixed CP degree: ``world // degree`` groups balanced greedily (see the module docstring)."""
+    """A fixed CP degree: ``world // degree`` groups balanced greedily (see the module docstring).
+    ``encoder_seconds`` (per sequence): its media's encoder time, which a group's members share, so
+    the greedy balances ``cost`` plus ``encoder seconds / degree`` (``bench cp --vlm``)."""
     name = f"static_cp{degree}"
     cap = degree * memory_per_rank
     if degree > world:
@@ -187,14 +194,19 @@ def static_cp(
     tokens = np.zeros(g, dtype=np.int64)
     count = np.zeros(g, dtype=np.int64)
     deg = np.full(g, degree, dtype=np.int64)
+    enc = np.zeros(g)
+    extra = (
+        np.zeros(lengths.size) if encoder_seconds is None else np.asarray(encoder_seconds, dtype=np.float64)
+    )
     group_of = np.empty(lengths.size, dtype=np.int64)
     for i in _longest_first(lengths).tolist():
         l = int(lengths[i])
         room = tokens + l <= cap
         if not room.any():
             return Schedule(name, infeasible=f"its {g} groups of {cap} tokens cannot pack the step")
-        after = np.where(room, times_of(cost, s1 + l, s2 + float(l) * l, count + 1, deg), np.inf)
-        k = int(np.argmin(after))
+        after = times_of(cost, s1 + l, s2 + float(l) * l, count + 1, deg) + (enc + extra[i]) / degree
+        k = int(np.argmin(np.where(room, after, np.inf)))
+        enc[k] += extra[i]
         s1[k] += l
         s2[k] += float(l) * l
         tokens[k] += l
