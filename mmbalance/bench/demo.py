@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .harness import HelpFormatter, check_output, cpu_cores, require_matplotlib, spawn, usage_error
+from .harness import check_outputs, command_parser, cpu_cores, save_plot, spawn, usage_error
 
 ORDERS = [("vision", "audio", "text"), ("text", "vision", "audio")]
 HIDDEN, HEADS, ENC_HIDDEN = 64, 4, 32
@@ -379,17 +379,11 @@ def plot(rep: dict, path: str) -> None:
     b.axhline(1.0, color="k", lw=0.5)
     b.set_xticks(x, names)
     b.set_ylabel("max / mean load across ranks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
+    save_plot(fig, path)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mmbalance demo",
-        description=__doc__.splitlines()[0],
-        formatter_class=HelpFormatter,
-    )
+    p = command_parser("mmbalance demo", __doc__)
     p.add_argument(
         "--ranks",
         type=int,
@@ -435,13 +429,7 @@ def check_args(args) -> str | None:
         return f"--seed must be >= 0, got {args.seed}"
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
         return f"--timeout must be a positive number of seconds, got {args.timeout}"
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        msg = check_output(path, flag)
-        if msg:
-            return msg
-    if args.plot:
-        return require_matplotlib("mmbalance demo")
-    return None
+    return check_outputs("mmbalance demo", args.json, args.plot)
 
 
 def main(argv=None) -> int:

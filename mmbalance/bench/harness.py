@@ -149,6 +149,21 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of a command that owns its flags (``mmbalance demo``, ``mmbalance simulate``):
+    named ``prog``, described by the first line of ``doc`` (its module docstring), every flag's
+    default shown by :class:`HelpFormatter`."""
+    return argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0], formatter_class=HelpFormatter)
+
+
+def save_plot(fig, path: str) -> None:
+    """Lay out ``fig`` and write it to ``path`` (its folder made if missing) at 120 dpi; says where."""
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
 def write_output(prog: str, path: str, write) -> int | None:
     """Run ``write(path)``; on an ``OSError`` (a read-only or special file system, a full disk) print
     one line and return the exit status 2 instead of a traceback."""
@@ -191,6 +206,18 @@ def check_output(path: str | None, flag: str) -> str | None:
         or (os.path.exists(full) and not os.access(full, os.W_OK))
     ):
         return f"{flag} {path} cannot be written"
+    return None
+
+
+def check_outputs(prog: str, json_path: str | None, plot_path: str | None) -> str | None:
+    """``None`` if the ``--json`` and ``--plot`` files of command ``prog`` can be written (and
+    matplotlib imports when a plot is asked for); else the first reason why not."""
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        msg = check_output(path, flag)
+        if msg:
+            return msg
+    if plot_path:
+        return require_matplotlib(prog)
     return None
 
 

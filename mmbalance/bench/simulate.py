@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import sys
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ from mmbalance.balancing import imbalance, post_balance
 from mmbalance.balancing.datasets import ExampleSizes, mixture
 from mmbalance.balancing.paper import paper_algorithm
 
-from .harness import HelpFormatter, check_output, require_matplotlib, usage_error, write_output
+from .harness import check_outputs, command_parser, save_plot, usage_error, write_output
 
 PEAK_FLOPS = 989e12 * 0.45  # H100 dense bf16 at a 45% efficiency, the same for every phase
 
@@ -308,18 +307,11 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xlabel("data-parallel ranks")
     ax.set_ylabel("predicted speedup over no balancing")
     ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
+    save_plot(fig, path)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mmbalance simulate",
-        description=__doc__.splitlines()[0],
-        formatter_class=HelpFormatter,
-    )
+    p = command_parser("mmbalance simulate", __doc__)
     p.add_argument(
         "--data",
         help="CSV/JSONL with exactly the columns vision, audio, text; each step samples its examples "
@@ -363,14 +355,9 @@ def _check_args(args) -> tuple[list[int] | None, str | None]:
 
     if max(ranks) > MAX_RANKS:
         return None, f"--ranks {max(ranks)} is above the planners' limit of {MAX_RANKS} ranks"
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        msg = check_output(path, flag)
-        if msg:
-            return None, msg
-    if args.plot:
-        msg = require_matplotlib("mmbalance simulate")
-        if msg:
-            return None, msg
+    msg = check_outputs("mmbalance simulate", args.json, args.plot)
+    if msg:
+        return None, msg
     return ranks, None
 
 

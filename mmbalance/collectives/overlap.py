@@ -30,7 +30,7 @@ backward collectives run on every rank whenever any rank needs a gradient.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,40 @@ def _check_chunks(chunks: object) -> int | None:
     return chunks
 
 
+def _check_call(
+    e: Entry,
+    x: object,
+    weight: object,
+    bias: object,
+    x_name: str,
+    chunks: object,
+    backend: object,
+    problems: Sequence[str],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int | None]:
+    """The local checks both entry points run inside their agreement (so a failure raises on every
+    rank): a caller's own problems (the TP modules' validation), the operands, ``chunks`` and
+    ``backend``. Returns the checked operands and chunk count."""
+    e.like = x if isinstance(x, torch.Tensor) else None
+    if problems:
+        raise ValueError("; ".join(problems))
+    x, weight, bias = _check_operands(x, weight, bias, x_name)
+    checked_chunks = _check_chunks(chunks)
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+    return x, weight, bias, checked_chunks
+
+
+def _call_fields(x: torch.Tensor, chunks: int | None, bias: torch.Tensor | None, backend: object) -> dict:
+    """The facts both entry points agree on besides their shapes: dtype, device, chunks, bias, backend."""
+    return {
+        "dtype": x.dtype,
+        "device": x.device.type,
+        "chunks": chunks if chunks is not None else "auto",
+        "bias": bias is not None,
+        "backend": backend if backend is not None else "auto",
+    }
+
+
 def _grad_bits(*tensors: torch.Tensor | None) -> int:
     return sum(1 << j for j, t in enumerate(tensors) if t is not None and t.requires_grad)
 
@@ -152,112 +186,139 @@ def _accumulates_per_chunk(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.float64)
 
 
-class _AllGatherMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_shard, weight, bias, anchor, setup: _Setup):  # type: ignore[override]
-        gathered, y = gather_matmul(setup.transport, x_shard, weight.t(), bias=bias)
-        ctx.setup = setup
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(weight, gathered if setup.save_gathered else x_shard)
-        return y
+# (grad_x, grad_w, grad_b) of either function
+_Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _save(
+    ctx, setup: _Setup, bias: torch.Tensor | None, grads: Callable[..., _Grads], *tensors: torch.Tensor
+) -> None:
+    """What both forwards keep for :class:`_Overlapped`'s backward: the setup, whether there is a
+    bias, the gradient function ``grads`` and the ``tensors`` it takes after the output gradient."""
+    ctx.setup = setup
+    ctx.has_bias = bias is not None
+    ctx.grads = grads
+    ctx.save_for_backward(*tensors)
+
+
+def _output_grad(grad: torch.Tensor | None, rows: int, weight: torch.Tensor) -> torch.Tensor:
+    """The output's gradient, or zeros ``[rows, N]`` where autograd passes none: the backward
+    collectives still run on this rank, since the other ranks' gradients need them."""
+    if grad is None:
+        return torch.zeros(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    return grad
+
+
+def _all_gather_matmul_grads(
+    setup: _Setup, has_bias: bool, grad_y: torch.Tensor | None, weight: torch.Tensor, saved: torch.Tensor
+) -> _Grads:
+    """``all_gather_matmul``'s gradients (x_shard, weight, bias) that any rank needs; ``saved`` is
+    the gathered input, or ``x_shard`` when the forward did not keep it."""
+    tr = setup.transport
+    need_x, need_w, need_b = setup.need
+    grad_x = grad_w = grad_b = None
+    grad_y = _output_grad(grad_y, tr.layout.total, weight)
+    if grad_y.stride(-1) != 1:
+        grad_y = grad_y.contiguous()
+    regather = None
+    if need_w and not setup.save_gathered:
+        # Re-gather the input (memory saved in the forward, transfers paid again here); the
+        # transfers overlap the input-gradient GEMMs below.
+        gathered = torch.empty(tr.layout.total, saved.shape[1], dtype=saved.dtype, device=saved.device)
+        regather = tr.start_gather(saved, gathered) if tr.layout.total else None
+    else:
+        gathered = saved
+
+    def weight_grad() -> None:
+        nonlocal grad_w
+        if not need_w:
+            return
+        if regather is None:
+            grad_w = grad_y.t().mm(gathered)
+            return
+        per_chunk = _accumulates_per_chunk(grad_y.dtype)
+        grad_w = torch.zeros_like(weight)
+        for i, c in enumerate(tr.plan):
+            regather.wait(i)
+            if per_chunk:
+                grad_w.addmm_(grad_y[c.start : c.stop].t(), gathered[c.start : c.stop])
+        regather.wait_all()
+        if not per_chunk:
+            grad_w = grad_y.t().mm(gathered)
+
+    if need_x:
+        # grad_x = reduce_scatter(grad_y @ weight), sliced; grad_w hides the last reductions.
+        grad_x = matmul_reduce(tr, grad_y, weight, before_finish=weight_grad)
+    else:
+        weight_grad()
+    if need_b and has_bias:
+        grad_b = grad_y.sum(0)
+    return grad_x, grad_w, grad_b
+
+
+def _matmul_reduce_scatter_grads(
+    setup: _Setup, has_bias: bool, grad_z: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor
+) -> _Grads:
+    """``matmul_reduce_scatter``'s gradients (x, weight, bias) that any rank needs."""
+    tr = setup.transport
+    need_x, need_w, need_b = setup.need
+    grad_x = grad_w = grad_b = None
+    grad_z = _output_grad(grad_z, tr.layout.sizes[dist.get_rank(setup.group)], weight)
+    bias_work = None
+    if need_b and has_bias:
+        # The bias is replicated: its gradient is the sum over every rank's rows.
+        grad_b = grad_z.sum(0, dtype=grad_z.dtype)
+        bias_work = Inflight()
+        bias_work.add(dist.all_reduce(bias_work.alias(grad_b), group=setup.group, async_op=True))
+    if need_x or need_w:
+        per_chunk = need_w and _accumulates_per_chunk(grad_z.dtype)
+        acc = torch.zeros_like(weight) if per_chunk else None
+
+        def accumulate(start: int, stop: int, rows: torch.Tensor) -> None:
+            if acc is not None:
+                acc.addmm_(rows.t(), x[start:stop])
+
+        # grad_x = all_gather(grad_z) @ weight, sliced; grad_w slices ride along.
+        gathered, gx = gather_matmul(tr, grad_z, weight, on_chunk=accumulate if per_chunk else None)
+        grad_x = gx if need_x else None
+        if need_w:
+            grad_w = acc if acc is not None else gathered.t().mm(x)
+    if bias_work is not None:
+        bias_work.wait()
+    return grad_x, grad_w, grad_b
+
+
+class _Overlapped(torch.autograd.Function):
+    """The backward both functions share: the gradients every rank's needs call for, from the
+    gradient function the forward saved, returned where this rank's inputs asked for them (none for
+    the anchor and the setup)."""
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_y):  # type: ignore[override]
-        setup: _Setup = ctx.setup
-        tr = setup.transport
-        weight, saved = ctx.saved_tensors
-        need_x, need_w, need_b = setup.need
-        grad_x = grad_w = grad_b = None
-        if grad_y is None:
-            grad_y = torch.zeros(tr.layout.total, weight.shape[0], dtype=weight.dtype, device=weight.device)
-        if grad_y.stride(-1) != 1:
-            grad_y = grad_y.contiguous()
-        regather = None
-        if need_w and not setup.save_gathered:
-            # Re-gather the input (memory saved in the forward, transfers paid again here); the
-            # transfers overlap the input-gradient GEMMs below.
-            gathered = torch.empty(tr.layout.total, saved.shape[1], dtype=saved.dtype, device=saved.device)
-            regather = tr.start_gather(saved, gathered) if tr.layout.total else None
-        else:
-            gathered = saved
-
-        def weight_grad() -> None:
-            nonlocal grad_w
-            if not need_w:
-                return
-            if regather is None:
-                grad_w = grad_y.t().mm(gathered)
-                return
-            per_chunk = _accumulates_per_chunk(grad_y.dtype)
-            grad_w = torch.zeros_like(weight)
-            for i, c in enumerate(tr.plan):
-                regather.wait(i)
-                if per_chunk:
-                    grad_w.addmm_(grad_y[c.start : c.stop].t(), gathered[c.start : c.stop])
-            regather.wait_all()
-            if not per_chunk:
-                grad_w = grad_y.t().mm(gathered)
-
-        if need_x:
-            # grad_x = reduce_scatter(grad_y @ weight), sliced; grad_w hides the last reductions.
-            grad_x = matmul_reduce(tr, grad_y, weight, before_finish=weight_grad)
-        else:
-            weight_grad()
-        if need_b and ctx.has_bias:
-            grad_b = grad_y.sum(0)
+    def backward(ctx, grad_out):  # type: ignore[override]
+        grad_x, grad_w, grad_b = ctx.grads(ctx.setup, ctx.has_bias, grad_out, *ctx.saved_tensors)
         local = ctx.needs_input_grad
         return (grad_x if local[0] else None, grad_w if local[1] else None, grad_b if local[2] else None,
                 None, None)  # fmt: skip
 
 
-class _MatmulReduceScatter(torch.autograd.Function):
+class _AllGatherMatmul(_Overlapped):
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, anchor, setup: _Setup):  # type: ignore[override]
+        gathered, y = gather_matmul(setup.transport, x_shard, weight.t(), bias=bias)
+        saved = gathered if setup.save_gathered else x_shard
+        _save(ctx, setup, bias, _all_gather_matmul_grads, weight, saved)
+        return y
+
+
+class _MatmulReduceScatter(_Overlapped):
     @staticmethod
     def forward(ctx, x, weight, bias, anchor, setup: _Setup):  # type: ignore[override]
         z = matmul_reduce(setup.transport, x, weight.t())
         if bias is not None:
             z.add_(bias)
-        ctx.setup = setup
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
+        _save(ctx, setup, bias, _matmul_reduce_scatter_grads, x, weight)
         return z
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_z):  # type: ignore[override]
-        setup: _Setup = ctx.setup
-        tr = setup.transport
-        x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = setup.need
-        grad_x = grad_w = grad_b = None
-        if grad_z is None:
-            grad_z = torch.zeros(
-                tr.layout.sizes[dist.get_rank(setup.group)], weight.shape[0], dtype=x.dtype, device=x.device
-            )
-        bias_work = None
-        if need_b and ctx.has_bias:
-            # The bias is replicated: its gradient is the sum over every rank's rows.
-            grad_b = grad_z.sum(0, dtype=grad_z.dtype)
-            bias_work = Inflight()
-            bias_work.add(dist.all_reduce(bias_work.alias(grad_b), group=setup.group, async_op=True))
-        if need_x or need_w:
-            per_chunk = need_w and _accumulates_per_chunk(grad_z.dtype)
-            acc = torch.zeros_like(weight) if per_chunk else None
-
-            def accumulate(start: int, stop: int, rows: torch.Tensor) -> None:
-                if acc is not None:
-                    acc.addmm_(rows.t(), x[start:stop])
-
-            # grad_x = all_gather(grad_z) @ weight, sliced; grad_w slices ride along.
-            gathered, gx = gather_matmul(tr, grad_z, weight, on_chunk=accumulate if per_chunk else None)
-            grad_x = gx if need_x else None
-            if need_w:
-                grad_w = acc if acc is not None else gathered.t().mm(x)
-        if bias_work is not None:
-            bias_work.wait()
-        local = ctx.needs_input_grad
-        return (grad_x if local[0] else None, grad_w if local[1] else None, grad_b if local[2] else None,
-                None, None)  # fmt: skip
 
 
 def all_gather_matmul(
@@ -301,13 +362,9 @@ def all_gather_matmul(
     """
     with Entry("all_gather_matmul", group) as e:
         e.values = [0, 0, 0, 0]
-        e.like = x_shard if isinstance(x_shard, torch.Tensor) else None
-        if _problems:  # a caller's own validation (the TP modules): raised on every rank below
-            raise ValueError("; ".join(_problems))
-        x_shard, weight, bias = _check_operands(x_shard, weight, bias, "x_shard")
-        chunks = _check_chunks(chunks)
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+        x_shard, weight, bias, chunks = _check_call(
+            e, x_shard, weight, bias, "x_shard", chunks, backend, _problems
+        )
         rank, world = world_of(group)
         m_r, k, n = x_shard.shape[0], x_shard.shape[1], weight.shape[0]
         given = None
@@ -319,11 +376,7 @@ def all_gather_matmul(
                 )
         e.fields = {
             "x_shard.shape[1] (K)": k,
-            "dtype": x_shard.dtype,
-            "device": x_shard.device.type,
-            "chunks": chunks if chunks is not None else "auto",
-            "bias": bias is not None,
-            "backend": backend if backend is not None else "auto",
+            **_call_fields(x_shard, chunks, bias, backend),
             "save_gathered": bool(save_gathered),
             "shard_sizes": given.sizes if given is not None else "exchanged",
         }
@@ -367,13 +420,7 @@ def matmul_reduce_scatter(
     """
     with Entry("matmul_reduce_scatter", group) as e:
         e.values = [0, 0, 0]
-        e.like = x if isinstance(x, torch.Tensor) else None
-        if _problems:  # a caller's own validation (the TP modules): raised on every rank below
-            raise ValueError("; ".join(_problems))
-        x, weight, bias = _check_operands(x, weight, bias, "x")
-        chunks = _check_chunks(chunks)
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+        x, weight, bias, chunks = _check_call(e, x, weight, bias, "x", chunks, backend, _problems)
         rank, world = world_of(group)
         m = x.shape[0]
         if shard_sizes is None:
@@ -385,11 +432,7 @@ def matmul_reduce_scatter(
         e.fields = {
             "x.shape[0] (M)": m,
             "weight.shape[0] (N)": weight.shape[0],
-            "dtype": x.dtype,
-            "device": x.device.type,
-            "chunks": chunks if chunks is not None else "auto",
-            "bias": bias is not None,
-            "backend": backend if backend is not None else "auto",
+            **_call_fields(x, chunks, bias, backend),
             "shard_sizes": layout.sizes,
         }
         e.values = [x.shape[1], _grad_bits(x, weight, bias), int(torch.is_grad_enabled())]
