@@ -66,7 +66,7 @@ from mmbalance.balancing import CostModel, cp_schedule
 
 from . import cp_schemes, cp_vlm
 from .cp_data import DATASETS, FILL, epoch_longest, step_batches
-from .harness import Row, base_parser, device_name, report
+from .harness import Row, base_parser, device_name, ms_cell, ratio_plot, report
 
 RANKS = (8, 64, 512)
 BUDGETS = (8192, 16384)
@@ -322,10 +322,6 @@ def acceptance(results: list[ConfigResult]) -> list[tuple[str, bool, str]]:
     return checks
 
 
-def _ms(x: float) -> str:
-    return "-" if not math.isfinite(x) else f"{1e3 * x:.0f}"
-
-
 def summary_table(results: list[ConfigResult]) -> str:
     """Markdown: one line per (dataset, ranks, budget), mean modelled step times in ms."""
     head = " | ".join(f"static {c}" for c in STATIC_DEGREES)
@@ -338,14 +334,16 @@ def summary_table(results: list[ConfigResult]) -> str:
     for r in results:
         mean = {s: float(r.step[s].mean()) if r.feasible(s) else math.nan for s in SCHEMES}
         best = r.best_static()
-        cells = " | ".join(_ms(mean[s]) + (" *" if s == best else "") for s in SCHEMES[: len(STATIC_DEGREES)])
+        cells = " | ".join(
+            ms_cell(mean[s]) + (" *" if s == best else "") for s in SCHEMES[: len(STATIC_DEGREES)]
+        )
         ours = mean["mmbalance"]
         vs_s = f"{mean[best] / ours:.2f}x" if best else "-"
         hyb = [mean[h] for h in HYBRIDS if math.isfinite(mean[h])]
         vs_h = f"{min(hyb) / ours:.2f}x" if hyb else "-"
         lines.append(
             f"| {r.dataset} | {r.world} | {r.memory_per_rank} | {np.mean(r.sequences):.0f} | {cells} "
-            f"| {' / '.join(_ms(mean[h]) for h in HYBRIDS)} | {_ms(ours)} | {vs_s} | {vs_h} "
+            f"| {' / '.join(ms_cell(mean[h]) for h in HYBRIDS)} | {ms_cell(ours)} | {vs_s} | {vs_h} "
             f"| {np.median(r.plan_ms):.2f} / {r.plan_ms.max():.2f} "
             f"| {np.median(r.plan_cpu_ms):.2f} / {r.plan_cpu_ms.max():.2f} "
             f"| {int(r.shard['mmbalance'].max()) / r.memory_per_rank:.3f} |"
@@ -356,29 +354,13 @@ def summary_table(results: list[ConfigResult]) -> str:
 def plot(results: list[ConfigResult], path: str) -> None:
     """One panel per dataset (PNG): every scheme's mean step time over ours, per ranks and budget;
     schemes that cannot run a configuration are left out of it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r.dataset for r in results))
-    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
-    for ax, ds in zip(axes[0], names):
-        mine = [r for r in results if r.dataset == ds]
-        x = np.arange(len(mine))
-        for s in SCHEMES:
-            y = [
-                float(r.step[s].mean() / r.step["mmbalance"].mean()) if r.feasible(s) else math.nan
-                for r in mine
-            ]
-            ax.plot(x, y, marker="o" if s == "mmbalance" else ".", label=s, lw=2 if s == "mmbalance" else 1)
-        ax.set_xticks(x, [f"{r.world}/{r.memory_per_rank // 1024}k" for r in mine], fontsize=8)
-        ax.set(xlabel="ranks / tokens per rank", ylabel="modelled step time / ours", yscale="log", title=ds)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ratio_plot(
+        path,
+        results,
+        SCHEMES,
+        lambda r, s: float(r.step[s].mean() / r.step["mmbalance"].mean()) if r.feasible(s) else math.nan,
+        bold=("mmbalance",),
+    )
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:

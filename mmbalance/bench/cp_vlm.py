@@ -54,7 +54,7 @@ from mmbalance.balancing import CostModel, cp_schedule
 from mmbalance.balancing.datasets import load_sizes
 
 from . import cp_schemes
-from .harness import Row, device_name
+from .harness import Row, device_name, ms_cell, ratio_plot
 
 DATASETS = ("activitynet_long", "documents")
 STATIC_DEGREES = (1, 2, 4, 8)
@@ -334,10 +334,6 @@ def acceptance(results: list[VLMResult]) -> list[tuple[str, bool, str]]:
     return checks
 
 
-def _ms(x: float) -> str:
-    return "-" if not math.isfinite(x) else f"{1e3 * x:.0f}"
-
-
 def summary_table(results: list[VLMResult]) -> str:
     """Markdown: one line per (dataset, ranks, budget), mean modelled step times in ms."""
     stat = " | ".join(f"static {c}" for c in STATIC_DEGREES)
@@ -350,39 +346,16 @@ def summary_table(results: list[VLMResult]) -> str:
     for r in results:
         others = [r.mean(s) for s in SCHEMES if s not in OURS and math.isfinite(r.mean(s))]
         ours = r.mean("mmbalance")
-        cells = " | ".join(_ms(r.mean(s)) for s in SCHEMES if s not in OURS)
+        cells = " | ".join(ms_cell(r.mean(s)) for s in SCHEMES if s not in OURS)
         shard = max(st["mmbalance"].shard for st in r.steps) / r.memory_per_rank
         lines.append(
             f"| {r.dataset} | {r.world} | {r.memory_per_rank} | {np.mean(r.sequences):.0f} ({np.mean(r.items):.0f}) "
-            f"| {cells} | {_ms(ours)} | {_ms(r.mean('mmbalance_eb'))} "
+            f"| {cells} | {ms_cell(ours)} | {ms_cell(r.mean('mmbalance_eb'))} "
             f"| {(min(others) / ours if others else math.nan):.2f}x | {shard:.3f} |"
         )
     return "\n".join(lines)
 
 
 def plot(results: list[VLMResult], path: str) -> None:
-    """One panel per dataset (PNG): every scheme's mean step time over ours, per ranks and budget;
-    schemes that cannot run a configuration are left out of it."""
-    import os
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r.dataset for r in results))
-    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
-    for ax, ds in zip(axes[0], names):
-        mine = [r for r in results if r.dataset == ds]
-        x = np.arange(len(mine))
-        for s in SCHEMES:
-            y = [r.mean(s) / r.mean("mmbalance") for r in mine]
-            if any(math.isfinite(v) for v in y):
-                ax.plot(x, y, marker="o" if s in OURS else ".", label=s, lw=2 if s in OURS else 1)
-        ax.set_xticks(x, [f"{r.world}/{r.memory_per_rank // 1024}k" for r in mine], fontsize=8)
-        ax.set(xlabel="ranks / tokens per rank", ylabel="modelled step time / ours", yscale="log", title=ds)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """:func:`~mmbalance.bench.harness.ratio_plot` of the results: each scheme's mean over ours."""
+    ratio_plot(path, results, SCHEMES, lambda r, s: r.mean(s) / r.mean("mmbalance"), bold=OURS)

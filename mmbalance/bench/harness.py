@@ -164,6 +164,43 @@ def save_plot(fig, path: str) -> None:
     print(f"plot written to {path}")
 
 
+def ms_cell(seconds: float) -> str:
+    """Seconds as whole milliseconds for a table cell; ``-`` where there is no number (a scheme that
+    cannot run)."""
+    import math
+
+    return f"{1e3 * seconds:.0f}" if math.isfinite(seconds) else "-"
+
+
+def ratio_plot(path: str, results: list, schemes, ratio: Callable[[Any, str], float], *, bold=()) -> None:
+    """A PNG of one panel per dataset of ``results`` (each with ``dataset``, ``world`` and
+    ``memory_per_rank``): a line per scheme of ``ratio(result, scheme)`` (a modelled step time over
+    ours) over the ranks and budgets; a scheme that never runs is left out, ``bold`` ones drawn
+    thicker (log y axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(dict.fromkeys(r.dataset for r in results))
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
+    for ax, ds in zip(axes[0], names):
+        mine = [r for r in results if r.dataset == ds]
+        x = np.arange(len(mine))
+        for s in schemes:
+            y = [ratio(r, s) for r in mine]
+            if any(np.isfinite(y)):
+                ax.plot(x, y, marker="o" if s in bold else ".", label=s, lw=2 if s in bold else 1)
+        ax.set_xticks(x, [f"{r.world}/{r.memory_per_rank // 1024}k" for r in mine], fontsize=8)
+        ax.set(xlabel="ranks / tokens per rank", ylabel="modelled step time / ours", yscale="log", title=ds)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_output(prog: str, path: str, write) -> int | None:
     """Run ``write(path)``; on an ``OSError`` (a read-only or special file system, a full disk) print
     one line and return the exit status 2 instead of a traceback."""
