@@ -26,6 +26,9 @@ def _abort_at_exit(rank: int, world: int) -> int:
 
 
 def _die_in_body(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks are connected: rank 0 then needs nothing more from rank 1
     if rank == 1:
         os._exit(3)  # no report, no exception: the process just ends
     return rank
