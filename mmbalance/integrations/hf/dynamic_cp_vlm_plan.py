@@ -26,8 +26,10 @@ __all__ = [
     "local_table",
     "parse_table",
     "piece_coords",
+    "read_alone",
     "read_batch",
     "spread_items",
+    "table_width",
 ]
 
 _TEXT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -202,6 +204,19 @@ def parse_table(
         out_rows=[it[m, 5] for m in per],
         meta=[np.ascontiguousarray(it[m, 6 : 6 + len(a.meta_columns)]) for a, m in zip(adapters, per)],
     )
+
+
+def table_width(adapters: list[EncoderAdapter]) -> int:
+    """Columns of the gathered table: 6 fixed, then the widest adapter's metadata."""
+    return 6 + max([len(a.meta_columns) for a in adapters] + [1])
+
+
+def read_alone(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Mapping):
+    """This rank's batch read and parsed as if it were the whole world: ``(local, step)``, what
+    a step without communication plans from (one process, or a Trainer group's own batch)."""
+    local = read_batch(handle, family, adapters, batch)
+    table = local_table(local, table_width(adapters))
+    return local, parse_table(table, np.zeros(table.shape[0], dtype=np.int64), 1, adapters)
 
 
 def piece_coords(lengths: np.ndarray, piece_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

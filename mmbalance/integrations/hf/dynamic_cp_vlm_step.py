@@ -34,8 +34,10 @@ from .dynamic_cp_vlm_plan import (
     local_table,
     parse_table,
     piece_coords,
+    read_alone,
     read_batch,
     spread_items,
+    table_width,
 )
 from .encoder_adapter import EncoderAdapter
 from .models.common import core, pooled
@@ -76,11 +78,8 @@ def _encoder_handle(model):
 def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Mapping, eh, comm: _Comm):
     """This rank's batch read, the agreement, and the gathered table: ``(local, step)``."""
     model = handle.model
-    width = 6 + max([len(a.meta_columns) for a in adapters] + [1])
     if handle.own is None:
-        local = read_batch(handle, family, adapters, batch)
-        table = local_table(local, width)
-        return local, parse_table(table, np.zeros(table.shape[0], dtype=np.int64), 1, adapters)
+        return read_alone(handle, family, adapters, batch)
     own_ranks = tuple(dist.get_process_group_ranks(handle.own))
     enc_ranks = None if eh is None else tuple(dist.get_process_group_ranks(eh.group))
     found: LocalBatch | None = None
@@ -101,7 +100,7 @@ def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Ma
         found = read_batch(handle, family, adapters, batch)
         e.fields["labels"] = found.seqs.has_labels
         e.fields["encoder options"] = repr([sorted(o.items()) for o in found.options])
-        table_in = local_table(found, width)
+        table_in = local_table(found, table_width(adapters))
     table, src = gather_table(table_in, handle.own, entry=e)
     assert found is not None  # a rank whose batch failed has raised in gather_table
     return found, parse_table(table, src, comm.world, adapters)

@@ -23,15 +23,7 @@ from .balance import ZeroLink
 from .cp_attention import CP_KEYWORD
 from .cp_plan import Sequences, model_device, pieces
 from .dynamic_cp_vlm import check_feature_rows, encoder_seconds, vlm_family
-from .dynamic_cp_vlm_plan import (
-    PlaceholderRuns,
-    feature_segments,
-    local_table,
-    parse_table,
-    piece_coords,
-    read_batch,
-    spread_items,
-)
+from .dynamic_cp_vlm_plan import PlaceholderRuns, feature_segments, piece_coords, read_alone, spread_items
 from .encoder_adapter import EncoderAdapter, adapters_for
 from .models.common import core, pooled
 
@@ -90,11 +82,8 @@ class GroupCutter:
     ) -> tuple[Sequences, Tensor | None, PendingMedia]:
         from mmbalance.balancing.cp_schedule import CPGroup
 
-        local = read_batch(self, self.family, self.adapters, batch)
+        local, step = read_alone(self, self.family, self.adapters, batch)
         adapters = self.adapters
-        width = 6 + max([len(a.meta_columns) for a in adapters] + [1])
-        table = local_table(local, width)
-        step = parse_table(table, np.zeros(table.shape[0], dtype=np.int64), 1, adapters)
         n = step.lengths.size
         group = CPGroup(int(degree), tuple(range(degree)), np.arange(n, dtype=np.int64), 0.0)
         plen, _, pdst, _ = pieces(step.lengths, np.zeros(n, dtype=np.int64), [group], degree)

@@ -28,6 +28,18 @@ def mm_outputs(kwargs: dict) -> dict:
     return dict(mm) if mm else {}
 
 
+def pending_pixels(kwargs: dict, dims: int | None = None, layout: str = "") -> Tensor | None:
+    """The forward's ``pixel_values`` when they are still to be encoded: ``None`` when there are
+    none or the images' features are given already (``mm_encoder_outputs``). With ``dims``, a
+    tensor of another rank is refused, naming the expected ``layout``."""
+    pix = kwargs.get("pixel_values")
+    if pix is None or mm_outputs(kwargs).get("image") is not None:
+        return None
+    if dims is not None and pix.dim() != dims:
+        raise ValueError(f"pixel_values must be [{layout}], got shape {tuple(pix.shape)}")
+    return pix
+
+
 def pooled(features, deepstack=None):
     """Encoder outputs in the form ``mm_encoder_outputs`` takes them."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..encoder_adapter import EncoderAdapter, Items, packed_rows, register_adapter
-from .common import as_int, core, dtype_device, mm_outputs, pooled
+from .common import as_int, core, dtype_device, mm_outputs, pending_pixels, pooled
 
 __all__ = ["Idefics3Adapter"]
 
@@ -40,11 +40,9 @@ class Idefics3Adapter(EncoderAdapter):
         return any(c.__name__.startswith("SmolVLM") for c in type(model).__mro__)
 
     def extract(self, model, kwargs):
-        pix = kwargs.get("pixel_values")
-        if pix is None or mm_outputs(kwargs).get("image") is not None:
+        pix = pending_pixels(kwargs, 5, "batch, tiles, C, H, W")
+        if pix is None:
             return None
-        if pix.dim() != 5:
-            raise ValueError(f"pixel_values must be [batch, tiles, C, H, W], got shape {tuple(pix.shape)}")
         dtype, _ = dtype_device(self._tower(model))
         tiles = pix.reshape(-1, *pix.shape[2:])
         real = (tiles != 0).flatten(1).any(1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..encoder_adapter import register_adapter
-from .common import TileAdapter, as_int, core, mm_outputs, pooled, vision_feature_options
+from .common import TileAdapter, as_int, core, mm_outputs, pending_pixels, pooled, vision_feature_options
 
 __all__ = ["InternVLAdapter"]
 
@@ -26,12 +26,8 @@ class InternVLAdapter(TileAdapter):
         }
 
     def extract(self, model, kwargs):
-        pix = kwargs.get("pixel_values")
-        if pix is None or mm_outputs(kwargs).get("image") is not None:
-            return None
-        if pix.dim() != 4:
-            raise ValueError(f"pixel_values must be [tiles, C, H, W], got shape {tuple(pix.shape)}")
-        return self._tiles(model, kwargs, pix)
+        pix = pending_pixels(kwargs, 4, "tiles, C, H, W")
+        return None if pix is None else self._tiles(model, kwargs, pix)
 
     def _tokens_per_tile(self, model) -> int:
         cfg = self._tower(model).config

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..encoder_adapter import packed_rows, register_adapter
-from .common import TileAdapter, as_int, core, mm_outputs, pooled, vision_feature_options
+from .common import TileAdapter, as_int, core, mm_outputs, pending_pixels, pooled, vision_feature_options
 
 __all__ = ["LlavaAdapter", "LlavaNextAdapter"]
 
@@ -55,13 +55,11 @@ class LlavaAdapter(_ClipTiles):
     model_classes = ("LlavaForConditionalGeneration", "LlavaModel")
 
     def extract(self, model, kwargs):
-        pix = kwargs.get("pixel_values")
-        if pix is None or mm_outputs(kwargs).get("image") is not None:
-            return None
-        if kwargs.get("image_sizes") is not None:
+        if kwargs.get("image_sizes") is not None and pending_pixels(kwargs) is not None:
             raise ValueError("image_sizes (variable-resolution backbones such as Pixtral) are not supported")
-        if pix.dim() != 4:
-            raise ValueError(f"pixel_values must be [images, C, H, W], got shape {tuple(pix.shape)}")
+        pix = pending_pixels(kwargs, 4, "images, C, H, W")
+        if pix is None:
+            return None
         return self._tiles(model, kwargs, pix, {"options": self.call_options(model, kwargs)})
 
     def restore(self, model, kwargs, items, outputs):
@@ -83,8 +81,8 @@ class LlavaNextAdapter(_ClipTiles):
     model_classes = ("LlavaNextForConditionalGeneration", "LlavaNextModel")
 
     def extract(self, model, kwargs):
-        pix = kwargs.get("pixel_values")
-        if pix is None or mm_outputs(kwargs).get("image") is not None:
+        pix = pending_pixels(kwargs)
+        if pix is None:
             return None
         sizes = kwargs.get("image_sizes")
         if sizes is None:
