@@ -249,8 +249,18 @@ def test_inference_mode(small_blocks):
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: CPU matmuls split over threads may sum in another order from one call
+    to the next (a float32 ulp apart), and the test below compares calls bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_autocast_runs_the_ops_in_the_autocast_dtype(small_blocks, amp):
+def test_autocast_runs_the_ops_in_the_autocast_dtype(small_blocks, one_thread, amp):
     """Under autocast both block ops cast q, k, v (and dout) to the autocast dtype, as torch's own
     attention does: mixed inputs (float32 q and k, half-precision v, as HF decoders pass them under
     autocast) give exactly what the same inputs cast outside autocast give, lse stays float32,
