@@ -13,6 +13,7 @@ A step is one packed micro-batch: sequences of one stream, taken until the next 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -48,6 +49,24 @@ def epoch_longest(dataset: str, examples: int = EPOCH) -> int:
     return int(draw(dataset, examples, np.random.default_rng(0)).max())
 
 
+def cut_steps(draw_chunk: Callable[[], np.ndarray], steps: int, target: float) -> list[tuple[int, int]]:
+    """``steps`` consecutive micro-batches of a stream of lengths that ``draw_chunk()`` extends a
+    chunk at a time: each takes lengths until the next would pass ``target`` (at least one).
+    Returns ``[start, stop)`` positions in the stream (the chunks drawn, concatenated)."""
+    lengths = draw_chunk()
+    start, out = 0, list[tuple[int, int]]()
+    while len(out) < steps:
+        rest = lengths[start:]
+        k = int(np.searchsorted(np.cumsum(rest), target, side="right"))
+        if k == rest.size:  # the stream ran out before the step filled up
+            lengths = np.concatenate([lengths, draw_chunk()])
+            continue
+        k = max(k, 1)
+        out.append((start, start + k))
+        start += k
+    return out
+
+
 def step_batches(
     dataset: str, world: int, memory_per_rank: int, steps: int, fill: float, seed: int
 ) -> list[np.ndarray]:
@@ -56,19 +75,18 @@ def step_batches(
     rng = np.random.default_rng([seed, world, memory_per_rank, list(DATASETS).index(dataset)])
     target = fill * world * memory_per_rank
     chunk = max(64, int(2 * target / 1000))
-    buf = draw(dataset, chunk, rng)
-    out: list[np.ndarray] = []
-    while len(out) < steps:
-        total = np.cumsum(buf)
-        k = int(np.searchsorted(total, target, side="right"))
-        if k == buf.size:  # the stream ran out before the step filled up
-            buf = np.concatenate([buf, draw(dataset, chunk, rng)])
-            continue
-        k = max(k, 1)
-        batch, buf = buf[:k], buf[k:]
+    drawn: list[np.ndarray] = []
+
+    def more() -> np.ndarray:
+        drawn.append(draw(dataset, chunk, rng))
+        return drawn[-1]
+
+    bounds = cut_steps(more, steps, target)
+    stream = np.concatenate(drawn)
+    out = [stream[a:b] for a, b in bounds]
+    for batch in out:
         if int(batch.max()) > world * memory_per_rank:
             raise ValueError(
                 f"{dataset}: a sequence of {int(batch.max())} tokens exceeds {world} ranks x {memory_per_rank}"
             )
-        out.append(batch)
     return out

@@ -54,6 +54,7 @@ from mmbalance.balancing import CostModel, cp_schedule
 from mmbalance.balancing.datasets import load_sizes
 
 from . import cp_schemes
+from .cp_data import cut_steps
 from .harness import Row, device_name, ms_cell, ratio_plot
 
 DATASETS = ("activitynet_long", "documents")
@@ -156,21 +157,20 @@ def step_batches(
     rng = np.random.default_rng([seed, world, memory_per_rank, DATASETS.index(dataset), 7])
     target = fill * world * memory_per_rank
     chunk = max(64, int(4 * target / 10_000))
-    buf = draw(dataset, chunk, rng)
-    out: list[Examples] = []
-    while len(out) < steps:
-        k = int(np.searchsorted(np.cumsum(buf.llm), target, side="right"))
-        if k == len(buf):
-            more = draw(dataset, chunk, rng)
-            buf = Examples(np.concatenate([buf.llm, more.llm]), np.concatenate([buf.items, more.items]))
-            continue
-        k = max(k, 1)
-        batch, buf = buf[:k], buf[k:]
+    drawn: list[Examples] = []
+
+    def more() -> np.ndarray:
+        drawn.append(draw(dataset, chunk, rng))
+        return drawn[-1].llm
+
+    bounds = cut_steps(more, steps, target)
+    stream = Examples(np.concatenate([d.llm for d in drawn]), np.concatenate([d.items for d in drawn]))
+    out = [stream[a:b] for a, b in bounds]
+    for batch in out:
         if int(batch.llm.max()) > world * memory_per_rank:
             raise ValueError(
                 f"{dataset}: a sequence of {int(batch.llm.max())} tokens exceeds {world} x {memory_per_rank}"
             )
-        out.append(batch)
     return out
 
 
