@@ -26,9 +26,11 @@ from mmbalance.bench.harness import (
     await_reports,
     describe_exit,
     died_without_report,
+    exit_code,
     exits_in_words,
     send_report,
     settle,
+    start_processes,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,8 +108,7 @@ def run_distributed(
             )
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        start_processes(procs)
         results: dict[int, object] = {}
         errors: dict[int, str] = {}
         try:
@@ -125,7 +126,7 @@ def run_distributed(
         if errors:
             rank = min(errors)
             raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        bad = [(r, code) for r, code in enumerate(map(exit_code, procs)) if code != 0]
         if bad:
             what = exits_in_words(bad, hung, exit_grace)
             raise RuntimeError(f"every rank returned its result, but then {what} (a failure at exit)")

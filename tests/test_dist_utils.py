@@ -63,3 +63,29 @@ def test_run_ranks_waits_past_a_death_for_every_outcome():
     outcomes = run_ranks(_die_in_body, 2)
     assert outcomes[0].value == 0 and outcomes[0].exited_cleanly
     assert not outcomes[1].reported and outcomes[1].exitcode == 3
+
+
+def test_exit_codes_are_right_when_threads_start_and_poll_processes_at_once():
+    """Process groups started from several threads at once (as the fault tests run them): every
+    child that exits 0 reads as 0. Unlocked, ``Process.start`` in one thread polls another thread's
+    forkserver children, and one of the two reads gets end-of-file and records 255 (unlocked, this
+    test failed 5 runs of 5)."""
+    import concurrent.futures
+    import random
+
+    from mmbalance.bench.harness import exit_code, settle, start_processes
+    from tests.dist_utils import worker_context
+
+    ctx = worker_context()
+    rng = random.Random(0)
+    naps = [[rng.random() * 0.05 for _ in range(3)] for _ in range(320)]
+
+    def group(seconds: list[float]) -> list[int | None]:
+        procs = [ctx.Process(target=time.sleep, args=(s,), daemon=True) for s in seconds]
+        start_processes(procs)
+        assert not settle(procs, 30.0)
+        return [exit_code(p) for p in procs]
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        codes = [c for group_codes in pool.map(group, naps) for c in group_codes]
+    assert codes == [0] * len(codes), sorted(set(codes))

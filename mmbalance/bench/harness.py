@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -291,6 +292,28 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+# ``multiprocessing`` is not thread-safe about its children: ``Process.start`` polls every child of
+# this process (``process._cleanup``), and when two threads poll one forkserver child at once, both
+# read its exit status from one pipe; the one that reads second gets end-of-file and records exit
+# code 255 for a process that exited 0. Tests that run several process groups from threads (the
+# fault tests) met it about once in a few hundred processes. Starting and polling under one lock
+# keeps each child's status read once.
+_CHILDREN = threading.Lock()
+
+
+def start_processes(procs) -> None:
+    """Start every process of ``procs`` (thread-safe; see ``_CHILDREN``)."""
+    with _CHILDREN:
+        for p in procs:
+            p.start()
+
+
+def exit_code(proc) -> int | None:
+    """``proc.exitcode``, read under the lock that ``start_processes`` holds."""
+    with _CHILDREN:
+        return proc.exitcode
+
+
 def send_report(queue, message: tuple) -> None:
     """Put ``message`` on a multiprocessing ``queue`` and wait until it is written to the pipe.
 
@@ -335,13 +358,14 @@ def await_reports(
     while len(reports) + len(died) < len(procs) and time.monotonic() < deadline:
         if take(min(0.5, max(0.01, deadline - time.monotonic()))):
             break
-        gone = [r for r, p in enumerate(procs) if r not in reports and p.exitcode is not None]
+        codes = {r: exit_code(p) for r, p in enumerate(procs) if r not in reports}
+        gone = {r: code for r, code in codes.items() if code is not None}
         if gone:
             # a report is in the pipe before its process exits (send_report): drain, then the
             # processes still without one died without reporting
             while take(0):
                 pass
-            died.update({r: procs[r].exitcode for r in gone if r not in reports})
+            died.update({r: code for r, code in gone.items() if r not in reports})
             if died and not past_deaths:
                 break
     return reports, died
@@ -356,14 +380,18 @@ def died_without_report(died: dict[int, int]) -> str:
 
 def settle(procs, grace: float) -> set[int]:
     """Give ``procs`` ``grace`` seconds in all to exit, kill the ones that do not; their ranks."""
+    from multiprocessing.connection import wait
+
     deadline = time.monotonic() + grace
     hung = set()
     for r, p in enumerate(procs):
-        p.join(timeout=max(0.1, deadline - time.monotonic()))
-        if p.is_alive():
+        # wait on the sentinel, then poll under the lock (``join`` would poll outside it)
+        wait([p.sentinel], timeout=max(0.1, deadline - time.monotonic()))
+        if exit_code(p) is None:
             hung.add(r)
             p.kill()
-            p.join(timeout=5)
+            wait([p.sentinel], timeout=5)
+            exit_code(p)
     return hung
 
 
@@ -410,8 +438,7 @@ def spawn(
             )
             for r in range(world)
         ]
-        for p in procs:
-            p.start()
+        start_processes(procs)
         out: dict[int, Any] = {}
         try:
             reports, died = await_reports(queue, procs, timeout, stop=lambda message: bool(message[2]))
@@ -427,7 +454,7 @@ def spawn(
                 )
         finally:
             hung = settle(procs, exit_grace if len(out) == world else 5.0)
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        bad = [(r, code) for r, code in enumerate(map(exit_code, procs)) if code != 0]
         if bad:
             raise RuntimeError(
                 f"every rank finished its work, but then {exits_in_words(bad, hung, exit_grace)}"

@@ -26,7 +26,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp  # noqa: F401 - the workers' module resolves tensors through it
 
-from mmbalance.bench.harness import await_reports, send_report, settle
+from mmbalance.bench.harness import await_reports, exit_code, send_report, settle, start_processes
 from tests.dist_utils import end_like_a_program, worker_context
 
 
@@ -124,8 +124,7 @@ def run_ranks(
             ctx.Process(target=_worker, args=(r, world, init_file, fn, args, queue, pg_timeout), daemon=True)
             for r in range(world)
         ]
-        for p in procs:
-            p.start()
+        start_processes(procs)
         outcomes: dict[int, Outcome] = {}
         try:
             reports, died = await_reports(queue, procs, timeout, past_deaths=True)
@@ -133,7 +132,7 @@ def run_ranks(
             outcomes.update({r: Outcome(r, exitcode=code) for r, code in died.items()})
         finally:
             hung = settle(procs, exit_grace if len(outcomes) == world else 2.0)
-        statuses = [KILLED if r in hung else p.exitcode for r, p in enumerate(procs)]
+        statuses = [KILLED if r in hung else exit_code(p) for r, p in enumerate(procs)]
         for r in range(world):
             if r not in outcomes:
                 raise TimeoutError(f"rank {r} neither reported nor exited within {timeout:.0f}s: a hang")
