@@ -7,7 +7,12 @@ alone through the stock eager attention, token-loss sum over the global count).
 
 argv: one or more ``family:form:scenario`` runs: family llama | qwen2, batch form packed | padded,
 scenario long (one sequence over 2x the budget) | mixed (a schedule of degrees 3 and 1, forced by a
-cost with an expensive ring; the model wrapped in DDP, which sums the gradients). Rank 0 prints one JSON line per run.
+cost with an expensive ring; the model wrapped in DDP, which sums the gradients) | strided (the
+handle balances over a data-parallel sub-group, ranks {0, 2} and {1, 3} as under tensor parallelism
+of 2, each splitting a sequence over its two ranks) | triple (sub-groups {0} and {1, 2, 3}; in the
+second a sequence is split over two of its ranks, a ring inside the sub-group that rank 0 helps
+create, and the third runs degree 1). In the sub-group scenarios each group is checked against its own
+reference (its examples, its count). Rank 0 prints one JSON line per run.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ def examples(world: int) -> list[list[dict]]:
     rng = np.random.default_rng(7)
     if SCENARIO == "long":
         lengths = [[9, 23], [150, 5], [17, 30, 2], [12]]  # 150 > 2 * BUDGET
+    elif SCENARIO == "strided":
+        lengths = [[9, 11], [17, 20, 2], [90, 5], [12, 70]]  # 90 and 70 > BUDGET, in {0, 2} and {1, 3}
+    elif SCENARIO == "triple":
+        lengths = [[9, 23, 30], [100, 3], [17, 2], [12, 20]]  # 100 > BUDGET in {1, 2, 3}
     else:
         lengths = [[11], [180], [20, 9], [14, 1]]  # forced 3 + 1 by the cost below
     out = []
@@ -75,7 +84,13 @@ def batch_of(mine: list[dict]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
 
+LAYOUTS = {"strided": [[0, 2], [1, 3]], "triple": [[0], [1, 2, 3]]}
+
+
 def run_one() -> None:
+    if SCENARIO in LAYOUTS:
+        run_in_subgroups(LAYOUTS[SCENARIO])
+        return
     from mmbalance.balancing import CostModel
     from mmbalance.integrations.hf import apply_dynamic_cp
 
@@ -114,18 +129,10 @@ def run_one() -> None:
         for g in grads.values():
             dist.all_reduce(g)
     if rank == 0:
-        ref = tiny_model("eager")
-        flat = [e for mine in data for e in mine]
-        count = sum(sum(1 for x in e["labels"][1:] if x != -100) for e in flat)
+        ref, ref_total, count = reference([e for mine in data for e in mine])
         assert inputs["num_items_in_batch"] == count, (inputs["num_items_in_batch"], count)
-        ref_total = torch.zeros(())
-        for e in flat:
-            out = ref(input_ids=torch.tensor([e["input_ids"]]), labels=torch.tensor([e["labels"]]),
-                      num_items_in_batch=count)  # fmt: skip
-            out.loss.backward()
-            ref_total += out.loss.detach()
-        rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
-        assert rel <= 1e-5, f"loss {float(total)} vs reference {float(ref_total)} (rel {rel:.2e})"
+        rel = abs(float(total) - ref_total) / abs(ref_total)
+        assert rel <= 1e-5, f"loss {float(total)} vs reference {ref_total} (rel {rel:.2e})"
         worst = 0.0
         for n, p in ref.named_parameters():
             diff = (grads[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-30)
@@ -133,6 +140,62 @@ def run_one() -> None:
             assert diff <= 1e-5, f"gradient of {n}: relative error {float(diff):.2e}"
         print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"], "loss_rel": rel,
                           "grad_rel": worst, "before": stats["before"], "after": stats["after"]}))  # fmt: skip
+    handle.remove()
+    dist.barrier()
+
+
+def reference(examples: list[dict]):
+    """The one-process reference: every example alone through eager attention, the token-loss sum
+    over the examples' labelled count. Returns the model (its gradients) and the summed loss."""
+    ref = tiny_model("eager")
+    count = sum(sum(1 for x in e["labels"][1:] if x != -100) for e in examples)
+    total = torch.zeros(())
+    for e in examples:
+        out = ref(input_ids=torch.tensor([e["input_ids"]]), labels=torch.tensor([e["labels"]]),
+                  num_items_in_batch=count)  # fmt: skip
+        out.loss.backward()
+        total += out.loss.detach()
+    return ref, float(total), count
+
+
+def run_in_subgroups(layout: list[list[int]]) -> None:
+    """``apply_dynamic_cp(..., group=...)`` over each data-parallel sub-group of ``layout``: the
+    plan, the all-to-all and the rings stay inside the group, whose loss and gradients (summed over
+    its ranks) equal the reference of its own examples."""
+    from mmbalance.integrations.hf import apply_dynamic_cp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group(ranks) for ranks in layout]  # collective: every rank creates each
+    mine = next(i for i, ranks in enumerate(layout) if rank in ranks)
+    group = groups[mine]
+    model = tiny_model("mmbalance_varlen")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET, cost="quadratic", group=group)
+    data = examples(world)
+    inputs = handle.shard(batch_of(data[rank]))
+    loss = model(**inputs).loss
+    loss.backward()
+    stats = handle.stats
+    assert stats["largest_shard"] <= BUDGET, stats
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=group)
+    result = None
+    if rank == layout[mine][0]:
+        ref, ref_total, count = reference([e for r in layout[mine] for e in data[r]])
+        assert inputs["num_items_in_batch"] == count, (inputs["num_items_in_batch"], count)
+        rel = abs(float(total) - ref_total) / abs(ref_total)
+        worst = max(
+            float((grads[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-30))
+            for n, p in ref.named_parameters()
+        )
+        result = {"ranks": layout[mine], "degrees": stats["degrees"], "largest_shard": stats["largest_shard"],
+                  "loss_rel": rel, "grad_rel": worst}  # fmt: skip
+    every = [None] * world
+    dist.all_gather_object(every, result)
+    if rank == 0:
+        print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "groups": [x for x in every if x]}))
     handle.remove()
     dist.barrier()
 

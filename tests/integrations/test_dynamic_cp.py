@@ -28,15 +28,22 @@ SCRIPT = REPO / "tests" / "integrations" / "cp_plain_loop.py"
 
 @pytest.mark.distributed
 def test_plain_loop_matches_one_process_reference_on_4_ranks():
-    runs = ["llama:packed:long", "qwen2:padded:long", "llama:padded:mixed", "qwen2:packed:mixed"]
-    out = launch(SCRIPT, *runs, nproc=4, timeout=600)
+    """The world as the group (long, mixed), and data-parallel sub-groups (strided, triple)."""
+    world = ["llama:packed:long", "qwen2:padded:long", "llama:padded:mixed", "qwen2:packed:mixed"]
+    sub = ["llama:packed:strided", "qwen2:padded:triple"]
+    out = launch(SCRIPT, *world, *sub, nproc=4, timeout=600)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-    assert [x["run"] for x in lines] == runs, out[-3000:]
-    for x in lines:
+    assert [x["run"] for x in lines] == world + sub, out[-3000:]
+    for x in lines[: len(world)]:
         assert max(x["degrees"]) >= 3 and x["largest_shard"] <= 64
         assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5
         assert x["after"] < x["before"]
     assert all(sorted(x["degrees"]) == [1, 3] for x in lines if x["run"].endswith("mixed"))
+    strided, triple = (x["groups"] for x in lines[len(world) :])
+    assert [g["ranks"] for g in strided] == [[0, 2], [1, 3]] and all(g["degrees"] == [2] for g in strided)
+    assert [(g["ranks"], sorted(g["degrees"])) for g in triple] == [([0], [1]), ([1, 2, 3], [1, 2])]
+    for g in strided + triple:
+        assert g["largest_shard"] <= 64 and g["loss_rel"] <= 1e-5 and g["grad_rel"] <= 1e-5, g
 
 
 def _tiny(attn="mmbalance_varlen", **extra):
