@@ -15,7 +15,8 @@ over ranks, must equal a one-process reference (each example alone through the s
 token-loss sum over the global count); every image and frame is encoded exactly once in the world
 (the rows of the vision tower's calls); no rank's language model embeds more than the budget.
 
-argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl, balance plain | encoder
+argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | llava (LLaVA
+has no video: a document of eight images stands in for it), balance plain | encoder
 (``apply_encoder_balance`` on the same model) | fault (one rank's batch is bad: refused on every
 rank). Rank 0 prints one JSON line per run.
 """
@@ -37,12 +38,31 @@ BUDGET = 64
 # The sizes force the schedule: the video (138 tokens) needs 3 ranks; the one-image examples of 34
 # and 26 tokens cannot both join it, so they fill the fourth rank, and the two-image example (45
 # tokens) has to join the video's group of 3, whose zigzag shards cut through its images.
-SPECS = [
+QWEN = [
     [[("video", 8, 8, 8)], ("text", 3)],
     [[(8, 8), (8, 8)]],
     [[(8, 12)], ("text", 2)],
     [[(8, 8)], ("text", 2)],
 ]
+SPECS = {
+    "qwen2_vl": QWEN,
+    "qwen2_5_vl": QWEN,
+    # Qwen3-VL puts a timestamp and its own start/end tokens around every temporal patch: 7 of
+    # them make 140 tokens, over twice the budget as well
+    "qwen3_vl": [[[("video", 7, 8, 8)], ("text", 3)], *QWEN[1:]],
+    # LLaVA: 16 tokens an image; eight in one sequence make 143 tokens
+    "llava": [[[1] * 8, ("text", 3)], [[1, 1]], [[1], ("text", 2)], [[1], ("text", 2)]],
+}
+
+
+def tower(model):
+    """The vision tower, and the rows of one stand-in item (a rank with nothing to encode)."""
+    from mmbalance.integrations.hf.models.common import core
+
+    if FAMILY == "llava":
+        return core(model).vision_tower, 1  # one image
+    visual = core(model).visual
+    return visual, int(visual.spatial_merge_size) ** 2
 
 
 def tiny(attn: str):
@@ -58,14 +78,16 @@ def examples(model) -> list[list[dict]]:
     from tests.integrations import hf_zoo
 
     out, k = [], 0
-    for rank_specs in SPECS:
+    for rank_specs in SPECS[FAMILY]:
         mine = []
         for spec in rank_specs:
             if spec and spec[0] == "text":
                 g = torch.Generator().manual_seed(100 + k)
                 ids = torch.randint(1, 90, (1, spec[1]), generator=g)
-                mine.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
-                             "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int32)})  # fmt: skip
+                text = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+                if FAMILY != "llava":
+                    text["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int32)
+                mine.append(text)
             else:
                 mine.append(hf_zoo.batch(FAMILY, model, [spec], seed=100 + k))
             k += 1
@@ -75,7 +97,6 @@ def examples(model) -> list[list[dict]]:
 
 def run_one() -> None:
     from mmbalance.integrations.hf import apply_dynamic_cp, apply_encoder_balance
-    from mmbalance.integrations.hf.models.common import core
     from tests.integrations import hf_zoo
 
     rank = dist.get_rank()
@@ -85,8 +106,9 @@ def run_one() -> None:
     data = examples(model)
     embedded, tower_rows = [], []
     model.get_input_embeddings().register_forward_hook(lambda m, i, o: embedded.append(int(i[0].numel())))
-    core(model).visual.register_forward_pre_hook(
-        lambda m, a, kw: tower_rows.append(int((a[0] if a else kw["hidden_states"]).shape[0])),
+    vision, stand_in = tower(model)
+    vision.register_forward_pre_hook(
+        lambda m, a, kw: tower_rows.append(int((a[0] if a else next(iter(kw.values()))).shape[0])),
         with_kwargs=True,
     )
     inputs = handle.shard(hf_zoo.collate(data[rank], left=rank % 2 == 1))
@@ -96,14 +118,13 @@ def run_one() -> None:
     assert max(embedded) <= BUDGET, f"rank {rank} embedded {max(embedded)} tokens, budget {BUDGET}"
     assert stats["largest_shard"] <= BUDGET, stats
     assert sorted(stats["degrees"]) == [1, 3], stats
-    assert stats["split_items"]["image"] >= 1 and stats["split_items"]["video"] >= 1, stats
+    assert stats["split_items"]["image"] >= 1 and stats["split_items"].get("video", 1) >= 1, stats
     # every image and frame encoded once in the world: one tower call per rank, real rows or a stand-in
     assert len(tower_rows) == 1, f"rank {rank}: {len(tower_rows)} vision tower calls"
-    merge = int(core(model).visual.spatial_merge_size)
     if stats["encoded_rows"]:
         assert tower_rows[0] == stats["encoded_rows"], (tower_rows, stats["encoded_rows"])
     else:
-        assert tower_rows[0] == merge * merge, f"rank {rank}: stand-in of {tower_rows[0]} rows"
+        assert tower_rows[0] == stand_in, f"rank {rank}: stand-in of {tower_rows[0]} rows"
     total = loss.detach().clone()
     dist.all_reduce(total)
     encoded = torch.tensor([stats["encoded_rows"]], dtype=torch.int64)

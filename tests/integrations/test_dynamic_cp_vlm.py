@@ -45,6 +45,22 @@ def test_vlm_step_matches_one_process_reference_on_4_ranks():
     assert lines[4]["refused"]
 
 
+@pytest.mark.distributed
+def test_qwen3_vl_and_llava_steps_match_one_process_reference_on_4_ranks():
+    """Qwen3-VL (a timestamp per temporal patch, deepstack features) and LLaVA (a document of eight
+    images in place of the video): the same checks, with and without encoder balancing."""
+    runs = ["qwen3_vl:plain", "qwen3_vl:encoder", "llava:plain", "llava:encoder"]
+    out = launch(SCRIPT, *runs, nproc=4, timeout=900)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["run"] for x in lines] == runs, out[-3000:]
+    for x in lines:
+        assert sorted(x["degrees"]) == [1, 3] and x["largest_shard"] <= 64
+        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5
+        assert x["split_items"]["image"] >= 1
+        assert x["after"] < x["before"]
+    assert all(x["split_items"]["video"] >= 1 for x in lines[:2])
+
+
 def _model(name: str, attn: str = "mmbalance_varlen", seed: int = 0):
     register_attention()
     model = hf_zoo.build(name, seed=seed)
