@@ -360,28 +360,41 @@ class CostModel:
         cost.__qualname__ = "llm_and_encoder_cost"
         return cost
 
-    def step_with_encoders(self, groups: Iterable, lengths, encoder_seconds) -> float:
-        """Modelled seconds of a step whose encoders run before the LLM phase, with one exchange
-        over every rank between them: the busiest rank's encoder share plus the slowest group's
-        time. ``groups``: CP groups (``degree`` and ``sequences``, as :func:`cp_schedule` gives
-        them), each encoding its own sequences' media spread evenly over its members;
-        ``encoder_seconds`` per sequence.
+    def step_with_encoders(
+        self, groups: Iterable, lengths, encoder_seconds, *, exchange: str = "world"
+    ) -> float:
+        """Modelled seconds of a step whose encoders run before the LLM phase. ``groups``: CP
+        groups (``degree`` and ``sequences``, as :func:`cp_schedule` gives them), each encoding its
+        own sequences' media spread evenly over its members; ``encoder_seconds`` per sequence.
+
+        ``exchange``: where the feature rows move between the phases. ``"world"``: one exchange
+        over every rank, so the step is the busiest rank's encoder share plus the slowest group's
+        LLM time. ``"group"``: each group's rows stay inside it, so each group starts its LLM phase
+        when its own members are done: the step is the slowest group's encoder share plus LLM time.
 
         >>> from types import SimpleNamespace as G
-        >>> CostModel(linear=1.0).step_with_encoders(
-        ...     [G(degree=2, sequences=[0]), G(degree=1, sequences=[1])], [4, 1], [6.0, 1.0])
+        >>> groups = [G(degree=2, sequences=[0]), G(degree=1, sequences=[1])]
+        >>> CostModel(linear=1.0).step_with_encoders(groups, [4, 1], [6.0, 1.0])
         5.0
+        >>> CostModel(linear=1.0).step_with_encoders(groups, [4, 1], [6.0, 1.0], exchange="group")
+        5.0
+        >>> CostModel(linear=1.0).step_with_encoders(groups, [4, 3], [6.0, 1.0], exchange="group")
+        5.0
+        >>> CostModel(linear=1.0).step_with_encoders(groups, [4, 3], [6.0, 1.0])
+        6.0
         """
+        if exchange not in ("world", "group"):
+            raise ValueError(f'exchange must be "world" or "group", got {exchange!r}')
         lengths = as_lengths(lengths)
         enc = np.asarray(encoder_seconds, dtype=np.float64).reshape(-1)
         if enc.shape != lengths.shape:
             raise ValueError(f"encoder_seconds has {enc.size} entries for {lengths.size} sequences")
-        encode = llm = 0.0
+        encode = llm = step = 0.0
         for g in groups:
             members = np.asarray(g.sequences, dtype=np.int64)
-            encode = max(encode, float(enc[members].sum()) / g.degree)
-            llm = max(llm, self.time(lengths[members], g.degree))
-        return encode + llm
+            e, t = float(enc[members].sum()) / g.degree, self.time(lengths[members], g.degree)
+            encode, llm, step = max(encode, e), max(llm, t), max(step, e + t)
+        return encode + llm if exchange == "world" else step
 
     def error(self, measurements: Iterable) -> FitReport:
         """The model's relative error on other measurements (a held-out check of a fit)."""

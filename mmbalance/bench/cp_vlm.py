@@ -28,10 +28,10 @@ hidden 1280, MLP 5120, full attention inside the item) at the same FLOP rate. Sc
   media's encoder time plus its LLM time.
 * ``mmbalance``: what ``apply_dynamic_cp`` does without encoder balancing: of the two plans of
   :func:`~mmbalance.balancing.cp_schedule`, under :meth:`CostModel.with_encoder` and under the LLM
-  cost alone, the faster by :meth:`CostModel.step_with_encoders`; each group's items dealt to its
-  members. The feature move between the phases is one all-to-all over the world, so the step is
-  the busiest rank's encoder time *plus* the slowest group's LLM time (no overlap across groups:
-  the model charges ours for the barrier).
+  cost alone, the faster by :meth:`CostModel.step_with_encoders` (``exchange="group"``); each
+  group's items dealt to its members. The feature rows move inside each group, so, as for the
+  static schemes, a group takes its busiest member's encoder time plus its LLM time and the step
+  its slowest group.
 * ``mmbalance_eb``: with ``apply_encoder_balance`` on the same model: ``cp_schedule`` on the LLM
   cost alone, every item dealt over the whole world longest first; busiest rank's encoder time
   plus the slowest group's LLM time.
@@ -212,18 +212,23 @@ def time_step(
             other = cp_schedule(
                 lengths, world, memory_per_rank, llm.with_encoder(enc_seq), ranks_per_node=rpn
             )
-            plan = min((other, plan), key=lambda p: llm.step_with_encoders(p, lengths, enc_seq))
+            plan = min(
+                (other, plan), key=lambda p: llm.step_with_encoders(p, lengths, enc_seq, exchange="group")
+            )
         group_of = plan.group_of(lengths.size)
         degree = np.array([g.degree for g in plan], dtype=np.int64)
         sched = cp_schemes.Schedule(scheme, (cp_schemes.Round(degree, group_of),))
         cp_schemes.check_schedule(sched, lengths, world, memory_per_rank)
         group_items = np.bincount(group_of, weights=items, minlength=degree.size).astype(np.int64)
-        if eb:  # every item dealt over the whole world
+        llm_g = cp_schemes.group_times(llm, lengths, sched.rounds[0])
+        shard = cp_schemes.largest_shard(sched, lengths)
+        if eb:  # every item dealt over the whole world; one exchange over the world between the phases
             enc_t = busiest(int(items.sum()), world) * item_s
-        else:  # each group's items over its own ranks
-            enc_t = max((busiest(n, d) for n, d in zip(group_items, degree)), default=0) * item_s
-        llm_t = float(cp_schemes.group_times(llm, lengths, sched.rounds[0]).max(initial=0.0))
-        return StepTime(enc_t + llm_t, enc_t, llm_t, cp_schemes.largest_shard(sched, lengths))
+            llm_t = float(llm_g.max(initial=0.0))
+            return StepTime(enc_t + llm_t, enc_t, llm_t, shard)
+        # each group's items over its own ranks, the rows kept inside the group
+        enc_g = np.array([busiest(n, d) for n, d in zip(group_items.tolist(), degree.tolist())]) * item_s
+        return _slowest_group(enc_g, llm_g, shard)
     c = int(scheme.rsplit("cp", 1)[1])
     need = max(longest, int(lengths.max(initial=0)))
     if c * memory_per_rank < need:
@@ -240,12 +245,19 @@ def time_step(
         enc_g = group_items * item_s
     else:
         enc_g = np.array([busiest(n, c) for n in group_items.tolist()], dtype=np.float64) * item_s
-    llm_g = cp_schemes.group_times(llm, lengths, rnd)
+    return _slowest_group(
+        enc_g, cp_schemes.group_times(llm, lengths, rnd), cp_schemes.largest_shard(sched, lengths)
+    )
+
+
+def _slowest_group(enc_g: np.ndarray, llm_g: np.ndarray, shard: int) -> StepTime:
+    """A step whose groups run their encoder and LLM phases without waiting for each other: the
+    slowest group's time and parts."""
+    if not enc_g.size:
+        return StepTime(0.0, 0.0, 0.0, shard)
     total = enc_g + llm_g
     k = int(np.argmax(total))
-    return StepTime(
-        float(total[k]), float(enc_g[k]), float(llm_g[k]), cp_schemes.largest_shard(sched, lengths)
-    )
+    return StepTime(float(total[k]), float(enc_g[k]), float(llm_g[k]), shard)
 
 
 @dataclasses.dataclass

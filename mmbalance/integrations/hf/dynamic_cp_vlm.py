@@ -30,7 +30,9 @@ One step, on every rank (every decision from gathered facts, so identical everyw
    tokens: OrchMLLM's rearrangement composition (``plan_LLM o plan_encoder^-1``, section 6), so no
    feature returns to its source first. An item whose placeholder tokens straddle two shards is
    cut at the boundary. Backward sends the features' gradients back along the same move (one
-   all-to-all) to the rank that encoded them.
+   all-to-all) to the rank that encoded them. Without encoder balancing the feature rows never
+   leave their CP group, so they move over the group's own process group (none for a group of
+   one): a group starts its LLM phase when its members have encoded, not when the whole world has.
 5. The shard's keywords give the features through the model's own hook (``mm_encoder_outputs``,
    in the order of the shard's placeholder tokens) and ``position_ids`` ``[4, 1, T]`` (each
    token's position in its own sequence, then the three M-RoPE rows: the layout the Qwen text

@@ -49,13 +49,26 @@ IGNORE = -100
 
 # ---------------------------------------------------------------------------------------- moves
 class _Comm:
-    """The step's collectives over the handle's group, or their one-process identities."""
+    """The step's collectives over a process group (the handle's, or a CP group's), or their
+    one-process identities (``None``: one rank, or a rank whose CP group is itself)."""
 
     def __init__(self, own):
         self.own = own
         self.rank = dist.get_rank(own) if own is not None else 0
         self.world = dist.get_world_size(own) if own is not None else 1
         self.device = comm_device(own) if own is not None else torch.device("cpu")
+
+    def within(self, layout, groups: dict) -> tuple[_Comm, np.ndarray]:
+        """The communicator of this rank's CP group, and the group's ranks (in the handle's
+        numbering; empty for a rank in no group): the feature move stays inside the group, so a
+        group starts its LLM phase when its own members have encoded, not when the whole world has."""
+        if self.own is None:
+            return self, np.zeros(1, dtype=np.int64)
+        gi = int(layout.group_of_rank[self.rank])
+        if gi < 0:
+            return _Comm(None), np.zeros(0, dtype=np.int64)
+        ranks = np.asarray(layout.schedule[gi].ranks, dtype=np.int64)
+        return (_Comm(groups[gi]) if ranks.size > 1 else _Comm(None)), ranks
 
     def move(self, tensors: list[Tensor], lengths: np.ndarray, plan: Plan) -> list[Tensor]:
         """``rebalance`` of ``tensors`` (this rank's examples of ``lengths`` rows) along ``plan``."""
@@ -119,11 +132,12 @@ class _Media:
     encoders: dict[str, dict]
 
 
-def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: GatheredStep, layout, seconds, eh,
-           comm: _Comm) -> _Media:  # fmt: skip
+def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: GatheredStep, layout, groups, seconds,
+           eh, comm: _Comm) -> _Media:  # fmt: skip
     """Encode every item once and send its feature rows to the shards of its placeholders."""
     model = handle.model
     rank, world = comm.rank, comm.world
+    inner, members = comm.within(layout, groups)
     device = model_device(model)
     streams = family.streams(model)
     piece_seq, piece_off = piece_coords(step.lengths, layout.piece_len)
@@ -167,14 +181,28 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
         seg = feature_segments(
             step, k, runs, piece_seq, piece_off, layout.piece_len, layout.piece_dst, enc, slot
         )
-        feat_plan = Plan.from_destinations(seg["len"], seg["dst"], world, seg["src"])
         mine = seg["src"] == rank
         if int(seg["len"][mine].sum()) != int(outputs[0].shape[0]):
             raise AssertionError("the encoder outputs do not match the feature move")  # a planner bug
-        received = comm.move(outputs, seg["len"][mine], feat_plan)
+        if eh is not None:  # items were dealt over the world: the rows move over the world
+            feat_plan = Plan.from_destinations(seg["len"], seg["dst"], world, seg["src"])
+            received = comm.move(outputs, seg["len"][mine], feat_plan)
+            got_seg = feat_plan.recv_order(rank)
+        else:  # encoded inside the group: the rows move inside it
+            local_of = np.full(world, -1, dtype=np.int64)
+            local_of[members] = np.arange(members.size)
+            ours = np.flatnonzero(np.isin(seg["src"], members))
+            if (local_of[seg["dst"][ours]] < 0).any():
+                raise AssertionError("a feature row leaves its CP group")  # a planner bug
+            feat_plan = Plan.from_destinations(
+                seg["len"][ours], local_of[seg["dst"][ours]], max(members.size, 1), local_of[seg["src"][ours]]
+            )
+            if inner.own is not None and inner.rank != int(local_of[rank]):
+                raise AssertionError("a CP group's process group numbers its ranks out of order")
+            received = inner.move(outputs, seg["len"][mine], feat_plan)
+            got_seg = ours[feat_plan.recv_order(inner.rank)] if members.size else ours
         res.links.extend(received)
         # the rows of every stream, in the order of the shard's placeholders
-        got_seg = feat_plan.recv_order(rank)
         starts = np.concatenate([[0], np.cumsum(seg["len"][got_seg])]).astype(np.int64)
         for st in np.unique(step.stream[k]).tolist():
             sel = np.flatnonzero(seg["stream"][got_seg] == st)
@@ -221,9 +249,9 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     cost = handle.cost
     costs = [cost]
     if enc_seq.any() and eh is None and handle.encoder_cost is not None and isinstance(cost, CostModel):
-        # the step pays the busiest rank's encoder share plus the slowest group's LLM time (the
-        # feature move between the phases is one all-to-all over the world): of the plans with the
-        # encoder phase in each group's cost and on the LLM cost alone, the faster under that sum
+        # each group encodes its own media and keeps the feature rows inside it, so a group's time
+        # is its members' encoder share plus its LLM time: of the plans with the encoder phase in
+        # each group's cost and on the LLM cost alone, the faster under that sum
         costs = [cost.with_encoder(enc_seq), cost]
     layouts = [
         plan_layout(lengths, step.seq_src, world, handle.max_tokens_per_rank, c, handle.context_parallel)
@@ -231,7 +259,9 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     ]
     layout = layouts[0]
     if len(layouts) > 1:
-        layout = min(layouts, key=lambda lay: cost.step_with_encoders(lay.schedule, lengths, enc_seq))
+        layout = min(
+            layouts, key=lambda lay: cost.step_with_encoders(lay.schedule, lengths, enc_seq, exchange="group")
+        )
         layout = dataclasses.replace(layout, plan_s=sum(lay.plan_s for lay in layouts))
     groups = handle.ring_groups(layout) if handle.own is not None else {}
 
@@ -245,7 +275,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     out = comm.move([torch.stack(cols, dim=1)], layout.piece_len[layout.piece_src == rank], plan)[0].cpu()
 
     # ---- the media, then the shard
-    media = _media(handle, family, adapters, local, step, layout, seconds, eh, comm)
+    media = _media(handle, family, adapters, local, step, layout, groups, seconds, eh, comm)
     mm = media.mm
     shard = shard_of(layout, lengths, rank, groups, int(out.shape[0]))
     if shard is None:
