@@ -227,8 +227,8 @@ def time_step(
             llm_t = float(llm_g.max(initial=0.0))
             return StepTime(enc_t + llm_t, enc_t, llm_t, shard)
         # each group's items over its own ranks, the rows kept inside the group
-        enc_g = np.array([busiest(n, d) for n, d in zip(group_items.tolist(), degree.tolist())]) * item_s
-        return _slowest_group(enc_g, llm_g, shard)
+        group_enc = np.array([busiest(n, d) for n, d in zip(group_items.tolist(), degree.tolist())]) * item_s
+        return _slowest_group(group_enc, llm_g, shard)
     c = int(scheme.rsplit("cp", 1)[1])
     need = max(longest, int(lengths.max(initial=0)))
     if c * memory_per_rank < need:
