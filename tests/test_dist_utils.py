@@ -89,3 +89,18 @@ def test_exit_codes_are_right_when_threads_start_and_poll_processes_at_once():
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
         codes = [c for group_codes in pool.map(group, naps) for c in group_codes]
     assert codes == [0] * len(codes), sorted(set(codes))
+
+
+def test_settle_waits_for_processes_that_are_just_exiting():
+    """A process's sentinel is ready when it closes its files, a moment before it can be reaped;
+    ``settle`` must not take such a process for hung (a non-blocking poll right after the sentinel
+    found about one process in six still running here)."""
+    import multiprocessing as mp
+
+    from mmbalance.bench.harness import exit_code, settle, start_processes
+
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=os.getpid, daemon=True) for _ in range(60)]
+    start_processes(procs)
+    assert settle(procs, 60.0) == set()
+    assert [exit_code(p) for p in procs] == [0] * len(procs)

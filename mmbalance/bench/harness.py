@@ -385,13 +385,15 @@ def settle(procs, grace: float) -> set[int]:
     deadline = time.monotonic() + grace
     hung = set()
     for r, p in enumerate(procs):
-        # wait on the sentinel, then poll under the lock (``join`` would poll outside it)
-        wait([p.sentinel], timeout=max(0.1, deadline - time.monotonic()))
-        if exit_code(p) is None:
+        # wait on the sentinel outside the lock; then ``join`` under it. The sentinel is ready when
+        # the process has closed its files, a moment before it can be reaped: ``join`` then waits
+        # for that moment (a non-blocking poll could still find it running)
+        if not wait([p.sentinel], timeout=max(0.1, deadline - time.monotonic())):
             hung.add(r)
             p.kill()
             wait([p.sentinel], timeout=5)
-            exit_code(p)
+        with _CHILDREN:
+            p.join(timeout=5)
     return hung
 
 
