@@ -18,7 +18,10 @@ token-loss sum over the global count); every image and frame is encoded exactly 
 argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | llava (LLaVA
 has no video: a document of eight images stands in for it), balance plain | encoder
 (``apply_encoder_balance`` on the same model) | fault (one rank's batch is bad: refused on every
-rank). Rank 0 prints one JSON line per run.
+rank) | stream (``handle.batches`` over each rank's own loader of a different length, as a stream's
+slices give them: a rank whose loader has ended takes part with empty batches; loss and gradients,
+summed over the steps and ranks, against each step's examples alone over that step's count; every
+drawn sequence counted once). Rank 0 prints one JSON line per run.
 """
 
 from __future__ import annotations
@@ -203,6 +206,72 @@ def run_fault() -> None:
     dist.barrier()
 
 
+# stream: per rank, its loader's batches, each a list of examples (hf_zoo specs); step 0 holds the
+# video over twice the budget, ranks 1 and 3 run out of data early
+STREAM = [
+    [[[("video", 8, 8, 8)]], [[(4, 4)], []], [[(8, 8)]]],
+    [[[(8, 8), (8, 8)]]],
+    [[[(8, 12)], []], [[(4, 8)]], [[]]],
+    [],
+]
+
+
+def run_stream() -> None:
+    from mmbalance.integrations.hf import apply_dynamic_cp
+    from tests.integrations import hf_zoo
+
+    rank = dist.get_rank()
+    model = tiny("mmbalance_varlen")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
+    mine = [
+        [hf_zoo.batch(FAMILY, model, [spec], seed=1000 + 100 * rank + 10 * j + i) for i, spec in enumerate(b)]
+        for j, b in enumerate(STREAM[rank])
+    ]
+    total, degrees = torch.zeros(()), []
+    for kw in handle.batches([hf_zoo.collate(b, left=rank % 2 == 1) for b in mine]):
+        loss = model(**kw).loss
+        loss.backward()
+        total += loss.detach()
+        degrees.append(max(handle.stats["degrees"]))
+        assert handle.stats["largest_shard"] <= BUDGET, handle.stats
+    drawn = handle.stats["drawn"]
+    assert drawn == sum(len(b) for b in STREAM[rank]), (rank, drawn)
+    dist.all_reduce(total)
+    grads = {
+        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+    }
+    for g in grads.values():
+        dist.all_reduce(g)
+    if rank == 0:
+        ref = tiny("eager")
+        ref_total = torch.zeros(())
+        for step in range(max(map(len, STREAM))):
+            flat = [
+                hf_zoo.batch(FAMILY, ref, [spec], seed=1000 + 100 * r + 10 * step + i)
+                for r in range(len(STREAM))
+                if step < len(STREAM[r])
+                for i, spec in enumerate(STREAM[r][step])
+            ]
+            count = sum(int((b["labels"][0, 1:] != -100).sum()) for b in flat)
+            for b in flat:
+                out = ref(**b, num_items_in_batch=count)
+                out.loss.backward()
+                ref_total += out.loss.detach()
+        rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
+        norms = {n: float(p.grad.norm()) for n, p in ref.named_parameters() if p.grad is not None}
+        floor = 1e-5 * max(norms.values())
+        worst = max(
+            float((grads[n] - (p.grad if p.grad is not None else torch.zeros_like(p))).norm())
+            / max(norms.get(n, 0.0), floor)
+            for n, p in ref.named_parameters()
+        )
+        print(json.dumps({"run": f"{FAMILY}:stream", "steps": len(degrees), "degrees": degrees, "loss_rel": rel,
+                          "grad_rel": worst}))  # fmt: skip
+    handle.remove()
+    dist.barrier()
+
+
 def main() -> None:
     global FAMILY, BALANCE
     from mmbalance.integrations.hf import register_attention
@@ -211,7 +280,7 @@ def main() -> None:
     register_attention()
     for spec in sys.argv[1:]:
         FAMILY, BALANCE = spec.split(":")
-        run_fault() if BALANCE == "fault" else run_one()
+        {"fault": run_fault, "stream": run_stream}.get(BALANCE, run_one)()
     dist.destroy_process_group()
 
 

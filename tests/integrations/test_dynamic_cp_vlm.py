@@ -34,6 +34,7 @@ SCRIPT = REPO / "tests" / "integrations" / "cp_vlm_loop.py"
 @pytest.mark.distributed
 def test_vlm_step_matches_one_process_reference_on_4_ranks():
     runs = ["qwen2_vl:plain", "qwen2_vl:encoder", "qwen2_5_vl:plain", "qwen2_5_vl:encoder", "qwen2_vl:fault"]
+    runs.append("qwen2_vl:stream")  # handle.batches over loaders of different lengths
     out = launch(SCRIPT, *runs, nproc=4, timeout=900)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [x["run"] for x in lines] == runs, out[-3000:]
@@ -43,6 +44,9 @@ def test_vlm_step_matches_one_process_reference_on_4_ranks():
         assert x["split_items"]["image"] >= 1 and x["split_items"]["video"] >= 1
         assert x["after"] < x["before"]
     assert lines[4]["refused"]
+    stream = lines[5]
+    assert stream["steps"] == 3 and stream["degrees"][0] == 3, stream  # the video split over 3 ranks
+    assert stream["loss_rel"] <= 1e-5 and stream["grad_rel"] <= 1e-5, stream
 
 
 @pytest.mark.distributed
