@@ -366,6 +366,17 @@ def tp_module_faults(rank: int, world: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------- dead and departed
+def _level() -> None:
+    """Wait, with a generous timeout, until every rank has done its local work. The lost-rank groups
+    time out after a few seconds, and a rank that is still importing or building a model when its
+    peers already call a collective (several groups share two cores) must not look lost."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.monitored_barrier(timeout=timedelta(seconds=120), wait_all_ranks=True)
+
+
 def lost_rank(rank: int, world: int, entry: str, how: str, linger: float) -> dict:
     """Set ``entry`` up on every rank, then the faulty rank dies or leaves and the others call it."""
     from mmbalance.balancing import PhaseSpec, post_balance
@@ -379,6 +390,7 @@ def lost_rank(rank: int, world: int, entry: str, how: str, linger: float) -> dic
         ring_attention,
     )
 
+    _level()
     if entry == "gather_lengths":
         call = lambda: gather_lengths([1, 2, 3])  # noqa: E731
     elif entry == "rebalance":
@@ -407,6 +419,7 @@ def lost_rank(rank: int, world: int, entry: str, how: str, linger: float) -> dic
         from tests.integrations import hf_zoo as Z
 
         model = Z.build("qwen2_vl", seed=1)
+        _level()
         apply_encoder_balance(model)
         batch = Z.batch("qwen2_vl", model, [[(4, 4)]], seed=rank)
         call = lambda: model(**batch).loss  # noqa: E731
