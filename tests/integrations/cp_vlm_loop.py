@@ -98,6 +98,32 @@ def examples(model) -> list[list[dict]]:
     return out
 
 
+def summed_grads(model) -> dict:
+    """Every parameter's gradient summed over the ranks (zeros where a rank has none)."""
+    grads = {
+        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+    }
+    for g in grads.values():
+        dist.all_reduce(g)
+    return grads
+
+
+def worst_grad(grads: dict, ref) -> tuple[float, str]:
+    """The largest relative error of ``grads`` against the reference model's gradients, and where.
+    Tensors whose gradient is zero up to rounding (key biases: softmax ignores them) are compared
+    against a floor of 1e-5 of the largest gradient norm."""
+    norms = {n: float(p.grad.norm()) for n, p in ref.named_parameters() if p.grad is not None}
+    floor = 1e-5 * max(norms.values())
+    worst, where = 0.0, ""
+    for n, p in ref.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        diff = float((grads[n] - want).norm()) / max(float(want.norm()), floor)
+        if diff > worst:
+            worst, where = diff, n
+    return worst, where
+
+
 def run_one() -> None:
     from mmbalance.integrations.hf import apply_dynamic_cp, apply_encoder_balance
     from tests.integrations import hf_zoo
@@ -132,12 +158,7 @@ def run_one() -> None:
     dist.all_reduce(total)
     encoded = torch.tensor([stats["encoded_rows"]], dtype=torch.int64)
     dist.all_reduce(encoded)
-    grads = {
-        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        for n, p in model.named_parameters()
-    }
-    for g in grads.values():
-        dist.all_reduce(g)
+    grads = summed_grads(model)
     if rank == 0:
         flat = [b for mine in data for b in mine]
         rows = sum(
@@ -154,16 +175,7 @@ def run_one() -> None:
             ref_total += out.loss.detach()
         rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
         assert rel <= 1e-5, f"loss {float(total)} vs reference {float(ref_total)} (rel {rel:.2e})"
-        # tensors whose gradient is zero up to rounding (key biases: softmax ignores them) are
-        # compared against a floor of 1e-5 of the largest gradient norm
-        norms = {n: float(p.grad.norm()) for n, p in ref.named_parameters() if p.grad is not None}
-        floor = 1e-5 * max(norms.values())
-        worst, where = 0.0, ""
-        for n, p in ref.named_parameters():
-            want = p.grad if p.grad is not None else torch.zeros_like(p)
-            diff = float((grads[n] - want).norm()) / max(float(want.norm()), floor)
-            if diff > worst:
-                worst, where = diff, n
+        worst, where = worst_grad(grads, ref)
         assert worst <= 1e-5, f"gradient of {where}: relative error {worst:.2e}"
         print(json.dumps({"run": f"{FAMILY}:{BALANCE}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"],
                           "loss_rel": rel, "grad_rel": worst, "split_items": stats["split_items"],
@@ -237,12 +249,7 @@ def run_stream() -> None:
     drawn = handle.stats["drawn"]
     assert drawn == sum(len(b) for b in STREAM[rank]), (rank, drawn)
     dist.all_reduce(total)
-    grads = {
-        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        for n, p in model.named_parameters()
-    }
-    for g in grads.values():
-        dist.all_reduce(g)
+    grads = summed_grads(model)
     if rank == 0:
         ref = tiny("eager")
         ref_total = torch.zeros(())
@@ -259,13 +266,7 @@ def run_stream() -> None:
                 out.loss.backward()
                 ref_total += out.loss.detach()
         rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
-        norms = {n: float(p.grad.norm()) for n, p in ref.named_parameters() if p.grad is not None}
-        floor = 1e-5 * max(norms.values())
-        worst = max(
-            float((grads[n] - (p.grad if p.grad is not None else torch.zeros_like(p))).norm())
-            / max(norms.get(n, 0.0), floor)
-            for n, p in ref.named_parameters()
-        )
+        worst, _ = worst_grad(grads, ref)
         print(json.dumps({"run": f"{FAMILY}:stream", "steps": len(degrees), "degrees": degrees, "loss_rel": rel,
                           "grad_rel": worst}))  # fmt: skip
     handle.remove()
