@@ -147,7 +147,9 @@ def run_one() -> None:
     assert max(embedded) <= BUDGET, f"rank {rank} embedded {max(embedded)} tokens, budget {BUDGET}"
     assert stats["largest_shard"] <= BUDGET, stats
     assert sorted(stats["degrees"]) == [1, 3], stats
-    assert stats["split_items"]["image"] >= 1 and stats["split_items"].get("video", 1) >= 1, stats
+    assert stats["split_items"]["image"] >= 1, stats
+    if FAMILY != "llava":  # LLaVA has no video stream
+        assert stats["split_items"]["video"] >= 1, stats
     # every image and frame encoded once in the world: one tower call per rank, real rows or a stand-in
     assert len(tower_rows) == 1, f"rank {rank}: {len(tower_rows)} vision tower calls"
     if stats["encoded_rows"]:
