@@ -29,6 +29,7 @@ struct Acc {
   double t = 0.0;
   double s1 = 0.0;
   double s2 = 0.0;
+  double se = 0.0;  // sum of the sequences' extra seconds (CpModel::extra), spread over the degree
   int64_t tokens = 0;
   Index count = 0;
 };
@@ -130,27 +131,34 @@ std::vector<Index> threshold_degrees(Index g, Index num_ranks, const Index* dmin
   return degree;
 }
 
-// The closed form: CpCost of a group's sums.
+// The closed form: CpCost of a group's sums, plus, when `extra` is set, each sequence's extra
+// seconds spread evenly over the group's ranks (a VLM group's members encoding its media): a group
+// of degree d takes cost.time(...) + sum(extra) / d, a term of the form of the linear one.
 struct CpModel {
   const int64_t* len;
   Index n;
   Index num_ranks;
   int64_t mem;
   CpCost cost;
+  const double* extra = nullptr;  // [n] or null
 
-  double time(const Acc& a, Index d) const { return cost.time(a.s1, a.s2, a.count, d); }
+  double extra_of(Index i) const { return extra ? extra[i] : 0.0; }
+  double time(const Acc& a, Index d) const {
+    return cost.time(a.s1, a.s2, a.count, d) + (a.count ? a.se / static_cast<double>(d) : 0.0);
+  }
   double alone(Index i, Index d) const {
     const double x = static_cast<double>(len[i]);
-    return cost.time(x, x * x, 1, d);
+    return cost.time(x, x * x, 1, d) + extra_of(i) / static_cast<double>(d);
   }
   double after(const Acc& a, Index i, Index d) const {
     const double x = static_cast<double>(len[i]);
-    return cost.time(a.s1 + x, a.s2 + x * x, a.count + 1, d);
+    return cost.time(a.s1 + x, a.s2 + x * x, a.count + 1, d) + (a.se + extra_of(i)) / static_cast<double>(d);
   }
   void add(Acc& a, Index i, Index d) const {
     const double x = static_cast<double>(len[i]);
     a.s1 += x;
     a.s2 += x * x;
+    a.se += extra_of(i);
     a.tokens += len[i];
     ++a.count;
     a.t = time(a, d);
@@ -168,7 +176,7 @@ struct CpModel {
     const double x = static_cast<double>(len[i]), dd = static_cast<double>(d);
     const double attn = reg == 0 || !cost.overlap ? cost.attn * x * x : 0.0;
     const double ring = reg == 1 || !cost.overlap ? cost.ring * x * (dd - 1.0) : 0.0;
-    return (cost.linear * x + attn + ring) / dd;
+    return (cost.linear * x + attn + ring + extra_of(i)) / dd;
   }
   // No group of time t can beat `best` (the margin covers rounding of the bound above).
   static bool beyond(double t, double inc, double best) { return (t + inc) * (1.0 - 1e-12) > best; }
@@ -202,6 +210,7 @@ struct CpModel {
       const double x = static_cast<double>(len[i]);
       a.s1 += x;
       a.s2 += x * x;
+      a.se += extra_of(i);
       a.tokens += len[i];
       ++a.count;
     }
@@ -235,8 +244,14 @@ struct CpModel {
     for (size_t k = 0; k < out.size(); ++k) out[k] = time(acc[k], degree[k]);
     return out;
   }
-  // Static degree c with every sequence alone: the longest is the slowest (time grows with l).
-  double static_alone(Index c, Index longest) const { return alone(longest, c); }
+  // Static degree c with every sequence alone: the longest is the slowest (time grows with l)
+  // unless extra seconds make a shorter one slower.
+  double static_alone(Index c, Index longest) const {
+    if (!extra) return alone(longest, c);
+    double worst = 0.0;
+    for (Index i = 0; i < n; ++i) worst = std::max(worst, alone(i, c));
+    return worst;
+  }
   // The sums of all sequences, for static_bound.
   Acc totals() const {
     Acc a;
@@ -244,6 +259,7 @@ struct CpModel {
       const double x = static_cast<double>(len[i]);
       a.s1 += x;
       a.s2 += x * x;
+      a.se += extra_of(i);
     }
     return a;
   }
@@ -255,16 +271,16 @@ struct CpModel {
     const double dd = static_cast<double>(c);
     const double a = cost.attn * all.s2 / dd;
     const double r = c > 1 ? cost.ring * all.s1 * (dd - 1.0) / dd : 0.0;
-    const double work = cost.linear * all.s1 / dd + (cost.overlap ? std::max(a, r) : a + r);
+    const double work = (cost.linear * all.s1 + all.se) / dd + (cost.overlap ? std::max(a, r) : a + r);
     return std::max(alone(longest, c), work / static_cast<double>(num_ranks / c));
   }
-  // max(the longest sequence alone on its best degree, (linear * S1 + attention * S2) / N):
-  // every group of degree d and time T does at least d * T >= its linear + attention work.
+  // max(the longest sequence alone on its best degree, (linear * S1 + attention * S2 + extra) / N):
+  // every group of degree d and time T does at least d * T >= its linear, attention and extra work.
   double lower_bound(Index longest) const {
     double work = 0.0;
     for (Index i = 0; i < n; ++i) {
       const double x = static_cast<double>(len[i]);
-      work += cost.linear * x + cost.attn * x * x;
+      work += cost.linear * x + cost.attn * x * x + extra_of(i);
     }
     Acc a;
     add(a, longest, 1);

@@ -529,8 +529,8 @@ void layout_ranks(const std::vector<Index>& degree, Index num_ranks, Index ranks
 }
 
 CpResult cp_schedule(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
-                     Index ranks_per_node, Index max_rounds) {
-  return schedule(CpModel{lengths, n, num_ranks, mem, cost}, ranks_per_node, max_rounds);
+                     Index ranks_per_node, Index max_rounds, const double* extra) {
+  return schedule(CpModel{lengths, n, num_ranks, mem, cost, extra}, ranks_per_node, max_rounds);
 }
 
 CpResult cp_schedule_table(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const double* cost,
@@ -539,8 +539,8 @@ CpResult cp_schedule_table(const int64_t* lengths, Index n, Index num_ranks, int
 }
 
 std::vector<Index> cp_static_groups(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
-                                    Index degree, double* makespan) {
-  const CpModel m{lengths, n, num_ranks, mem, cost};
+                                    Index degree, double* makespan, const double* extra) {
+  const CpModel m{lengths, n, num_ranks, mem, cost, extra};
   std::vector<Index> group_of(n);
   std::vector<Acc> acc;
   if (!greedy_assign(m, order_by_length_desc(lengths, n), std::vector<Index>(num_ranks / degree, degree), group_of,

@@ -71,19 +71,21 @@ std::vector<Index> paper_dp_degrees(const double* table, Index g, Index num_rank
                                     double* makespan);
 
 // The full scheduler: candidates (paper, every static uniform degree, locally improved) under
-// `cost`; the best is returned with ranks laid out (node-aware if ranks_per_node > 0).
+// `cost`; the best is returned with ranks laid out (node-aware if ranks_per_node > 0). `extra`
+// ([n] or null): each sequence's further seconds, spread over its group's ranks (a group of degree
+// d adds the sum of its sequences' extra over d: their media encoded by the group's members).
 CpResult cp_schedule(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
-                     Index ranks_per_node, Index max_rounds);
+                     Index ranks_per_node, Index max_rounds, const double* extra = nullptr);
 
 // The same scheduler on a table of per-sequence times, cost[i * num_ranks + d - 1] = sequence i
 // alone on d ranks (a group takes the sum over its sequences: a vectorized user cost).
 CpResult cp_schedule_table(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const double* cost,
                            Index ranks_per_node, Index max_rounds);
 
-// The greedy grouping of one static degree under the closed-form cost (empty if a sequence fits
-// nowhere); its makespan in *makespan.
+// The greedy grouping of one static degree under the closed-form cost (and `extra`, as in
+// cp_schedule; empty if a sequence fits nowhere); its makespan in *makespan.
 std::vector<Index> cp_static_groups(const int64_t* lengths, Index n, Index num_ranks, int64_t mem, const CpCost& cost,
-                                    Index degree, double* makespan);
+                                    Index degree, double* makespan, const double* extra = nullptr);
 
 // Ranks of groups with the given degrees: contiguous, and inside one node when a group fits one.
 void layout_ranks(const std::vector<Index>& degree, Index num_ranks, Index ranks_per_node,

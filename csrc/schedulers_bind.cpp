@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -37,6 +38,16 @@ F64 to_f64(const std::vector<double>& v) {
 
 void need_1d(const py::array& a, const char* name) {
   if (a.ndim() != 1) throw std::invalid_argument(std::string(name) + " must be 1-D");
+}
+
+// The per-sequence extra seconds of the CP planners: null, or [n] finite and >= 0.
+const double* checked_extra(const std::optional<F64>& extra, Index n) {
+  if (!extra) return nullptr;
+  if (extra->ndim() != 1 || extra->shape(0) != n) throw std::invalid_argument("extra must be [len(lengths)]");
+  for (Index i = 0; i < n; ++i)
+    if (!(extra->data()[i] >= 0.0) || !std::isfinite(extra->data()[i]))
+      throw std::invalid_argument("extra must be finite and >= 0");
+  return extra->data();
 }
 
 // [l, p] times of a pipeline, forward and backward of the same shape.
@@ -81,20 +92,24 @@ void bind_planners(py::module_& m) {
   m.def(
       "cp_schedule",
       [](const I64& lengths, Index num_ranks, int64_t mem, double linear, double attn, double ring,
-         double ring_latency, double fixed, bool overlap, Index ranks_per_node, Index max_rounds) {
+         double ring_latency, double fixed, bool overlap, Index ranks_per_node, Index max_rounds,
+         const std::optional<F64>& extra) {
         need_1d(lengths, "lengths");
         if (num_ranks < 1 || mem < 1) throw std::invalid_argument("num_ranks and memory_per_rank must be >= 1");
+        const double* ex = checked_extra(extra, lengths.shape(0));
         CpCost cost{linear, attn, ring, ring_latency, fixed, overlap};
         CpResult r;
         {
           py::gil_scoped_release nogil;
-          r = mmb::cp_schedule(lengths.data(), lengths.shape(0), num_ranks, mem, cost, ranks_per_node, max_rounds);
+          r = mmb::cp_schedule(lengths.data(), lengths.shape(0), num_ranks, mem, cost, ranks_per_node, max_rounds, ex);
         }
         return cp_result(r);
       },
       py::arg("lengths"), py::arg("num_ranks"), py::arg("memory_per_rank"), py::arg("linear"), py::arg("attn"),
       py::arg("ring"), py::arg("ring_latency"), py::arg("fixed"), py::arg("overlap"), py::arg("ranks_per_node"),
-      py::arg("max_rounds"), "Dynamic CP groups under the built-in cost model (DHP section 4.3 and better).");
+      py::arg("max_rounds"), py::arg("extra") = py::none(),
+      "Dynamic CP groups under the built-in cost model (DHP section 4.3 and better); `extra`: each "
+      "sequence's further seconds, spread over its group's ranks.");
 
   m.def(
       "cp_schedule_table",
@@ -122,11 +137,12 @@ void bind_planners(py::module_& m) {
   m.def(
       "cp_static_groups",
       [](const I64& lengths, Index num_ranks, int64_t mem, double linear, double attn, double ring, double ring_latency,
-         double fixed, bool overlap, const I64& degrees) {
+         double fixed, bool overlap, const I64& degrees, const std::optional<F64>& extra) {
         need_1d(lengths, "lengths");
         need_1d(degrees, "degrees");
         if (num_ranks < 1 || mem < 1) throw std::invalid_argument("num_ranks and memory_per_rank must be >= 1");
         const Index n = lengths.shape(0), k = degrees.shape(0);
+        const double* ex = checked_extra(extra, n);
         for (Index j = 0; j < k; ++j)
           if (degrees.data()[j] < 1 || degrees.data()[j] > num_ranks)
             throw std::invalid_argument("degrees out of range");
@@ -139,7 +155,7 @@ void bind_planners(py::module_& m) {
           py::gil_scoped_release nogil;
           for (Index j = 0; j < k; ++j) {
             out_ms[j] = -1.0;
-            auto g = cp_static_groups(lengths.data(), n, num_ranks, mem, cost, degrees.data()[j], out_ms + j);
+            auto g = cp_static_groups(lengths.data(), n, num_ranks, mem, cost, degrees.data()[j], out_ms + j, ex);
             if (g.empty() && n > 0) {
               std::fill(out + j * n, out + (j + 1) * n, Index{-1});
             } else {
@@ -151,6 +167,7 @@ void bind_planners(py::module_& m) {
       },
       py::arg("lengths"), py::arg("num_ranks"), py::arg("memory_per_rank"), py::arg("linear"), py::arg("attn"),
       py::arg("ring"), py::arg("ring_latency"), py::arg("fixed"), py::arg("overlap"), py::arg("degrees"),
+      py::arg("extra") = py::none(),
       "Static uniform degrees: the greedy grouping (longest first, fastest group) of each degree and its "
       "makespan (rows of -1 and makespan -1: a sequence fits nowhere).");
 

@@ -148,6 +148,7 @@ def cp_schedule(
     ranks_per_node: int | None = None,
     max_rounds: int = 3,
     vectorized: bool | None = None,
+    encoder_seconds=None,
 ) -> CPSchedule:
     """Dynamic CP groups for one micro-batch: every sequence in one group, minimal makespan.
 
@@ -179,6 +180,13 @@ def cp_schedule(
 
             A callable needs ``num_ranks <= 4096`` and ``n * num_ranks <= 2**23``; beyond, fit a
             ``CostModel`` to it (:meth:`CostModel.fit`).
+        encoder_seconds: ``[n]`` seconds >= 0 per sequence that its group's members share evenly
+            (a vision-language group encoding its sequences' media before the LLM phase), or
+            ``None``. A group of degree ``d`` then takes ``cost``'s time plus the sum of its
+            sequences' ``encoder_seconds`` over ``d``: exactly the group's time, with any cost
+            (:meth:`CostModel.with_encoder` folds the share into a per-sequence cost instead, which
+            counts ``fixed`` and the ring's overlap per sequence). The lower bound, the static
+            degrees and ``makespan`` include the share.
 
     Returns:
         A :class:`CPSchedule` (a list of :class:`CPGroup`, degree descending). Deterministic.
@@ -212,6 +220,7 @@ def cp_schedule(
     """
     lengths, num_ranks, mem = _check(lengths, num_ranks, memory_per_rank)
     cost = _cost_of(cost)
+    enc = _encoder_seconds(encoder_seconds, lengths.size)
     rpn = 0 if ranks_per_node is None else as_count(ranks_per_node, "ranks_per_node")
     if rpn and num_ranks % rpn:
         raise ValueError(f"ranks_per_node ({rpn}) must divide num_ranks ({num_ranks})")
@@ -233,6 +242,7 @@ def cp_schedule(
             cost.overlap,
             rpn,
             rounds,
+            enc,
         )
         return _from_core(lengths, num_ranks, mem, rpn, r)
     if lengths.size == 0:  # as the compiled path reports it; the callable is not called
@@ -260,10 +270,32 @@ def cp_schedule(
             except (TypeError, ValueError):  # not array-like: reported as a bad time below
                 vectorized = False
     if vectorized:
-        return _schedule_vectorized(lengths, view, num_ranks, mem, cost, first, rpn, rounds)
+        return _schedule_vectorized(lengths, view, num_ranks, mem, cost, first, rpn, rounds, enc)
     if first is not None:
         _as_time(first, 1)  # the probe is checked like any other call
-    return _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds)
+    return _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds, enc)
+
+
+def _encoder_seconds(encoder_seconds, n: int) -> np.ndarray | None:
+    """``cp_schedule``'s ``encoder_seconds`` as float64 ``[n]``, checked (``None`` stays)."""
+    if encoder_seconds is None:
+        return None
+    if isinstance(encoder_seconds, (str, bytes)):
+        raise TypeError("encoder_seconds must be an array of numbers or None, got a string")
+    try:
+        enc = np.asarray(encoder_seconds)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"encoder_seconds must be an array of numbers or None: {e}") from None
+    if enc.dtype.kind not in "iuf":
+        raise TypeError(f"encoder_seconds must hold real numbers, got dtype {enc.dtype}")
+    enc = enc.astype(np.float64).reshape(-1) if enc.ndim <= 1 else enc
+    if enc.shape != (n,):
+        raise ValueError(f"encoder_seconds must have one entry per sequence ({n}), got shape {enc.shape}")
+    bad = ~(np.isfinite(enc) & (enc >= 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"encoder_seconds[{i}] = {float(enc[i])!r}: must be finite and >= 0")
+    return np.add(enc, 0.0)  # -0.0 as 0.0, a fresh contiguous array
 
 
 def _from_core(lengths, num_ranks, mem, rpn, r) -> CPSchedule:
@@ -297,7 +329,7 @@ def _per_sequence(t, n: int, d: int) -> np.ndarray:
     return row
 
 
-def _schedule_vectorized(lengths, view, num_ranks, mem, cost, first, rpn, rounds) -> CPSchedule:
+def _schedule_vectorized(lengths, view, num_ranks, mem, cost, first, rpn, rounds, enc=None) -> CPSchedule:
     n = lengths.size
     rows = [_per_sequence(cost(view, 1) if first is None else first, n, 1)]
     rows += [_per_sequence(cost(view, d), n, d) for d in range(2, num_ranks + 1)]
@@ -311,6 +343,8 @@ def _schedule_vectorized(lengths, view, num_ranks, mem, cost, first, rpn, rounds
         )
     # [sequence, degree - 1] for the core, -0.0 as 0.0 (it orders times by their bits)
     table = np.add(table.T, 0.0, out=np.empty((n, num_ranks)))
+    if enc is not None:  # per sequence, so it adds up exactly
+        table += enc[:, None] / np.arange(1, num_ranks + 1, dtype=np.float64)[None, :]
     r = core().cp_schedule_table(lengths, table, num_ranks, mem, rpn, rounds)
     return _from_core(lengths, num_ranks, mem, rpn, r)
 
@@ -331,8 +365,8 @@ def _as_time(t, d: int) -> float:
 class _GroupTimes:
     """A per-group callable's times; each (group, degree) is asked once."""
 
-    def __init__(self, cost, lengths: np.ndarray):
-        self.cost, self.lengths = cost, lengths
+    def __init__(self, cost, lengths: np.ndarray, enc: np.ndarray | None = None):
+        self.cost, self.lengths, self.enc = cost, lengths, enc
         self.cache: dict[tuple[bytes, int], float] = {}
 
     def __call__(self, members: np.ndarray, d: int) -> float:
@@ -341,7 +375,10 @@ class _GroupTimes:
         if t is None:
             group = self.lengths[members]
             group.flags.writeable = False
-            t = self.cache[key] = _as_time(self.cost(group, d), d)
+            t = _as_time(self.cost(group, d), d)
+            if self.enc is not None:
+                t += float(self.enc[members].sum()) / d
+            self.cache[key] = t
         return t
 
 
@@ -421,17 +458,18 @@ def _call(cost, lengths: np.ndarray, d: int) -> float:
     return _as_time(cost(lengths, d), d)
 
 
-def _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds) -> CPSchedule:
-    """A per-group callable: candidate groupings from the fitted form, times from the callable."""
+def _schedule_callable(lengths, num_ranks, mem, cost, rpn, rounds, enc=None) -> CPSchedule:
+    """A per-group callable: candidate groupings from the fitted form, times from the callable
+    (plus the groups' ``enc`` share)."""
     n = lengths.size
-    timer = _GroupTimes(cost, lengths)
+    timer = _GroupTimes(cost, lengths, enc)
     grid = _degree_grid(num_ranks)
     paper_groups, _ = core().bfd_groups(lengths, mem)
     proxy = _probe_fit(cost, lengths, num_ranks, mem)
     form = (proxy.linear, proxy.attention, proxy.ring, proxy.ring_latency, proxy.fixed, True)
-    r = core().cp_schedule(lengths, num_ranks, mem, *form, 0, rounds)
+    r = core().cp_schedule(lengths, num_ranks, mem, *form, 0, rounds, enc)
     # static uniform degrees: the fitted form's greedy groupings, timed by the callable
-    statics, _ = core().cp_static_groups(lengths, num_ranks, mem, *form, np.arange(1, num_ranks + 1))
+    statics, _ = core().cp_static_groups(lengths, num_ranks, mem, *form, np.arange(1, num_ranks + 1), enc)
     static = None
     for c, grouping in enumerate(statics, start=1):
         if grouping[0] < 0:

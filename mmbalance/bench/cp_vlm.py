@@ -27,8 +27,9 @@ hidden 1280, MLP 5120, full attention inside the item) at the same FLOP rate. Sc
   on the whole sample's media, then keeps its slice of the embeddings); a group takes all its
   media's encoder time plus its LLM time.
 * ``mmbalance``: what ``apply_dynamic_cp`` does without encoder balancing: of the two plans of
-  :func:`~mmbalance.balancing.cp_schedule`, under :meth:`CostModel.with_encoder` and under the LLM
-  cost alone, the faster by :meth:`CostModel.step_with_encoders` (``exchange="group"``); each
+  :func:`~mmbalance.balancing.cp_schedule`, with the groups' encoder share (``encoder_seconds``)
+  and on the LLM cost alone, the faster by :meth:`CostModel.step_with_encoders`
+  (``exchange="group"``); each
   group's items dealt to its members. The feature rows move inside each group, so, as for the
   static schemes, a group takes its busiest member's encoder time plus its LLM time and the step
   its slowest group.
@@ -210,7 +211,7 @@ def time_step(
         plan = cp_schedule(lengths, world, memory_per_rank, llm, ranks_per_node=rpn)
         if not eb:  # as apply_dynamic_cp: the better of the plans with and without the encoder share
             other = cp_schedule(
-                lengths, world, memory_per_rank, llm.with_encoder(enc_seq), ranks_per_node=rpn
+                lengths, world, memory_per_rank, llm, ranks_per_node=rpn, encoder_seconds=enc_seq
             )
             plan = min(
                 (other, plan), key=lambda p: llm.step_with_encoders(p, lengths, enc_seq, exchange="group")

@@ -246,9 +246,11 @@ def pieces(lengths: np.ndarray, src: np.ndarray, schedule, world: int):
 
 
 def plan_layout(lengths: np.ndarray, src: np.ndarray, world: int, budget: int | None, cost,
-                context_parallel: bool = True) -> Layout:  # fmt: skip
+                context_parallel: bool = True, encoder_seconds: np.ndarray | None = None) -> Layout:  # fmt: skip
     """The schedule under ``budget`` tokens per rank, zigzag rounding included (re-planned with a
     smaller nominal budget until every real shard fits). Identical on every rank.
+    ``encoder_seconds``: per sequence, the encoder seconds its group's members share
+    (:func:`~mmbalance.balancing.cp_schedule`'s argument), or ``None``.
 
     ``context_parallel=False``: degree 1 everywhere, every sequence whole on one rank
     (OrchMLLM's post-balancing of the LLM phase, :func:`~mmbalance.balancing.post_balance` with
@@ -272,7 +274,11 @@ def plan_layout(lengths: np.ndarray, src: np.ndarray, world: int, budget: int | 
     nominal = budget
     for _ in range(16):
         try:
-            schedule = cp_schedule(lengths, world, nominal, cost) if lengths.size else []
+            schedule = (
+                cp_schedule(lengths, world, nominal, cost, encoder_seconds=encoder_seconds)
+                if lengths.size
+                else []
+            )
         except ValueError as exc:
             raise ValueError(
                 f"max_tokens_per_rank={budget}: no CP schedule of the step's {lengths.size} sequences fits "

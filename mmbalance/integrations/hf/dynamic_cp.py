@@ -323,10 +323,14 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
             (``cost.linear / (6 * LLM parameters)``); a callable ``encoder_cost(encoder, meta,
             rows) -> seconds`` per item (as ``apply_encoder_balance``'s ``cost`` takes it); or
             ``None``: the language model alone. Without encoder balancing, where each CP group
-            encodes its own media, the planner prices sequence ``s`` on a group of ``d`` ranks
-            at ``linear*l/d + max(attention*(1+eta)*l**2/d, ring*l*(d-1)/d + ring_latency*(d-1))
-            + E_s/d`` (``E_s``: the encoder seconds of its media, spread over the members) and a
-            group at the sum over its sequences. With :func:`~.balance.apply_encoder_balance` on
+            encodes its own media, the planner prices a group of ``d`` ranks holding sequences
+            of ``S1`` tokens in all and ``S2`` the sum of their squared lengths at
+            ``fixed + linear*S1/d + max(attention*(1+eta)*S2/d, ring*S1*(d-1)/d +
+            ring_latency*(d-1)) + E/d`` (``cost``'s time of the group, without ``overlap``
+            the sum in place of the max; ``E``: the encoder seconds of the group's media, spread
+            over its members; :func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds``),
+            and takes, of that plan and the one on ``cost`` alone, the faster by
+            :meth:`~mmbalance.balancing.CostModel.step_with_encoders` (``exchange="group"``). With :func:`~.balance.apply_encoder_balance` on
             the same model the encoders are balanced over the whole world, the same for every
             schedule, so the groups are priced by ``cost`` alone.
 

@@ -1,7 +1,8 @@
 """Dynamic context parallelism for vision-language models: :meth:`DynamicCPHandle.shard` on the
 batches their processors give (images, videos), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE
 and LLaVA. This module holds the model families (batch keys, feature streams, M-RoPE positions,
-encoder FLOPs) and the encoder cost (a group plans with :meth:`CostModel.with_encoder`); the numpy side of a
+encoder FLOPs) and the encoder cost (a group plans with its members' share of it,
+:func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds``); the numpy side of a
 step is in :mod:`.dynamic_cp_vlm_plan`, the step itself (:func:`~.dynamic_cp_vlm_step.shard_vlm`)
 in :mod:`.dynamic_cp_vlm_step`, the Trainer's collator side in :mod:`.dynamic_cp_vlm_trainer`.
 

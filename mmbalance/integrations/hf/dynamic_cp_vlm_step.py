@@ -247,15 +247,17 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     for k in range(len(adapters)):
         np.add.at(enc_seq, step.seq[k], seconds[k])
     cost = handle.cost
-    costs = [cost]
+    shares: list[np.ndarray | None] = [None]
     if enc_seq.any() and eh is None and handle.encoder_cost is not None and isinstance(cost, CostModel):
         # each group encodes its own media and keeps the feature rows inside it, so a group's time
-        # is its members' encoder share plus its LLM time: of the plans with the encoder phase in
-        # each group's cost and on the LLM cost alone, the faster under that sum
-        costs = [cost.with_encoder(enc_seq), cost]
+        # is its members' encoder share plus its LLM time: of the plans with that share in each
+        # group's time and on the LLM cost alone, the faster under that sum
+        shares = [enc_seq, None]
     layouts = [
-        plan_layout(lengths, step.seq_src, world, handle.max_tokens_per_rank, c, handle.context_parallel)
-        for c in costs
+        plan_layout(
+            lengths, step.seq_src, world, handle.max_tokens_per_rank, cost, handle.context_parallel, e
+        )
+        for e in shares
     ]
     layout = layouts[0]
     if len(layouts) > 1:
