@@ -23,6 +23,10 @@ inline constexpr int64_t kStaticExhaustive = int64_t{1} << 16;  // sweeps this s
 inline constexpr int64_t kStaticSolves = int64_t{1} << 26;  // work of their optimal-degree solves
 inline constexpr size_t kStaticStarts = 8;                  // groupings solved at least
 inline constexpr Index kScanDegrees = 64;                   // degree search scans windows this small
+inline constexpr Index kMixedRounds = 3;                   // rounds of the mixed-by-time search
+inline constexpr double kMixedGap = 1e-4;                   // it stops this close to its floor
+inline constexpr double kImproveWithin = 1.15;              // candidates regrouped: this close to the best
+inline constexpr int64_t kParallelWork = int64_t{1} << 18;  // sequences x ranks from which two threads plan
 
 // A group while it is filled: time at its degree, sums of l and l^2, tokens, sequences.
 struct Acc {
@@ -141,6 +145,7 @@ struct CpModel {
   int64_t mem;
   CpCost cost;
   const double* extra = nullptr;  // [n] or null
+  static constexpr bool kThreadSafe = true;  // const methods only: two threads may share it
 
   double extra_of(Index i) const { return extra ? extra[i] : 0.0; }
   double time(const Acc& a, Index d) const {
@@ -315,6 +320,7 @@ struct TableModel {
   int64_t mem;
   const double* cost;
   mutable std::vector<double> env;  // solve()'s table, reused
+  static constexpr bool kThreadSafe = false;  // solve() writes env
 
   double alone(Index i, Index d) const { return cost[i * num_ranks + d - 1]; }
   double after(const Acc& a, Index i, Index d) const { return a.t + alone(i, d); }

@@ -5,11 +5,11 @@
 // keep the paper's candidate and add the static uniform degrees c (N / c groups of c ranks,
 // sequences longest-first to the group that stays fastest) and "mixed" ones (every sequence too
 // slow or too large for one rank alone on the fewest ranks that fix it, the rest spread over
-// degree-1 groups; retried with the best makespan found as the target). Candidates get optimal
-// degrees (an exact threshold search, the same optimum as the DP), the best ones a few rounds of
-// regrouping for the degrees found (spare ranks become new groups). The static schedules make the
-// result never worse than the best static uniform CP degree; the paper's candidate makes it never
-// worse than the paper.
+// degree-1 groups; the target time searched between the best makespan found and the lower bound).
+// Candidates get optimal degrees (an exact threshold search, the same optimum as the DP), the best
+// ones a few rounds of regrouping for the degrees found (spare ranks become new groups). The static
+// schedules make the result never worse than the best static uniform CP degree; the paper's
+// candidate makes it never worse than the paper.
 //
 // One search, two forms of cost: the closed form of CpCost (a group's time from its sums of l and
 // l^2), and a table of every sequence's time alone on every degree, a group's time being the sum
@@ -28,8 +28,12 @@
 // degree, and per regime: ring- or attention-bound) and stops at the first whose time plus the
 // least the sequence can add is above the best found, groups in one state counting once. Closed-
 // form times are quasi-convex in d (a decreasing compute term, a convex ring term), so optimal
-// degrees search each group's best degree instead of tabulating all N.
+// degrees search each group's best degree instead of tabulating all N. From kParallelWork
+// sequences x ranks (closed form only) independent fills, solves and searches run two at a time,
+// on the caller's thread and the helper thread (helper_thread.hpp); every decision is taken in
+// the order one thread would take it, so the result does not depend on the threads.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -39,6 +43,7 @@
 #include <utility>
 
 #include "cp_costs.hpp"
+#include "helper_thread.hpp"
 #include "schedulers.hpp"
 
 namespace mmb {
@@ -95,6 +100,12 @@ bool greedy_assign(const M& m, const std::vector<Index>& order, const std::vecto
     // non-empty groups by degree and regime, each set with its own bound
     std::vector<std::set<Key>> busy(2 * distinct.size());
     std::vector<std::set<Key>::iterator> where(g);  // each non-empty group's place in its set
+    // per set its fastest time (inf when empty) and its groups' token capacity, side by side, so
+    // the sets that cannot hold the best group are passed over without touching their nodes
+    std::vector<double> fastest(busy.size(), kInf);
+    std::vector<int64_t> cap(busy.size());
+    for (size_t j = 0; j < busy.size(); ++j) cap[j] = distinct[j / 2] * mem;
+    auto refresh = [&](size_t j) { fastest[j] = busy[j].empty() ? kInf : busy[j].begin()->t; };
     auto key = [&](Index k) { return Key{acc[k].t, acc[k].s1, acc[k].s2, acc[k].tokens, degree[k], k}; };
     auto same = [](const Key& a, const Key& b) {
       return a.t == b.t && a.s1 == b.s1 && a.s2 == b.s2 && a.tokens == b.tokens && a.d == b.d;
@@ -112,11 +123,11 @@ bool greedy_assign(const M& m, const std::vector<Index>& order, const std::vecto
       for (size_t j = 0; j < distinct.size(); ++j)
         if (next[j] < empty[j].size() && l <= distinct[j] * mem) consider(empty[j][next[j]], m.alone(i, distinct[j]));
       for (size_t j = 0; j < busy.size(); ++j) {
+        // empty, too small, or its fastest group already too slow: beyond(t, inc, best_t) for
+        // every inc >= 0
+        if (fastest[j] * (1.0 - 1e-12) > best_t || l > cap[j]) continue;
         const auto& set = busy[j];
         const Index d = distinct[j / 2];
-        if (set.empty() || l > d * mem) continue;
-        // the set's fastest group is already too slow: beyond(t, inc, best_t) for every inc >= 0
-        if (set.begin()->t * (1.0 - 1e-12) > best_t) continue;
         const double inc = m.least_increase(i, static_cast<int>(j % 2), d);
         for (auto it = set.begin(); it != set.end();) {
           if (M::beyond(it->t, inc, best_t)) break;
@@ -137,16 +148,20 @@ bool greedy_assign(const M& m, const std::vector<Index>& order, const std::vecto
       if (acc[best].count == 0) {
         ++next[j / 2];
       } else {
-        node = busy[j + m.regime(acc[best], degree[best])].extract(where[best]);
+        const size_t from = j + m.regime(acc[best], degree[best]);
+        node = busy[from].extract(where[best]);
+        refresh(from);
       }
       m.add(acc[best], i, degree[best]);
-      auto& into = busy[j + m.regime(acc[best], degree[best])];
+      const size_t to = j + m.regime(acc[best], degree[best]);
+      auto& into = busy[to];
       if (node) {
         node.value() = key(best);
         where[best] = into.insert(std::move(node)).position;
       } else {
         where[best] = into.insert(key(best)).first;
       }
+      refresh(to);
       group_of[i] = best;
     }
   }
@@ -250,17 +265,23 @@ CpResult schedule(const M& m, Index ranks_per_node, Index max_rounds) {
   const auto order = order_by_length_desc(m.len, n);
   const Index longest = order[0];
   std::vector<Candidate> starts;
+  // large plans split independent fills and solves over two threads (helper_thread.hpp); the
+  // result is the same as on one
+  const bool par = M::kThreadSafe && static_cast<int64_t>(n) * num_ranks >= kParallelWork;
 
-  // the paper: BFD atomic groups + optimal degrees
-  {
-    Candidate c;
+  // Two starts that need nothing else (with two threads, beside the static sweep below): the
+  // paper's, BFD atomic groups + optimal degrees; and "mixed, by memory", long sequences alone on
+  // their minimum degree
+  Candidate paper, by_memory;
+  bool by_memory_ok = false;
+  auto other_starts = [&] {
     std::vector<Index> dmin;
-    c.group_of = bfd_groups(m.len, n, m.mem, dmin);
-    c.method = "paper";
-    m.solve(static_cast<Index>(dmin.size()), c);
-    res.paper_makespan = std::isfinite(c.makespan) ? c.makespan : -1.0;
-    starts.push_back(std::move(c));
-  }
+    paper.group_of = bfd_groups(m.len, n, m.mem, dmin);
+    paper.method = "paper";
+    m.solve(static_cast<Index>(dmin.size()), paper);
+    by_memory_ok = mixed_start(m, order, kInf, by_memory);
+  };
+  std::vector<Candidate> statics;  // the static starts, in the order they are made
   auto note_static = [&](double ms, Index c) {
     // ties: the smaller degree, whatever order the sweep fills them in
     if (res.static_makespan < 0 || ms < res.static_makespan || (ms == res.static_makespan && c < res.static_degree)) {
@@ -271,94 +292,147 @@ CpResult schedule(const M& m, Index ranks_per_node, Index max_rounds) {
   // static degrees with at least as many groups as sequences: every sequence alone
   for (Index c = 1; c <= num_ranks && num_ranks / c >= n; ++c)
     if (m.len[longest] <= c * m.mem) note_static(m.static_alone(c, longest), c);
-  if (n <= num_ranks) {
-    Candidate c;
-    c.group_of.resize(n);
-    for (Index i = 0; i < n; ++i) c.group_of[i] = i;
-    c.method = "static+dp";
-    m.solve(n, c);
-    starts.push_back(std::move(c));
-  }
   // the other static degrees greedily. A small sweep (n x degrees <= kStaticExhaustive) fills every
   // degree; a larger one the most promising first (ascending lower bound on their makespan) and
   // stops at the first whose bound is not below the best static makespan found: no later degree
   // can beat it. The groupings filled get optimal degrees (all of them while the solves' work
   // stays within kStaticSolves, else the best static makespans that fit in it)
-  const auto cs = greedy_static_degrees(n, num_ranks);
-  int64_t work = 0;
-  for (Index c : cs) work += m.solve_work(std::min(n, num_ranks / c));
-  const size_t keep = work <= kStaticSolves
-                          ? cs.size()
-                          : std::max<size_t>(kStaticStarts, static_cast<size_t>(kStaticSolves / (work / cs.size())));
-  const bool prune = n * static_cast<int64_t>(cs.size()) > kStaticExhaustive;
-  std::vector<std::pair<double, Index>> by_bound;
-  {
-    const auto totals = m.totals();
-    for (Index c : cs)
-      if (m.len[longest] <= c * m.mem) by_bound.push_back({prune ? m.static_bound(c, longest, totals) : 0.0, c});
-    std::stable_sort(by_bound.begin(), by_bound.end(),
-                     [](const auto& a, const auto& b) { return a.first < b.first; });
-  }
   std::vector<std::pair<double, std::vector<Index>>> kept;
-  for (const auto& [bound, c] : by_bound) {
-    if (prune && res.static_makespan >= 0 && bound * (1.0 - 1e-9) >= res.static_makespan) break;
-    std::vector<Index> group_of(n);
-    std::vector<Acc> acc;
-    if (!greedy_assign(m, order, std::vector<Index>(num_ranks / c, c), group_of, &acc)) continue;
-    double ms = 0.0;
-    for (const Acc& a : acc) ms = std::max(ms, a.t);
-    note_static(ms, c);
-    if (kept.size() < keep) {
-      kept.emplace_back(ms, std::move(group_of));
-    } else {
-      auto worst =
-          std::max_element(kept.begin(), kept.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-      if (ms < worst->first) *worst = {ms, std::move(group_of)};
+  auto static_sweep = [&] {
+    if (n <= num_ranks) {
+      Candidate c;
+      c.group_of.resize(n);
+      for (Index i = 0; i < n; ++i) c.group_of[i] = i;
+      c.method = "static+dp";
+      m.solve(n, c);
+      statics.push_back(std::move(c));
     }
-  }
-  for (auto& [ms, group_of] : kept) {
-    Candidate c;
-    c.group_of = std::move(group_of);
-    c.method = "static+dp";
-    m.solve(compact(c.group_of), c);
-    starts.push_back(std::move(c));
-  }
-  // mixed, by memory: long sequences alone on their minimum degree
-  {
-    Candidate cand;
-    if (mixed_start(m, order, kInf, cand)) starts.push_back(std::move(cand));
-  }
-  // improve the three best starts
-  std::vector<Index> idx(starts.size());
-  for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<Index>(i);
-  std::stable_sort(idx.begin(), idx.end(), [&](Index a, Index b) { return starts[a].makespan < starts[b].makespan; });
-  Candidate best;
-  for (size_t j = 0; j < idx.size(); ++j) {
-    Candidate c = starts[idx[j]];
-    if (!std::isfinite(c.makespan)) break;
-    if (j < 3) improve(m, order, max_rounds, c);
-    if (c.makespan < best.makespan) best = std::move(c);
-  }
-  // mixed, by time: sequences slower than the best makespan alone get their own groups; retry
-  // while that helps, then once halfway to the lower bound
-  const double lb = m.lower_bound(longest);
-  res.lower_bound = lb;
-  for (Index r = 0, halfway = 0; r < 4 && std::isfinite(best.makespan); ++r) {
-    const double target = halfway ? 0.5 * (best.makespan + lb) : best.makespan;
-    Candidate c;
-    bool better = false;
-    if (mixed_start(m, order, target, c)) {
-      improve(m, order, max_rounds, c);
-      if (c.makespan < best.makespan) {
-        best = std::move(c);
-        better = true;
+    const auto cs = greedy_static_degrees(n, num_ranks);
+    int64_t work = 0;
+    for (Index c : cs) work += m.solve_work(std::min(n, num_ranks / c));
+    const size_t keep = work <= kStaticSolves
+                            ? cs.size()
+                            : std::max<size_t>(kStaticStarts, static_cast<size_t>(kStaticSolves / (work / cs.size())));
+    const bool prune = n * static_cast<int64_t>(cs.size()) > kStaticExhaustive;
+    std::vector<std::pair<double, Index>> by_bound;
+    {
+      const auto totals = m.totals();
+      for (Index c : cs)
+        if (m.len[longest] <= c * m.mem) by_bound.push_back({prune ? m.static_bound(c, longest, totals) : 0.0, c});
+      std::stable_sort(by_bound.begin(), by_bound.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
+    }
+    for (const auto& [bound, c] : by_bound) {
+      if (prune && res.static_makespan >= 0 && bound * (1.0 - 1e-9) >= res.static_makespan) break;
+      std::vector<Index> group_of(n);
+      std::vector<Acc> acc;
+      if (!greedy_assign(m, order, std::vector<Index>(num_ranks / c, c), group_of, &acc)) continue;
+      double ms = 0.0;
+      for (const Acc& a : acc) ms = std::max(ms, a.t);
+      note_static(ms, c);
+      if (kept.size() < keep) {
+        kept.emplace_back(ms, std::move(group_of));
+      } else {
+        auto worst =
+            std::max_element(kept.begin(), kept.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+        if (ms < worst->first) *worst = {ms, std::move(group_of)};
       }
     }
-    if (!better) {
-      if (halfway) break;
-      halfway = 1;
+  };
+  if (par) {
+    run_beside(other_starts, static_sweep);
+  } else {
+    other_starts();
+    static_sweep();
+  }
+  res.paper_makespan = std::isfinite(paper.makespan) ? paper.makespan : -1.0;
+  starts.push_back(std::move(paper));
+  for (auto& c : statics) starts.push_back(std::move(c));
+  {
+    std::vector<Candidate> solved(kept.size());
+    auto solve_from = [&](size_t first) {
+      for (size_t j = first; j < kept.size(); j += par ? 2 : 1) {
+        solved[j].group_of = std::move(kept[j].second);
+        solved[j].method = "static+dp";
+        m.solve(compact(solved[j].group_of), solved[j]);
+      }
+    };
+    if (par && kept.size() > 1) {
+      run_beside([&] { solve_from(1); }, [&] { solve_from(0); });
+    } else {
+      solve_from(0);
+    }
+    for (auto& c : solved) starts.push_back(std::move(c));
+  }
+  if (by_memory_ok) starts.push_back(std::move(by_memory));
+  Candidate best;  // the best start (the first of equal ones)
+  for (const Candidate& c : starts)
+    if (c.makespan < best.makespan) best = c;
+  // mixed, by time: sequences slower than a target alone get groups of their own (mixed_start);
+  // a target is met when the start beats the best makespan, and it then lands near the target. A
+  // search between the best makespan and `lo` (at first the lower bound), two targets a round: a
+  // tenth and half of the way down at first (then also the best makespan itself if both fail),
+  // then two thirds and a third. The better success is kept; a failure of the lower target raises
+  // `lo` to it; a round without success ends the search. The two targets of a round run on two
+  // threads for large plans; the result is the same either way.
+  const double lb = m.lower_bound(longest);
+  res.lower_bound = lb;
+  double lo = lb;
+  auto reach = [&](double target, Candidate& c) {
+    return mixed_start(m, order, target, c) && c.makespan < best.makespan;
+  };
+  for (Index r = 0; r < kMixedRounds && std::isfinite(best.makespan); ++r) {
+    const double hi = best.makespan;
+    if (!(hi > lo * (1.0 + kMixedGap))) break;  // as good as the search can tell
+    const double t1 = r == 0 ? 0.5 * (hi + lo) : hi - (hi - lo) / 3.0;
+    const double t2 = r == 0 ? lo + 0.1 * (hi - lo) : hi - 2.0 * (hi - lo) / 3.0;
+    Candidate c1, c2;
+    bool ok1 = false, ok2 = false;
+    auto try1 = [&] { ok1 = reach(t1, c1); };
+    auto try2 = [&] { ok2 = reach(t2, c2); };
+    if (par) {
+      run_beside(try2, try1);
+    } else {
+      try1();
+      try2();
+    }
+    if (!ok1 && !ok2) {
+      Candidate c;
+      if (r == 0 && reach(hi, c)) {  // as the first rounds of the search
+        best = std::move(c);
+        continue;
+      }
+      break;
+    }
+    if (!ok2) lo = std::max(lo, t2);
+    best = std::move(ok2 && (!ok1 || c2.makespan <= c1.makespan) ? c2 : c1);
+  }
+  // regroup the three best starts for their degrees, those within kImproveWithin of the best
+  // (regrouping never gained that much). Not the search's best: it is a grouping made for degrees
+  // of its own already, and regrouping it changed nothing in any of 106 plans of bench cp's data.
+  std::vector<const Candidate*> ranked;
+  for (const Candidate& c : starts) ranked.push_back(&c);
+  std::stable_sort(ranked.begin(), ranked.end(),
+                   [](const Candidate* a, const Candidate* b) { return a->makespan < b->makespan; });
+  std::vector<Candidate> top;
+  for (const Candidate* c : ranked) {
+    if (top.size() == 3 || !(c->makespan <= best.makespan * kImproveWithin)) break;
+    top.push_back(*c);
+  }
+  {
+    // each chain on whichever thread is free next: chains do not depend on each other
+    std::atomic<size_t> next{0};
+    auto chains = [&] {
+      for (size_t j; (j = next.fetch_add(1)) < top.size();) improve(m, order, max_rounds, top[j]);
+    };
+    if (par && top.size() > 1) {
+      run_beside(chains, chains);
+    } else {
+      chains();
     }
   }
+  for (Candidate& c : top)
+    if (c.makespan < best.makespan) best = std::move(c);
   if (!std::isfinite(best.makespan)) return res;  // nothing fits: the caller reports it
 
   // output order: degree descending, then smallest sequence index

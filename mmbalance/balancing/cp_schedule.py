@@ -127,14 +127,20 @@ def _build(lengths, group_of, degree, num_ranks, ranks_per_node, times, info, la
     offset, ranks = layout
     order = np.argsort(group_of, kind="stable").astype(np.int64, copy=False)
     counts = np.bincount(group_of, minlength=len(degree))
-    # Python lists once, then one slice per group (hundreds of groups at scale)
+    # Python lists once, then one slice per group (hundreds of groups at scale; np.split is slower)
     rank_list, off = np.asarray(ranks).tolist(), np.asarray(offset).tolist()
-    members = np.split(order, np.cumsum(counts)[:-1]) if len(degree) else []
+    ends = np.cumsum(counts).tolist()
+    starts = [0, *ends[:-1]]
     groups = [
         CPGroup(
-            degree=int(d), ranks=tuple(rank_list[off[k] : off[k + 1]]), sequences=members[k], time=float(t)
+            degree=d,
+            ranks=tuple(rank_list[off[k] : off[k + 1]]),
+            sequences=order[starts[k] : ends[k]],
+            time=t,
         )
-        for k, (d, t) in enumerate(zip(np.asarray(degree).tolist(), np.asarray(times).tolist()))
+        for k, (d, t) in enumerate(
+            zip(np.asarray(degree).tolist(), np.asarray(times, dtype=np.float64).tolist())
+        )
     ]
     return CPSchedule(groups, max(times, default=0.0), num_ranks, info)
 

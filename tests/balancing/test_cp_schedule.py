@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -128,6 +129,43 @@ def test_deterministic_across_processes():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == str(sig)
+
+
+def test_large_plans_on_two_threads_are_the_same_however_the_threads_run():
+    # 1500 sequences x 512 ranks: the fills, solves and searches run two at a time (on the helper
+    # thread, or on threads of their own while other callers hold it); every decision is taken in
+    # one order, so every call, concurrent or not, in this process or another, gives one plan
+    rng = np.random.default_rng(11)
+    lengths = rng.lognormal(7.0, 1.0, 1500).astype(np.int64) + 1
+    rare = rng.random(1500) < 0.01
+    lengths[rare] = rng.integers(20_000, 60_000, int(rare.sum()))
+    args = (lengths, 512, 16384)
+    kwargs = {"ranks_per_node": 8}
+
+    def sig(s):
+        return ([(g.degree, g.ranks, g.sequences.tolist(), g.time) for g in s], s.makespan, s.info)
+
+    want = sig(cp_schedule(*args, **kwargs))
+    check_valid(cp_schedule(*args, **kwargs), lengths, 512, 16384, DEFAULT_COST)
+    assert want[1] <= want[2]["static_makespan"] and want[1] <= want[2]["paper_makespan"]
+    with ThreadPoolExecutor(4) as pool:
+        for got in pool.map(lambda _: sig(cp_schedule(*args, **kwargs)), range(12)):
+            assert got == want
+    code = (
+        "import numpy as np, sys; from mmbalance.balancing import cp_schedule; "
+        "l = np.array(sys.stdin.read().split(), dtype=np.int64); "
+        "s = cp_schedule(l, 512, 16384, ranks_per_node=8); "
+        "print(repr([(g.degree, g.ranks, g.sequences.tolist(), g.time) for g in s]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=" ".join(map(str, lengths.tolist())),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(want[0])
 
 
 def test_groups_stay_inside_nodes():
