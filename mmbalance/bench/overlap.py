@@ -31,7 +31,18 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from .harness import Row, base_parser, device_name, report, time_cpu
+from .harness import (
+    Row,
+    base_parser,
+    device_name,
+    exit_code,
+    exits_in_words,
+    report,
+    send_report,
+    settle,
+    start_processes,
+    time_cpu,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +225,51 @@ def _worker(rank: int, world: int, init_file: str, cfgs, chunk_list, backends, r
                 queue.put((cfg, rows))
     finally:
         dist.destroy_process_group()
-        if rank == 0:
-            queue.put(None)
+    if rank == 0:  # the end of the stream, flushed before the process exits (a rank that raised sends none)
+        send_report(queue, (None, None))
+
+
+def _collect(queue, procs, on_rows, exit_grace: float = 60.0) -> None:
+    """Hand every ``(cfg, rows)`` that rank 0 streams to ``on_rows`` until its end marker. A rank
+    that dies stops the run within a second or so, with how it ended; after the marker every process
+    must exit with code 0 within ``exit_grace`` seconds."""
+    import queue as queue_mod
+
+    def take(wait: float | None) -> bool | None:
+        """One message: ``True`` the end marker, ``False`` rows, ``None`` nothing within ``wait``."""
+        try:
+            cfg, rows = queue.get(timeout=wait) if wait else queue.get_nowait()
+        except queue_mod.Empty:
+            return None
+        if cfg is None:
+            return True
+        on_rows(cfg, rows)
+        return False
+
+    finished = False
+    try:
+        while not finished:
+            got = take(0.5)
+            if got is not None:
+                finished = got
+                continue
+            codes = [(r, exit_code(p)) for r, p in enumerate(procs)]
+            failed: list[tuple[int, int | None]] = [(r, c) for r, c in codes if c not in (None, 0)]
+            if not failed and not all(c == 0 for _, c in codes):
+                continue  # every rank still at work
+            while (got := take(None)) is False:  # what was sent before the processes ended
+                pass
+            finished = bool(got)
+            if not finished:
+                raise SystemExit(
+                    "benchmark ranks ended before the run finished: "
+                    + exits_in_words(failed or codes, set(), 0)
+                )
+    finally:
+        hung = settle(procs, exit_grace if finished else 5.0)
+    bad = [(r, exit_code(p)) for r, p in enumerate(procs) if exit_code(p) != 0]
+    if bad:
+        raise SystemExit(f"the benchmark finished, but then {exits_in_words(bad, hung, exit_grace)}")
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -235,9 +289,26 @@ def main(argv: list[str] | None = None) -> list[Row]:
     cfgs = configs(cuda, args.full)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     device = device_name("cuda:0" if cuda else "cpu")
     out: list[Row] = []
+
+    def on_rows(cfg, rows) -> None:
+        batch = [
+            Row(
+                op=cfg.op,
+                provider=f"{r['metrics']['backend']}/chunks={r['metrics']['chunks']}",
+                shape=cfg.shape,
+                dtype=cfg.dtype,
+                device=f"{device} x{world} ({'nccl' if cuda else 'gloo'})",
+                time_ms=r["time_ms"],
+                metrics={k: v for k, v in r["metrics"].items() if k != "backend"},
+            )
+            for r in rows
+        ]
+        report(batch, json_path=args.json, title=f"{cfg.op} {cfg.shape} {cfg.dtype}")
+        out.extend(batch)
+
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(
@@ -247,32 +318,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             )
             for r in range(world)
         ]
-        for proc in procs:
-            proc.start()
-        while True:
-            item = queue.get()
-            if item is None:
-                break
-            cfg, rows = item
-            batch = [
-                Row(
-                    op=cfg.op,
-                    provider=f"{r['metrics']['backend']}/chunks={r['metrics']['chunks']}",
-                    shape=cfg.shape,
-                    dtype=cfg.dtype,
-                    device=f"{device} x{world} ({'nccl' if cuda else 'gloo'})",
-                    time_ms=r["time_ms"],
-                    metrics={k: v for k, v in r["metrics"].items() if k != "backend"},
-                )
-                for r in rows
-            ]
-            report(batch, json_path=args.json, title=f"{cfg.op} {cfg.shape} {cfg.dtype}")
-            out += batch
-        for proc in procs:
-            proc.join(timeout=60)
-        bad = [proc.exitcode for proc in procs if proc.exitcode not in (0, None)]
-        if bad:
-            raise SystemExit(f"benchmark ranks failed with exit codes {bad}")
+        start_processes(procs)
+        _collect(queue, procs, on_rows)
     return out
 
 
