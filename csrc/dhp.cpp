@@ -338,6 +338,13 @@ CpResult schedule(const M& m, Index ranks_per_node, Index max_rounds) {
         if (ms < worst->first) *worst = {ms, std::move(group_of)};
       }
     }
+    for (auto& [ms, group_of] : kept) {
+      Candidate c;
+      c.group_of = std::move(group_of);
+      c.method = "static+dp";
+      m.solve(compact(c.group_of), c);
+      statics.push_back(std::move(c));
+    }
   };
   if (par) {
     run_beside(other_starts, static_sweep);
@@ -348,22 +355,6 @@ CpResult schedule(const M& m, Index ranks_per_node, Index max_rounds) {
   res.paper_makespan = std::isfinite(paper.makespan) ? paper.makespan : -1.0;
   starts.push_back(std::move(paper));
   for (auto& c : statics) starts.push_back(std::move(c));
-  {
-    std::vector<Candidate> solved(kept.size());
-    auto solve_from = [&](size_t first) {
-      for (size_t j = first; j < kept.size(); j += par ? 2 : 1) {
-        solved[j].group_of = std::move(kept[j].second);
-        solved[j].method = "static+dp";
-        m.solve(compact(solved[j].group_of), solved[j]);
-      }
-    };
-    if (par && kept.size() > 1) {
-      run_beside([&] { solve_from(1); }, [&] { solve_from(0); });
-    } else {
-      solve_from(0);
-    }
-    for (auto& c : solved) starts.push_back(std::move(c));
-  }
   if (by_memory_ok) starts.push_back(std::move(by_memory));
   Candidate best;  // the best start (the first of equal ones)
   for (const Candidate& c : starts)

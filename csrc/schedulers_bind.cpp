@@ -72,6 +72,16 @@ void check_blocks(const I64& order, const I64& offsets, Index n) {
 py::dict cp_result(const CpResult& r) {
   py::dict out;
   out["group_of"] = to_i64(r.group_of);
+  {  // every group's sequences, ascending, one group after another (a counting sort)
+    const size_t g = r.degree.size();
+    std::vector<Index> offset(g + 1, 0), members(r.group_of.size());
+    for (Index k : r.group_of) ++offset[k + 1];
+    for (size_t k = 0; k < g; ++k) offset[k + 1] += offset[k];
+    std::vector<Index> at(offset.begin(), offset.end() - 1);
+    for (size_t i = 0; i < r.group_of.size(); ++i) members[at[r.group_of[i]]++] = static_cast<Index>(i);
+    out["members"] = to_i64(members);
+    out["member_offset"] = to_i64(offset);
+  }
   out["degree"] = to_i64(r.degree);
   out["rank_offset"] = to_i64(r.rank_offset);
   out["ranks"] = to_i64(r.ranks);

@@ -121,16 +121,20 @@ def _cost_of(cost):
     )
 
 
-def _build(lengths, group_of, degree, num_ranks, ranks_per_node, times, info, layout=None) -> CPSchedule:
+def _build(
+    lengths, group_of, degree, num_ranks, ranks_per_node, times, info, layout=None, members=None
+) -> CPSchedule:
     if layout is None:
         layout = core().layout_ranks(np.asarray(degree, dtype=np.int64), num_ranks, ranks_per_node)
     offset, ranks = layout
-    order = np.argsort(group_of, kind="stable").astype(np.int64, copy=False)
-    counts = np.bincount(group_of, minlength=len(degree))
+    if members is None:  # every group's sequences, ascending, one group after another
+        order = np.argsort(group_of, kind="stable").astype(np.int64, copy=False)
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(group_of, minlength=len(degree)))]).tolist()
+    else:
+        order, bounds = members[0], np.asarray(members[1]).tolist()
     # Python lists once, then one slice per group (hundreds of groups at scale; np.split is slower)
     rank_list, off = np.asarray(ranks).tolist(), np.asarray(offset).tolist()
-    ends = np.cumsum(counts).tolist()
-    starts = [0, *ends[:-1]]
+    starts, ends = bounds[:-1], bounds[1:]
     groups = [
         CPGroup(
             degree=d,
@@ -312,7 +316,8 @@ def _from_core(lengths, num_ranks, mem, rpn, r) -> CPSchedule:
         )
     info = {k: r[k] for k in ("method", "static_makespan", "static_degree", "paper_makespan", "lower_bound")}
     layout = (r["rank_offset"], r["ranks"])
-    return _build(lengths, r["group_of"], r["degree"], num_ranks, rpn, r["time"], info, layout)
+    members = (r["members"], r["member_offset"])
+    return _build(lengths, r["group_of"], r["degree"], num_ranks, rpn, r["time"], info, layout, members)
 
 
 def _per_sequence(t, n: int, d: int) -> np.ndarray:
