@@ -336,8 +336,10 @@ class CostModel:
         group's members also run the encoders of its sequences' media: sequence ``s`` of ``l``
         tokens on ``d`` ranks takes this model's time of ``[l]`` on ``d`` ranks plus
         ``encoder_seconds[s] / d`` (its media's encoder time, spread over the group's members);
-        a group takes the sum over its sequences (so ``fixed`` counts once per sequence). Called
-        with the lengths ``encoder_seconds`` belongs to, one time per sequence.
+        a group takes the sum over its sequences (so ``fixed`` and the ring's overlap count per
+        sequence). Called with the lengths ``encoder_seconds`` belongs to, one time per sequence.
+        :func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds`` adds the same share to a
+        group's own time instead (exact for a ``CostModel``, and planned in the compiled core).
 
         >>> CostModel(linear=1.0).with_encoder([4.0, 0.0])(np.array([2, 3]), 2).tolist()
         [3.0, 1.5]
