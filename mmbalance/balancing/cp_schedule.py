@@ -5,10 +5,14 @@ GPUs) into CP groups of any integer degree; each group runs ring attention over 
 sequences. The makespan (slowest group) is minimized under the memory limit of every rank.
 
 The paper packs sequences into memory-full atomic groups (best-fit decreasing) and gives them
-degrees by a 2-D DP. We keep that as one candidate and add one per static uniform degree and a
-"mixed" one, give each candidate its optimal degrees (an exact threshold search with the DP's
-optimum), regroup for the degrees found, and return the best: never worse than the paper or than
-the best static uniform CP degree under the same cost model. See ``csrc/dhp.cpp``.
+degrees by a 2-D DP. We keep that as one candidate and add one per static uniform degree and
+"mixed" ones (the sequences slower than a target time alone on the fewest ranks that bring them
+under it, the target searched between the best makespan and the lower bound), give each candidate
+its optimal degrees (an exact threshold search with the DP's optimum), regroup the best starts for
+the degrees found, and return the best: never worse than the paper or than the best static
+uniform CP degree under the same cost model. Large plans (``len(lengths) * num_ranks >= 2**18``,
+with a ``CostModel``) run their independent parts two at a time on two threads, with the same
+result. See ``csrc/dhp.cpp``.
 
 The cost is a :class:`CostModel`, per-sequence times from a vectorized callable (one call per
 degree; the search then runs in the compiled core too), or a per-group callable (the slow path).
