@@ -1,11 +1,12 @@
 // Internals of dhp.cpp: the two forms of a group's time (the closed-form CpCost and a per-sequence
-// table) and the exact optimal-degree search they share. Included by dhp.cpp only.
+// table) and the exact optimal-degree search they share. Included by dhp.cpp and cp_groups.cpp only.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <queue>
 #include <set>
 #include <tuple>
 #include <utility>
