@@ -35,7 +35,7 @@ import numpy as np
 
 from ._core_api import core
 from .cost_model import CostModel
-from .validate import as_count, as_lengths, as_num_ranks
+from .validate import as_count, as_lengths, as_nonnegative, as_num_ranks
 
 DEFAULT_COST = CostModel.transformer()
 # A callable cost is evaluated per degree: num_ranks is bounded for it, and so are the n * num_ranks
@@ -294,22 +294,7 @@ def _encoder_seconds(encoder_seconds, n: int) -> np.ndarray | None:
     """``cp_schedule``'s ``encoder_seconds`` as float64 ``[n]``, checked (``None`` stays)."""
     if encoder_seconds is None:
         return None
-    if isinstance(encoder_seconds, (str, bytes)):
-        raise TypeError("encoder_seconds must be an array of numbers or None, got a string")
-    try:
-        enc = np.asarray(encoder_seconds)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"encoder_seconds must be an array of numbers or None: {e}") from None
-    if enc.dtype.kind not in "iuf":
-        raise TypeError(f"encoder_seconds must hold real numbers, got dtype {enc.dtype}")
-    enc = enc.astype(np.float64).reshape(-1) if enc.ndim <= 1 else enc
-    if enc.shape != (n,):
-        raise ValueError(f"encoder_seconds must have one entry per sequence ({n}), got shape {enc.shape}")
-    bad = ~(np.isfinite(enc) & (enc >= 0))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"encoder_seconds[{i}] = {float(enc[i])!r}: must be finite and >= 0")
-    return np.add(enc, 0.0)  # -0.0 as 0.0, a fresh contiguous array
+    return np.add(as_nonnegative(encoder_seconds, "encoder_seconds", size=n), 0.0)  # -0.0 as 0.0
 
 
 def _from_core(lengths, num_ranks, mem, rpn, r) -> CPSchedule:

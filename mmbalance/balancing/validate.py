@@ -129,6 +129,8 @@ def as_nonnegative(x, name: str, ndim: int = 1, size: int | None = None, dims: s
         raise ValueError(
             f"{name} must be {ndim}-D{(' ' + dims) if dims else ''}{entries}, got shape {a.shape}"
         )
-    if not np.all(np.isfinite(a)) or (a.size and a.min() < 0):
-        raise ValueError(f"{name} must be finite and >= 0")
+    bad = ~(np.isfinite(a) & (a >= 0))
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name} must be finite and >= 0 ({name}{list(at)} = {float(a[at])!r})")
     return np.ascontiguousarray(a)

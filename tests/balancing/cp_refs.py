@@ -99,15 +99,20 @@ def paper_makespan(lengths, num_ranks, mem, cost):
     return dp[len(bins)][num_ranks]
 
 
-def static_groups(lengths, num_ranks, mem, cost, c):
-    """The non-empty groups (indices) of the static degree c, or None if a sequence fits nowhere."""
+def static_groups(lengths, num_ranks, mem, cost, c, group_time=None):
+    """The non-empty groups (indices) of the static degree c, or None if a sequence fits nowhere.
+    ``group_time(indices, c)``: a group's time from its sequences' indices, in place of
+    ``cost.time`` of their lengths."""
     groups = [[] for _ in range(num_ranks // c)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         best, best_t = None, None
         for k, g in enumerate(groups):
             if sum(lengths[j] for j in g) + lengths[i] > c * mem:
                 continue
-            t = cost.time([lengths[j] for j in g] + [lengths[i]], c)
+            if group_time is not None:
+                t = group_time(g + [i], c)
+            else:
+                t = cost.time([lengths[j] for j in g] + [lengths[i]], c)
             if best is None or t < best_t:
                 best, best_t = k, t
         if best is None:

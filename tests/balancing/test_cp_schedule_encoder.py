@@ -12,7 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mmbalance.balancing import CostModel, cp_schedule
-from tests.balancing.cp_refs import SETTINGS, batches, degree_penalty, models, transformer_per_sequence
+from tests.balancing.cp_refs import (
+    SETTINGS,
+    batches,
+    degree_penalty,
+    models,
+    static_groups,
+    transformer_per_sequence,
+)
 
 
 def group_time(cost, lengths, enc, members, d) -> float:
@@ -32,20 +39,10 @@ def check(sched, lengths, enc, num_ranks, mem, cost):
 
 
 def static_reference(lengths, enc, num_ranks, mem, cost, c):
-    """Static degree c plainly: longest first (ties by index) to the group fastest after taking it."""
-    groups: list[list[int]] = [[] for _ in range(num_ranks // c)]
-    for i in sorted(range(lengths.size), key=lambda i: (-lengths[i], i)):
-        best, best_t = None, None
-        for k, g in enumerate(groups):
-            if lengths[g].sum() + lengths[i] > c * mem:
-                continue
-            t = group_time(cost, lengths, enc, np.array(g + [i], dtype=np.int64), c)
-            if best is None or t < best_t:
-                best, best_t = k, t
-        if best is None:
-            return None
-        groups[best].append(i)
-    return max((group_time(cost, lengths, enc, np.array(g), c) for g in groups if g), default=0.0)
+    """Static degree c plainly (cp_refs.static_groups) with the share in every group's time."""
+    time = lambda g, d: group_time(cost, lengths, enc, np.array(g, dtype=np.int64), d)  # noqa: E731
+    groups = static_groups(lengths, num_ranks, mem, cost, c, group_time=time)
+    return None if groups is None else max((time(g, c) for g in groups), default=0.0)
 
 
 def set_partitions(items):
@@ -162,7 +159,7 @@ def test_callable_costs_add_the_share_too(fn):
 @pytest.mark.parametrize(
     "enc, err, match",
     [
-        ([1.0], ValueError, r"encoder_seconds must have one entry per sequence \(3\)"),
+        ([1.0], ValueError, r"encoder_seconds must be 1-D with 3 entries"),
         ([1.0, -1.0, 0.0], ValueError, r"encoder_seconds\[1\] = -1.0"),
         ([1.0, np.nan, 0.0], ValueError, r"encoder_seconds\[1\]"),
         ([1.0, np.inf, 0.0], ValueError, r"encoder_seconds\[1\]"),
