@@ -220,7 +220,7 @@ def _bwd_entries(
             signature=_signature(kernel, _short(dtype), _BWD_TYPES),
             constexprs=dict(common, BLOCK_M=cfg[f"{prefix}_BLOCK_M"], BLOCK_N=cfg[f"{prefix}_BLOCK_N"]),
             num_warps=cfg[f"{prefix}_warps"],
-            num_stages=cfg["stages"],
+            num_stages=cfg[f"{prefix}_stages"],
             # float32 runs IEEE FMA products by design: no tensor cores expected there
             expect={"spill_bytes": 0, "mma": dtype != torch.float32},
         )

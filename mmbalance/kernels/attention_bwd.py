@@ -377,7 +377,8 @@ def attn_bwd(
 
     Inputs are assumed validated (``pyops/attention_ops.py`` does it); ``dout`` and ``out`` are
     ``[Tq, H, D]``, ``lse`` (and ``dlse``) ``[H, Tq]`` float32. ``grads`` may pass preallocated
-    float32 ``(dq, dk, dv)``. Keys no query can see get zero gradients; an empty batch launches
+    float32 ``(dq, dk, dv)``. ``config`` takes :func:`~.attention_common.bwd_config`'s keys (default:
+    its choice for this device); ``stages`` stands for both ``dq_stages`` and ``kv_stages``. Keys no query can see get zero gradients; an empty batch launches
     nothing. ``window_left``/``window_right``/``softcap`` must be the forward's; attention sinks
     need nothing here (``lse`` includes them; their own gradient is the caller's, see
     ``attention_fwd.py``).
@@ -400,6 +401,9 @@ def attn_bwd(
     feats = feature_args(causal, window_left, window_right, softcap, softmax_scale)
     window = feats["WIN_LEFT"] or feats["WIN_RIGHT"]
     cfg = dict(config or bwd_config(head_dim, dev, q.dtype, window=window, softcap=feats["SOFTCAP"]))
+    if "stages" in cfg:  # one pipeline depth for both passes
+        cfg.setdefault("dq_stages", cfg["stages"])
+        cfg.setdefault("kv_stages", cfg.pop("stages"))
     bd = block_d(head_dim)
     delta = torch.empty((n_heads, tq), dtype=torch.float32, device=dev)
     block_t = 16 if INTERPRET else 64
@@ -414,7 +418,7 @@ def attn_bwd(
     k_runs_arg = k_runs if has_runs else cu_seqlens_k
     common = dict(
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, HAS_RUNS=has_runs,
-        DOT_PRECISION=dot_precision(q.dtype), num_stages=cfg["stages"], WIN_LEFT=feats["WIN_LEFT"],
+        DOT_PRECISION=dot_precision(q.dtype), WIN_LEFT=feats["WIN_LEFT"],
         WIN_RIGHT=feats["WIN_RIGHT"], SOFTCAP=feats["SOFTCAP"],
     )  # fmt: skip
     qk_scale = feats["qk_scale"]
@@ -432,6 +436,7 @@ def attn_bwd(
                 dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), delta.stride(0),
                 qk_scale, softmax_scale, causal_offset, dq_blocks, *extra,
                 BLOCK_M=cfg["dq_BLOCK_M"], BLOCK_N=launch["dq_BLOCK_N"], num_warps=launch["dq_warps"],
+                num_stages=launch["dq_stages"],
                 OVERFLOW=overflow, **common,
             )  # fmt: skip
     kv_blocks = triton.cdiv(max_seqlen_k, cfg["kv_BLOCK_N"])
@@ -444,6 +449,7 @@ def attn_bwd(
                 dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 lse.stride(0), delta.stride(0), qk_scale, softmax_scale, causal_offset, kv_blocks, *extra,
                 BLOCK_M=launch["kv_BLOCK_M"], BLOCK_N=cfg["kv_BLOCK_N"], num_warps=launch["kv_warps"],
+                num_stages=launch["kv_stages"],
                 OVERFLOW=overflow, **common,
             )  # fmt: skip
     return dq, dk, dv
