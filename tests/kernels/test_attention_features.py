@@ -332,11 +332,14 @@ def test_feature_switches_off_are_the_plain_kernel():
     and a right window on a causal mask changes nothing (it only admits keys causality forbids)."""
     q, k, v, cu_q, cu_k, _ = _batch(LQ, LK, 2, 1, 16, torch.float32, seed=40)
     args = [t.to(DEVICE) for t in (q, k, v, cu_q, cu_k)] + [max(LQ), 0.3, True, 2]
-    plain = KF.attn_fwd(*args)
-    off = KF.attn_fwd(*args, window_left=-1, window_right=-1, softcap=0.0, sinks=None)
-    right = KF.attn_fwd(*args, window_right=3)
+    # one tiling for every call (on a GPU a window variant picks narrower tiles by default, which
+    # sums in another order): the kernels' code paths are compared, not the tile choice
+    cfg = attention_common.fwd_config(16, torch.device(DEVICE), torch.float32)
+    plain = KF.attn_fwd(*args, config=cfg)
+    off = KF.attn_fwd(*args, window_left=-1, window_right=-1, softcap=0.0, sinks=None, config=cfg)
+    right = KF.attn_fwd(*args, window_right=3, config=cfg)
     # a window wider than any sequence (past int32 even: clamped on the host) is no window
-    wide = KF.attn_fwd(*args, window_left=10**12, window_right=10**12)
+    wide = KF.attn_fwd(*args, window_left=10**12, window_right=10**12, config=cfg)
     for a, b in ((plain, off), (plain, right), (plain, wide)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
