@@ -300,33 +300,34 @@ def bwd_config(
     """
     # a table row: dq tiles and warps, dk/dv tiles and warps, and one pipeline depth for both
     names = ("dq_BLOCK_M", "dq_BLOCK_N", "dq_warps", "kv_BLOCK_M", "kv_BLOCK_N", "kv_warps", "stages")
-    if INTERPRET or (device.type != "cuda" and capability is None):
-        cfg = dict(zip(names, (16, 16, 4, 16, 16, 4, 1)))
-        cfg["dq_stages"] = cfg["kv_stages"] = cfg.pop("stages")
-        return cfg
-    if capability is None:
-        capability = device_capability(device)
-    if dtype == torch.float32 and (window or softcap):
-        tiles = (16, 16, 8, 32, 16, 8, 1) if capability >= 90 else (16, 16, 8, 16, 32, 8, 1)
-    elif dtype == torch.float32:
-        tiles = (16, 32, 8, 16, 32, 8, 1)
-    elif block_d(head_dim) <= 64:
-        tiles = (128, 32, 8, 32, 64, 4, 2)
-    elif block_d(head_dim) <= 128 and capability >= 90:
-        # one warpgroup per program: 8 warps took 2.2x (causal) to 2.5x (full) as long on an H200
-        tiles = (64, 64, 4, 32, 64, 4, 2)
-    elif block_d(head_dim) <= 128:
-        tiles = (64, 64, 8, 32, 64, 8, 2)  # sm_80 holds mma.sync fragments in registers: 4 warps spill
+    interpret = INTERPRET or (device.type != "cuda" and capability is None)
+    arch = 0 if interpret else device_capability(device) if capability is None else capability
+    if interpret:
+        tiles = (16, 16, 4, 16, 16, 4, 1)
     else:
-        tiles = (32, 32, 8, 16, 32, 8, 1)
+        if dtype == torch.float32 and (window or softcap):
+            tiles = (16, 16, 8, 32, 16, 8, 1) if arch >= 90 else (16, 16, 8, 16, 32, 8, 1)
+        elif dtype == torch.float32:
+            tiles = (16, 32, 8, 16, 32, 8, 1)
+        elif block_d(head_dim) <= 64:
+            tiles = (128, 32, 8, 32, 64, 4, 2)
+        elif block_d(head_dim) <= 128 and arch >= 90:
+            # one warpgroup per program: 8 warps took 2.2x (causal) to 2.5x (full) as long on an H200
+            tiles = (64, 64, 4, 32, 64, 4, 2)
+        elif block_d(head_dim) <= 128:
+            tiles = (64, 64, 8, 32, 64, 8, 2)  # sm_80 holds mma.sync fragments in registers: 4 warps spill
+        else:
+            tiles = (32, 32, 8, 16, 32, 8, 1)
     cfg: dict[str, Any] = dict(zip(names, tiles))
     cfg["dq_stages"] = cfg["kv_stages"] = cfg.pop("stages")
+    if interpret:
+        return cfg
     overflow: dict[str, int] = {}
     if cfg["dq_BLOCK_N"] > 32:
         overflow["dq_BLOCK_N"] = 32
-    elif dtype == torch.float32 and cfg["dq_BLOCK_N"] == 32 and capability >= 90:
+    elif dtype == torch.float32 and cfg["dq_BLOCK_N"] == 32 and arch >= 90:
         overflow["dq_BLOCK_N"] = 16  # the float32 dq tail spills 64 bytes at 32 on sm_90
-    elif dtype == torch.float32 and softcap and not window and capability < 90:
+    elif dtype == torch.float32 and softcap and not window and arch < 90:
         overflow["dq_BLOCK_N"] = 32  # and the float32 softcap dq tail 8 bytes at 16 on sm_80
     if cfg["kv_warps"] == 4 and 64 < block_d(head_dim) <= 128:
         overflow["kv_warps"] = 8  # the dk/dv tail's extra loop spills 8-48 bytes in one warpgroup
