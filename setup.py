@@ -3,8 +3,11 @@
 import glob
 import sys
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# the translation units compile in parallel, one job a CPU (MMBALANCE_BUILD_JOBS=N to choose)
+ParallelCompile("MMBALANCE_BUILD_JOBS", default=0).install()
 
 extra = ["-O3", "-fvisibility=hidden"] if sys.platform != "win32" else ["/O2"]
 

@@ -106,3 +106,43 @@ def test_audit_compiles_varlen_kernels_to_128_bit_accesses(tmp_path, arch="sm_90
     assert {"pack_fwd_kernel[fp16,row=4096]", "unpack_fwd_kernel[fp16,row=4096]"} <= names
     for r in rows:
         assert r["load_bits"] == 128 and r["store_bits"] == 128 and r["spill_bytes"] == 0, r
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_audit_all_keeps_the_order_and_fails_a_row_per_broken_kernel(monkeypatch, jobs):
+    """Forked workers (``--jobs``) give the rows in the entries' order, and a kernel that does not
+    compile is a failed row there too, not a lost one or a crashed run."""
+
+    def fake_audit(cfg, capability, ptxas_arch):
+        if cfg["name"] == "broken":
+            raise RuntimeError("ptxas says no")
+        return {"name": cfg["name"], "pid": os.getpid(), "capability": capability, "arch": ptxas_arch}
+
+    monkeypatch.setattr(kernel_audit, "audit_one", fake_audit)
+    names = [f"k{i}" for i in range(7)]
+    names.insert(3, "broken")
+    configs = [{"name": n, "module": "m"} for n in names]
+    rows = kernel_audit.audit_all(configs, 90, "sm_90a", jobs=jobs)
+    assert [r["name"] for r in rows] == names
+    assert "compile failed" in rows[3]["error"] and "ptxas says no" in rows[3]["error"]
+    assert all(r["capability"] == 90 and r["arch"] == "sm_90a" for i, r in enumerate(rows) if i != 3)
+    pids = {r["pid"] for i, r in enumerate(rows) if i != 3}
+    assert (os.getpid() in pids) == (jobs == 1)  # forked workers did the work
+    assert kernel_audit._JOB == ([], 0, "")  # nothing kept from the run
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(kernel_audit._ptxas(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
+def test_parallel_audit_gives_the_serial_report(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    reports = []
+    for jobs in (1, 2):
+        out = tmp_path / f"audit{jobs}.json"
+        cmd = [sys.executable, "-m", "mmbalance.bench.kernel_audit", "--only", "fwd_kernel[fp16",
+               "--jobs", str(jobs), "--json", str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        reports.append(
+            [{k: v for k, v in r.items() if k != "compile_s"} for r in json.loads(out.read_text())["kernels"]]
+        )
+    assert len(reports[0]) >= 2 and reports[0] == reports[1]
