@@ -16,7 +16,8 @@ token-loss sum over the global count); every image and frame is encoded exactly 
 (the rows of the vision tower's calls); no rank's language model embeds more than the budget.
 
 argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | llava (LLaVA
-has no video: a document of eight images stands in for it), balance plain | encoder
+has no video: a document of eight images stands in for it) | qwen2_5_omni (the thinker: a long
+audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
 (``apply_encoder_balance`` on the same model) | fault (one rank's batch is bad: refused on every
 rank) | stream (``handle.batches`` over each rank's own loader of a different length, as a stream's
 slices give them: a rank whose loader has ended takes part with empty batches; loss and gradients,
@@ -55,17 +56,32 @@ SPECS = {
     "qwen3_vl": [[[("video", 7, 8, 8)], ("text", 3)], *QWEN[1:]],
     # LLaVA: 16 tokens an image; eight in one sequence make 143 tokens
     "llava": [[[1] * 8, ("text", 3)], [[1, 1]], [[1], ("text", 2)], [[1], ("text", 2)]],
+    # the Qwen2.5-Omni thinker: a clip of 480 mel frames is 120 audio tokens (130 with its text),
+    # over twice the budget; an image and a clip share the 39-token sequence of rank 1
+    "qwen2_5_omni": [
+        [[("audio", 480)], ("text", 3)],
+        [[(8, 8), ("audio", 40)]],
+        [[(8, 12)], ("text", 2)],
+        [[(8, 8)], ("text", 2)],
+    ],
 }
 
 
-def tower(model):
-    """The vision tower, and the rows of one stand-in item (a rank with nothing to encode)."""
+def towers(model) -> list:
+    """``(tower, its input rows of one call, the rows of one stand-in item)`` of every encoder
+    (a rank with nothing to encode runs a stand-in item)."""
     from mmbalance.integrations.hf.models.common import core
 
     if FAMILY == "llava":
-        return core(model).vision_tower, 1  # one image
+        return [
+            (core(model).vision_tower, lambda a, kw: int((a[0] if a else kw["pixel_values"]).shape[0]), 1)
+        ]
     visual = core(model).visual
-    return visual, int(visual.spatial_merge_size) ** 2
+    out = [(visual, lambda a, kw: int((a[0] if a else next(iter(kw.values()))).shape[0]),
+            int(visual.spatial_merge_size) ** 2)]  # fmt: skip
+    if FAMILY == "qwen2_5_omni":  # the audio tower's rows: the clips' valid frames
+        out.append((core(model).audio_tower, lambda a, kw: int(kw["feature_lens"].sum()), 3))
+    return out
 
 
 def tiny(attn: str):
@@ -88,7 +104,7 @@ def examples(model) -> list[list[dict]]:
                 g = torch.Generator().manual_seed(100 + k)
                 ids = torch.randint(1, 90, (1, spec[1]), generator=g)
                 text = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-                if FAMILY != "llava":
+                if FAMILY not in ("llava", "qwen2_5_omni"):
                     text["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int32)
                 mine.append(text)
             else:
@@ -133,13 +149,13 @@ def run_one() -> None:
     enc_handle = apply_encoder_balance(model) if BALANCE == "encoder" else None
     handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
     data = examples(model)
-    embedded, tower_rows = [], []
+    embedded = []
     model.get_input_embeddings().register_forward_hook(lambda m, i, o: embedded.append(int(i[0].numel())))
-    vision, stand_in = tower(model)
-    vision.register_forward_pre_hook(
-        lambda m, a, kw: tower_rows.append(int((a[0] if a else next(iter(kw.values()))).shape[0])),
-        with_kwargs=True,
-    )
+    calls: list[list[int]] = [[] for _ in towers(model)]
+    for k, (module, rows_of, _) in enumerate(towers(model)):
+        module.register_forward_pre_hook(
+            lambda m, a, kw, k=k, rows_of=rows_of: calls[k].append(rows_of(a, kw)), with_kwargs=True
+        )
     inputs = handle.shard(hf_zoo.collate(data[rank], left=rank % 2 == 1))
     loss = model(**inputs).loss
     loss.backward()
@@ -148,14 +164,18 @@ def run_one() -> None:
     assert stats["largest_shard"] <= BUDGET, stats
     assert sorted(stats["degrees"]) == [1, 3], stats
     assert stats["split_items"]["image"] >= 1, stats
-    if FAMILY != "llava":  # LLaVA has no video stream
+    if FAMILY == "qwen2_5_omni":  # the long clip's rows reach three ranks
+        assert stats["split_items"]["audio"] >= 1, stats
+    elif FAMILY != "llava":  # LLaVA has no video stream
         assert stats["split_items"]["video"] >= 1, stats
-    # every image and frame encoded once in the world: one tower call per rank, real rows or a stand-in
-    assert len(tower_rows) == 1, f"rank {rank}: {len(tower_rows)} vision tower calls"
+    # every image, frame and clip encoded once in the world: one call per tower and rank, real rows
+    # or a stand-in
+    assert [len(c) for c in calls] == [1] * len(calls), f"rank {rank}: tower calls {calls}"
+    real = sum(c[0] for c, (_, _, stand_in) in zip(calls, towers(model)) if c[0] != stand_in)
     if stats["encoded_rows"]:
-        assert tower_rows[0] == stats["encoded_rows"], (tower_rows, stats["encoded_rows"])
+        assert real == stats["encoded_rows"], (calls, stats["encoded_rows"])
     else:
-        assert tower_rows[0] == stand_in, f"rank {rank}: stand-in of {tower_rows[0]} rows"
+        assert real == 0, f"rank {rank}: towers ran {calls} rows with nothing to encode"
     total = loss.detach().clone()
     dist.all_reduce(total)
     encoded = torch.tensor([stats["encoded_rows"]], dtype=torch.int64)
@@ -165,7 +185,7 @@ def run_one() -> None:
         flat = [b for mine in data for b in mine]
         rows = sum(
             int(b[k].shape[0]) for b in flat for k in ("pixel_values", "pixel_values_videos") if k in b
-        )
+        ) + sum(int(b["feature_attention_mask"].sum()) for b in flat if "feature_attention_mask" in b)
         assert int(encoded) == rows, f"{int(encoded)} rows encoded in the world, the media have {rows}"
         ref = tiny("eager")
         count = sum(int((b["labels"][0, 1:] != -100).sum()) for b in flat)

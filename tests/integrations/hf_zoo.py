@@ -354,4 +354,11 @@ def collate(batches: list[dict], left=False) -> dict:
         parts = [b[key] for b in batches if key in b]
         if parts:
             out[key] = torch.cat(parts)
+    clips = [b for b in batches if "input_features" in b]
+    if clips:  # audio clips: one row each, frames padded to the longest
+        frames = max(int(b["input_features"].shape[-1]) for b in clips)
+        for key in ("input_features", "feature_attention_mask"):
+            out[key] = torch.cat(
+                [torch.nn.functional.pad(b[key], (0, frames - int(b[key].shape[-1]))) for b in clips]
+            )
     return out

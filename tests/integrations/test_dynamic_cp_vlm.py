@@ -1,4 +1,5 @@
-"""Dynamic context parallelism in vision-language models (``apply_dynamic_cp`` on Qwen-VL and LLaVA).
+"""Dynamic context parallelism in multimodal models (``apply_dynamic_cp`` on Qwen-VL, LLaVA and the
+Qwen2.5-Omni thinker).
 
 The multi-rank runs (``cp_vlm_loop.py``, 4 ranks as torchrun starts them) check loss, gradients,
 the encoder calls and the budget against a one-process reference, with and without encoder
@@ -50,10 +51,12 @@ def test_vlm_step_matches_one_process_reference_on_4_ranks():
 
 
 @pytest.mark.distributed
-def test_qwen3_vl_and_llava_steps_match_one_process_reference_on_4_ranks():
-    """Qwen3-VL (a timestamp per temporal patch, deepstack features) and LLaVA (a document of eight
-    images in place of the video): the same checks, with and without encoder balancing."""
+def test_qwen3_vl_llava_and_omni_steps_match_one_process_reference_on_4_ranks():
+    """Qwen3-VL (a timestamp per temporal patch, deepstack features), LLaVA (a document of eight
+    images in place of the video) and the Qwen2.5-Omni thinker (a long audio clip in its place, an
+    image and a clip in one sequence): the same checks, with and without encoder balancing."""
     runs = ["qwen3_vl:plain", "qwen3_vl:encoder", "llava:plain", "llava:encoder"]
+    runs += ["qwen2_5_omni:plain", "qwen2_5_omni:encoder"]
     out = launch(SCRIPT, *runs, nproc=4, timeout=900)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [x["run"] for x in lines] == runs, out[-3000:]
@@ -63,6 +66,7 @@ def test_qwen3_vl_and_llava_steps_match_one_process_reference_on_4_ranks():
         assert x["split_items"]["image"] >= 1
         assert x["after"] < x["before"]
     assert all(x["split_items"]["video"] >= 1 for x in lines[:2])
+    assert all(x["split_items"]["audio"] >= 1 for x in lines[4:])  # the long clip's rows on 3 ranks
 
 
 def _model(name: str, attn: str = "mmbalance_varlen", seed: int = 0):
@@ -138,6 +142,81 @@ def test_one_process_shard_matches_the_stock_forward(name):
     handle.remove()
 
 
+# image and audio in one sequence, text alone, audio alone, audio then image
+OMNI = [[(4, 4), ("audio", 20)], [], [("audio", 13)], [("audio", 30), (4, 8)]]
+
+
+def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
+    """The Qwen2.5-Omni thinker: its audio rows reach the input embeddings at their placeholders
+    (the thinker takes audio only as input_features); positions, loss and gradients as the stock
+    forward gives every example alone, and every clip and image encoded once."""
+    model, ref = _model("qwen2_5_omni"), _model("qwen2_5_omni", "eager")
+    rows = [hf_zoo.batch("qwen2_5_omni", model, [spec], seed=3 + i) for i, spec in enumerate(OMNI)]
+    batch = hf_zoo.collate(rows, left=[i == 1 for i in range(len(rows))])
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
+    frames = []
+    core(model).audio_tower.register_forward_pre_hook(
+        lambda m, a, kw: frames.append(int(kw["feature_lens"].sum())), with_kwargs=True
+    )
+    inputs = handle.shard(batch)
+    assert set(inputs["mm_encoder_outputs"]) == {"image", "audio"}
+    n = inputs["num_items_in_batch"]
+    loss = model(**inputs).loss
+    loss.backward()
+    want = sum(ref(**b, num_items_in_batch=n).loss for b in rows)
+    want.backward()
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    err, where = _worst(_grads(model), _grads(ref))
+    assert err <= 1e-5, f"gradient of {where}: {err:.2e}"
+    assert frames == [20 + 13 + 30]  # one audio tower call, every clip's valid frames
+    assert handle.stats["encoders"]["audio"]["items"] == 3
+    want_pos = []
+    for b in rows:
+        pos, _ = core(ref).get_rope_index(
+            b["input_ids"], b.get("image_grid_thw"), None, b["attention_mask"], False,
+            b["feature_attention_mask"].sum(-1) if "feature_attention_mask" in b else None, None,
+        )  # fmt: skip
+        want_pos.append(pos[:, 0])
+    assert torch.equal(inputs["position_ids"][1:, 0], torch.cat(want_pos, dim=1))
+    handle.remove()
+    assert not model._forward_pre_hooks  # the audio hook went with the handle
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "words"),
+    [
+        (lambda b: b.update(use_audio_in_video=True), NotImplementedError, ["use_audio_in_video"]),
+        (lambda b: (b.pop("input_features"), b.pop("feature_attention_mask")), ValueError,
+         ["audio placeholder", "input_features"]),
+        (lambda b: b["feature_attention_mask"][0, :8].zero_(), ValueError, ["input_features", "audio"]),
+    ],
+    ids=["audio-in-video", "no-features", "too-few-frames"],
+)  # fmt: skip
+def test_bad_omni_batches_are_refused_by_name(change, error, words):
+    model = _model("qwen2_5_omni")
+    batch = hf_zoo.batch("qwen2_5_omni", model, [[("audio", 20), (4, 4)]])
+    change(batch)
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
+    with pytest.raises(error) as info:
+        handle.shard(batch)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    handle.remove()
+
+
+def test_omni_audio_rows_must_match_the_placeholders():
+    """The thinker's pre-hook places the shard's audio rows; a count that does not match the
+    placeholders of input_ids is refused by name, not scattered short."""
+    model = _model("qwen2_5_omni")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
+    inputs = handle.shard(hf_zoo.batch("qwen2_5_omni", model, [[("audio", 20)]]))
+    audio = inputs["mm_encoder_outputs"]["audio"]
+    inputs["mm_encoder_outputs"] = {"audio": type(audio)(pooler_output=(audio.pooler_output[0][1:],))}
+    with pytest.raises(ValueError, match=r"mm_encoder_outputs\['audio'\]: 4 rows for the 5 audio"):
+        model(**inputs)
+    handle.remove()
+
+
 def test_the_budget_counts_vision_tokens():
     model = _model("qwen2_vl")
     batch = hf_zoo.batch("qwen2_vl", model, [[(8, 8), (8, 8)]])  # 45 tokens, 32 of them vision
@@ -147,7 +226,7 @@ def test_the_budget_counts_vision_tokens():
     handle.remove()
 
 
-@pytest.mark.parametrize("name", ["llava_next", "internvl", "idefics3", "qwen2_audio", "qwen2_5_omni"])
+@pytest.mark.parametrize("name", ["llava_next", "internvl", "idefics3", "qwen2_audio"])
 def test_other_multimodal_models_are_refused_by_name(name):
     register_attention()
     model = hf_zoo.build(name)

@@ -1,5 +1,6 @@
 """``balance_trainer(..., context_parallel=True)`` on a vision-language model (``trainer_cp_vlm.py``,
-4 ranks launched as torchrun would): a tiny Qwen2-VL whose 8-frame video exceeds twice the budget.
+4 ranks launched as torchrun would): a tiny Qwen2-VL whose 8-frame video exceeds twice the budget,
+and the Qwen2.5-Omni thinker with a long audio clip in its place.
 
 The CP run's final weights equal the run without CP (the same examples in every micro-batch slot),
 no rank embeds more than the budget, every example is trained once, and every image and frame is
@@ -29,9 +30,11 @@ SCRIPT = Path(S.__file__)
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_trainer_with_context_parallel_on_a_vlm_trains_like_without_it():
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_omni"])
+def test_trainer_with_context_parallel_on_a_vlm_trains_like_without_it(family):
     with tempfile.TemporaryDirectory() as tmp:
-        launch(SCRIPT, nproc=4, timeout=900, env={"MMB_TMP": tmp})  # every rank must exit with code 0
+        # every rank must exit with code 0
+        launch(SCRIPT, nproc=4, timeout=900, env={"MMB_TMP": tmp, "MMB_FAMILY": family})
         logs = {(n, r): json.loads((Path(tmp) / f"{n}-rank{r}.json").read_text())
                 for n in ("plain", "cp") for r in range(4)}  # fmt: skip
         w = {n: torch.load(Path(tmp) / f"{n}.pt") for n in ("plain", "cp")}
@@ -46,8 +49,13 @@ def test_trainer_with_context_parallel_on_a_vlm_trains_like_without_it():
     # the video (example 0) is loaded by every member of its group: 3 ranks or more
     assert sum(1 for r in range(4) if any(0 in b for b in logs["cp", r]["batches"])) >= 3
     media = logs["cp", 0]["media_rows"]
+    # stand-in items where a rank has nothing of its group's media: 4 patches, 3 audio frames
     real = sum(x for r in range(4) for x in logs["cp", r]["tower_rows"] if x != 4)
+    real += sum(x for r in range(4) for x in logs["cp", r]["audio_rows"] if x != 3)
     stand_ins = sum(1 for r in range(4) for x in logs["cp", r]["tower_rows"] if x == 4)
     assert real == sum(media), (real, sum(media))
     assert all(len(logs["cp", r]["tower_rows"]) == slots for r in range(4))  # one tower call per forward
+    assert all(len(logs["cp", r]["audio_rows"]) <= slots for r in range(4))
     assert stand_ins < 4 * slots
+    if family == "qwen2_5_omni":
+        assert sum(len(logs["cp", r]["audio_rows"]) for r in range(4)) > 0

@@ -1,9 +1,10 @@
 """Launched by test_trainer_cp_vlm.py on 4 CPU ranks (the environment torchrun gives its workers):
-transformers' Trainer on a tiny Qwen2-VL with ``balance_trainer``, first without context
-parallelism, then with ``context_parallel=True`` and a budget that splits the long video over 3
-ranks. Every rank logs what its loader fetched, the largest number of tokens its embedding saw in
-one forward and the rows of every vision tower call to ``$MMB_TMP``; rank 0 saves the final
-weights of both runs there.
+transformers' Trainer on a tiny Qwen2-VL (``$MMB_FAMILY=qwen2_5_omni``: the Qwen2.5-Omni thinker,
+a long audio clip in place of the video) with ``balance_trainer``, first without context
+parallelism, then with ``context_parallel=True`` and a budget that splits the long video (clip)
+over 3 ranks. Every rank logs what its loader fetched, the largest number of tokens its embedding
+saw in one forward and the rows of every vision (and audio) tower call to ``$MMB_TMP``; rank 0
+saves the final weights of both runs there.
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ SPECS = (
     [[("video", 8, 8, 8)], [(8, 8), (8, 8)], [(4, 4)], [], [(4, 8)], [(8, 8)], [], [(4, 4), (4, 8)]]
     + [[(8, 4)], [], [(4, 4)], [(8, 8)], [], [(4, 8)], [], [(4, 4)]]
 )  # fmt: skip
+FAMILY = os.environ.get("MMB_FAMILY", "qwen2_vl")
+if FAMILY == "qwen2_5_omni":
+    # a clip of 480 mel frames: 130 tokens with its text; clips beside images elsewhere
+    SPECS = (
+        [[("audio", 480)], [(8, 8), ("audio", 40)], [(4, 4)], [], [("audio", 24)], [(8, 8)], [], [(4, 4), (4, 8)]]
+        + [[(8, 4)], [], [("audio", 32), (4, 4)], [(8, 8)], [], [(4, 8)], [], [(4, 4)]]
+    )  # fmt: skip
 N = len(SPECS)
+ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids")
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "input_features",
+              "feature_attention_mask")  # fmt: skip
 
 
 def build_model():
@@ -33,7 +44,7 @@ def build_model():
     from tests.integrations import hf_zoo
 
     register_attention()
-    model = hf_zoo.build("qwen2_vl", seed=0)
+    model = hf_zoo.build(FAMILY, seed=0)
     model.set_attn_implementation("mmbalance_varlen")
     return model
 
@@ -41,11 +52,9 @@ def build_model():
 def example(i: int, model) -> dict:
     from tests.integrations import hf_zoo
 
-    b = hf_zoo.batch("qwen2_vl", model, [SPECS[i]], seed=500 + i)
-    out = {
-        k: v[0] for k, v in b.items() if k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")
-    }
-    for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+    b = hf_zoo.batch(FAMILY, model, [SPECS[i]], seed=500 + i)
+    out = {k: v[0] for k, v in b.items() if k in ROW_KEYS}
+    for k in MEDIA_KEYS:
         if k in b:
             out[k] = b[k]
     out["idx"] = i
@@ -53,16 +62,17 @@ def example(i: int, model) -> dict:
 
 
 def media_rows(i: int, model) -> int:
+    """The input rows of example ``i``'s media: patches, and the valid frames of its clips."""
     e = example(i, model)
-    return sum(int(e[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in e)
+    rows = sum(int(e[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in e)
+    return rows + (int(e["feature_attention_mask"].sum()) if "feature_attention_mask" in e else 0)
 
 
 def collate(rows: list[dict]) -> dict:
     """A processor batch: rows padded on the right, the media of every row in order."""
     from tests.integrations import hf_zoo
 
-    one = [{k: (v[None] if k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids") else v)
-            for k, v in r.items() if k != "idx"} for r in rows]  # fmt: skip
+    one = [{k: (v[None] if k in ROW_KEYS else v) for k, v in r.items() if k != "idx"} for r in rows]
     return hf_zoo.collate(one)
 
 
@@ -84,6 +94,11 @@ def train(name: str, cp: bool):
     tower: list[int] = []
     model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
     core(model).visual.register_forward_pre_hook(lambda m, a: tower.append(int(a[0].shape[0])))
+    audio: list[int] = []
+    if FAMILY == "qwen2_5_omni":
+        core(model).audio_tower.register_forward_pre_hook(
+            lambda m, a, kw: audio.append(int(kw["feature_lens"].sum())), with_kwargs=True
+        )
     data = Logged([example(i, model) for i in range(N)])
     lengths = [int(r["input_ids"].shape[0]) for r in data.rows]
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
@@ -93,7 +108,8 @@ def train(name: str, cp: bool):
     rank = int(os.environ["RANK"])
     degrees = trainer.cp_sampler.stats.get("degrees") if cp else None
     with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
-        json.dump({"batches": data.log, "max_tokens": max(seen), "tower_rows": tower, "degrees": degrees,
+        json.dump({"batches": data.log, "max_tokens": max(seen), "tower_rows": tower, "audio_rows": audio,
+                   "degrees": degrees,
                    "media_rows": [media_rows(i, model) for i in range(N)]}, f)  # fmt: skip
     if rank == 0:
         torch.save(

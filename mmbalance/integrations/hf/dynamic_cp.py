@@ -85,10 +85,13 @@ class DynamicCPHandle:
         self._groups: dict[tuple[int, ...], object] = {}
         self.vlm = vlm  # a VLMFamily for the vision-language models (dynamic_cp_vlm.py)
         self.adapters = []
+        self._embed_hook = None
         if vlm is not None:
+            from .dynamic_cp_vlm import embed_streams
             from .encoder_adapter import adapters_for
 
             self.adapters = adapters_for(model)
+            self._embed_hook = embed_streams(vlm, model)
         self.removed = False
         #: statistics of the last :meth:`shard`: ``degrees`` (every group's degree), ``largest_shard``
         #: (tokens of the busiest rank), ``before``/``after`` (max/mean over ranks of the modelled
@@ -116,7 +119,8 @@ class DynamicCPHandle:
         For a vision-language model the batch is what its processor gives: the padded form plus
         ``pixel_values`` with ``image_grid_thw``, ``pixel_values_videos`` with ``video_grid_thw``
         (media in order of appearance), ``mm_token_type_ids`` and ``second_per_grid_ts`` where
-        the model takes them (LLaVA: ``pixel_values``). The keywords then also hold
+        the model takes them (LLaVA: ``pixel_values``; the Omni thinker: also ``input_features``
+        with ``feature_attention_mask`` and ``video_second_per_grid``). The keywords then also hold
         ``mm_encoder_outputs`` (the shard's feature rows) and ``position_ids`` ``[4, 1, T]`` for
         the M-RoPE models (the token's position in its sequence, then the three M-RoPE rows the
         model's ``get_rope_index`` gives the whole sequence); see :mod:`.dynamic_cp_vlm`.
@@ -285,6 +289,8 @@ class DynamicCPHandle:
         if self.removed:
             return
         self.removed = True
+        if self._embed_hook is not None:
+            self._embed_hook.remove()
         if getattr(self.model, "_mmbalance_dynamic_cp", None) is self:
             del self.model._mmbalance_dynamic_cp
 
@@ -300,10 +306,11 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
         model: a transformers model that uses ``attn_implementation="mmbalance_varlen"``
             (``register_attention()``, then ``from_config(..., attn_implementation=...)`` or
             ``model.set_attn_implementation("mmbalance_varlen")``). The plain text decoders
-            (Llama, Qwen2, Qwen3, Mistral, ...) are supported, and the vision-language models
-            Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and LLaVA (``...ForConditionalGeneration``;
-            :mod:`.dynamic_cp_vlm`: M-RoPE positions from the whole sequence, every image and
-            frame encoded once, feature rows sent straight to the shards of their placeholders).
+            (Llama, Qwen2, Qwen3, Mistral, ...) are supported, and the multimodal models
+            Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA and the Qwen2.5-Omni thinker
+            (images and audio clips; ``...ForConditionalGeneration``; :mod:`.dynamic_cp_vlm`:
+            M-RoPE positions from the whole sequence, every image, frame and clip encoded once,
+            feature rows sent straight to the shards of their placeholders).
             Any other multimodal model is refused by name. What the ring cannot run (sliding
             windows, softcap, sinks, chunked attention, block masks, padding masks) raises
             ``NotImplementedError`` at the first forward.

@@ -1,7 +1,8 @@
-"""Dynamic context parallelism for vision-language models: :meth:`DynamicCPHandle.shard` on the
-batches their processors give (images, videos), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE
-and LLaVA. This module holds the model families (batch keys, feature streams, M-RoPE positions,
-encoder FLOPs) and the encoder cost (a group plans with its members' share of it,
+"""Dynamic context parallelism for multimodal models: :meth:`DynamicCPHandle.shard` on the
+batches their processors give (images, videos, audio clips), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Qwen3-VL-MoE, LLaVA and the Qwen2.5-Omni thinker. This module holds the model families (batch
+keys, feature streams, M-RoPE positions, encoder FLOPs, the streams placed into the input
+embeddings) and the encoder cost (a group plans with its members' share of it,
 :func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds``); the numpy side of a
 step is in :mod:`.dynamic_cp_vlm_plan`, the step itself (:func:`~.dynamic_cp_vlm_step.shard_vlm`)
 in :mod:`.dynamic_cp_vlm_step`, the Trainer's collator side in :mod:`.dynamic_cp_vlm_trainer`.
@@ -37,7 +38,10 @@ One step, on every rank (every decision from gathered facts, so identical everyw
 5. The shard's keywords give the features through the model's own hook (``mm_encoder_outputs``,
    in the order of the shard's placeholder tokens) and ``position_ids`` ``[4, 1, T]`` (each
    token's position in its own sequence, then the three M-RoPE rows: the layout the Qwen text
-   models read; LLaVA takes ``[1, T]``).
+   models read; LLaVA takes ``[1, T]``). The Omni thinker reads audio only from
+   ``input_features``: its audio rows ride in ``mm_encoder_outputs["audio"]`` and a forward
+   pre-hook the handle puts on the model (:func:`embed_streams`; in Trainer, the media hook) places
+   them into the input embeddings at the audio placeholders before the thinker runs.
 
 Every image and frame is encoded exactly once in the world. A rank with nothing to encode (for an
 encoder that has items somewhere) encodes one tiny stand-in item, so every rank runs the encoder
@@ -59,14 +63,16 @@ from mmbalance.balancing import CostModel
 
 from .cp_plan import text_config
 from .encoder_adapter import EncoderAdapter, adapters_for, flops_linear
-from .models.common import as_int, core
+from .models.common import as_int, audio_out_len, core
 
 __all__ = [
     "SUPPORTED",
     "VLMFamily",
     "assign_media",
     "check_feature_rows",
+    "embed_streams",
     "encoder_seconds",
+    "place_embedded",
     "vlm_family",
 ]
 
@@ -77,8 +83,9 @@ _QWEN = {
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE",
 }
 _LLAVA = {"LlavaForConditionalGeneration": "LLaVA"}
-#: the vision-language model classes ``apply_dynamic_cp`` shards (text decoders work as they are)
-SUPPORTED: tuple[str, ...] = tuple(_QWEN) + tuple(_LLAVA)
+_OMNI = {"Qwen2_5OmniThinkerForConditionalGeneration": "Qwen2.5-Omni thinker"}
+#: the multimodal model classes ``apply_dynamic_cp`` shards (text decoders work as they are)
+SUPPORTED: tuple[str, ...] = tuple(_QWEN) + tuple(_LLAVA) + tuple(_OMNI)
 # a FLOP rate to turn encoder FLOPs into the seconds of the "quadratic" cost (CostModel.transformer)
 _FLOPS = 400e12
 
@@ -97,6 +104,11 @@ class VLMFamily:
     label = ""
     batch_keys: frozenset[str] = frozenset()
     mrope = False
+    #: streams the model takes no ``mm_encoder_outputs`` entry for: their rows reach the input
+    #: embeddings through the handle's forward pre-hook (:func:`embed_streams`)
+    embedded: frozenset[str] = frozenset()
+    #: the batch key that carries each stream's media, for messages
+    media_keys: Mapping[str, str] = {"image": "pixel_values", "video": "pixel_values_videos"}
 
     def streams(self, model) -> list[tuple[str, int]]:
         """``(mm_encoder_outputs key, placeholder token id)`` of every feature stream."""
@@ -114,8 +126,8 @@ class VLMFamily:
         return None
 
     def encoder_flops(self, model, adapter: EncoderAdapter, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Forward FLOPs of encoding every item (float64 ``[n]``)."""
-        raise NotImplementedError
+        """Forward FLOPs of encoding every item (float64 ``[n]``): by default the adapter's FLOP model."""
+        return np.asarray(adapter.cost(model, meta, rows), dtype=np.float64)
 
 
 def assign_media(sizes: np.ndarray, counts: np.ndarray, key: str, what: str) -> list[np.ndarray]:
@@ -179,25 +191,7 @@ class _Qwen(VLMFamily):
 
     def positions(self, model, batch, ids, kinds, spans):
         c = core(model)
-        merge2 = int(c.visual.spatial_merge_size) ** 2
-        counts = np.array(
-            [[int((k == 1).sum()), int((k == 2).sum())] for k in kinds], dtype=np.int64
-        ).reshape(-1, 2)
-        grids = {}
-        for col, (name, key) in enumerate((("image", "image_grid_thw"), ("video", "video_grid_thw"))):
-            g = batch.get(key)
-            if g is None and int(counts[:, col].sum()):
-                pix = "pixel_values_videos" if name == "video" else "pixel_values"
-                raise ValueError(
-                    f"input_ids holds {int(counts[:, col].sum())} {name} placeholder tokens but the batch has no "
-                    f"{pix} and {key}"
-                )
-            g = (
-                torch.zeros(0, 3, dtype=torch.long)
-                if g is None
-                else torch.as_tensor(g).reshape(-1, 3).cpu().long()
-            )
-            grids[name] = (g, assign_media(g.prod(-1).numpy() // merge2, counts[:, col], key, name))
+        grids = _grids(batch, kinds, int(c.visual.spatial_merge_size) ** 2)
         seconds = batch.get("second_per_grid_ts")
         tt_all = batch.get("mm_token_type_ids")
         rope = c.get_rope_index
@@ -227,8 +221,108 @@ class _Qwen(VLMFamily):
                 out.append(pos[:, 0, :].t().to(torch.int64).cpu())
         return torch.cat(out) if out else torch.zeros(0, 3, dtype=torch.int64)
 
-    def encoder_flops(self, model, adapter, meta, rows):
-        return np.asarray(adapter.cost(model, meta, rows), dtype=np.float64)  # the adapter's FLOP model
+
+def _grids(batch: Mapping, kinds: list[np.ndarray], merge2: int) -> dict:
+    """Per vision stream (kinds 1 and 2), the batch's ``*_grid_thw`` rows and the rows of every
+    sequence's media; raises ValueError naming the keys when placeholders have no media."""
+    grids = {}
+    for col, (name, key) in enumerate((("image", "image_grid_thw"), ("video", "video_grid_thw"))):
+        counts = np.array([int((k == col + 1).sum()) for k in kinds], dtype=np.int64)
+        g = batch.get(key)
+        if g is None and int(counts.sum()):
+            pix = "pixel_values_videos" if name == "video" else "pixel_values"
+            raise ValueError(
+                f"input_ids holds {int(counts.sum())} {name} placeholder tokens but the batch has no {pix} and {key}"
+            )
+        g = (
+            torch.zeros(0, 3, dtype=torch.long)
+            if g is None
+            else torch.as_tensor(g).reshape(-1, 3).cpu().long()
+        )
+        grids[name] = (g, assign_media(g.prod(-1).numpy() // merge2, counts, key, name))
+    return grids
+
+
+class _QwenOmni(VLMFamily):
+    """The Qwen2.5-Omni thinker: images and videos through its Qwen ViT, audio clips through its
+    audio tower, M-RoPE positions from its ``get_rope_index``. The thinker reads image and video
+    rows from ``mm_encoder_outputs`` but audio only from ``input_features``: the shard's audio rows
+    reach the input embeddings at its audio placeholders instead (:func:`embed_streams`)."""
+
+    label = "Qwen2.5-Omni thinker"
+    mrope = True
+    embedded = frozenset({"audio"})
+    media_keys = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
+    batch_keys = frozenset(
+        {
+            "pixel_values",
+            "image_grid_thw",
+            "pixel_values_videos",
+            "video_grid_thw",
+            "video_second_per_grid",
+            "input_features",
+            "feature_attention_mask",
+            "use_audio_in_video",
+        }
+    )
+
+    def streams(self, model):
+        cfg = model.config
+        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id)),
+                ("audio", int(cfg.audio_token_id))]  # fmt: skip
+
+    def item_streams(self, adapter, meta):
+        if adapter.encoder == "audio":
+            return np.full(meta.shape[0], 2, dtype=np.int64)
+        return meta[:, 0].astype(np.int64)  # the vision adapter's "video" column
+
+    def positions(self, model, batch, ids, kinds, spans):
+        if batch.get("use_audio_in_video"):
+            raise NotImplementedError(
+                "batch['use_audio_in_video']: handle.shard does not interleave a video's audio with its frames "
+                "(mmbalance_varlen dynamic CP takes the audio of a video as a clip of its own)"
+            )
+        c = core(model)
+        grids = _grids(batch, kinds, int(c.visual.spatial_merge_size) ** 2)
+        counts = np.array([int((k == 3).sum()) for k in kinds], dtype=np.int64)
+        mask = batch.get("feature_attention_mask")
+        if mask is None and int(counts.sum()):
+            raise ValueError(
+                f"input_ids holds {int(counts.sum())} audio placeholder tokens but the batch has no input_features "
+                "and feature_attention_mask"
+            )
+        frames = (
+            np.zeros(0, dtype=np.int64)
+            if mask is None
+            else torch.as_tensor(mask).sum(-1).cpu().numpy().astype(np.int64).reshape(-1)
+        )
+        clips = assign_media(audio_out_len(frames), counts, "input_features", "audio")
+        seconds = batch.get("video_second_per_grid")
+        out = []
+        with torch.no_grad():
+            for s, seq_ids in enumerate(ids):
+                n = seq_ids.numel()
+                img, vid = grids["image"][0][grids["image"][1][s]], grids["video"][0][grids["video"][1][s]]
+                if not (img.shape[0] or vid.shape[0]):  # text and audio: the positions count up
+                    out.append(torch.arange(n, dtype=torch.int64)[:, None].expand(n, 3))
+                    continue
+                if vid.shape[0] and seconds is None:
+                    raise ValueError(
+                        "batch['video_second_per_grid']: the thinker's video positions need it (the processor "
+                        "gives it with pixel_values_videos)"
+                    )
+                per = torch.as_tensor(seconds).reshape(-1)[grids["video"][1][s]] if vid.shape[0] else None
+                pos, _ = c.get_rope_index(
+                    seq_ids.reshape(1, -1),
+                    img if img.shape[0] else None,
+                    vid if vid.shape[0] else None,
+                    None,
+                    False,
+                    torch.from_numpy(frames[clips[s]]),
+                    per,
+                )
+                out.append(pos[:, 0, :].t().to(torch.int64).cpu())
+        return torch.cat(out) if out else torch.zeros(0, 3, dtype=torch.int64)
 
 
 class _Llava(VLMFamily):
@@ -254,6 +348,55 @@ class _Llava(VLMFamily):
         return np.full(meta.shape[0], per, dtype=np.float64)
 
 
+def place_embedded(family: VLMFamily, model, args: tuple, kwargs: dict) -> dict:
+    """The forward keywords with the rows of the family's :attr:`~VLMFamily.embedded` streams (the
+    Qwen2.5-Omni thinker's audio) moved from ``mm_encoder_outputs`` (in the order of the call's
+    placeholders) into the input embeddings at their placeholder tokens. The embeddings are the
+    model's own (``get_input_embeddings()(input_ids)``, or the call's ``inputs_embeds``), so the
+    gradient reaches the embedding table and the rows alike; ``input_ids`` stays, for the
+    placeholders of the streams the model reads itself. Raises ValueError when a stream's rows do
+    not match its placeholders."""
+    mm = kwargs.get("mm_encoder_outputs")
+    if not isinstance(mm, Mapping) or not any(name in mm for name in family.embedded):
+        return kwargs
+    tokens = dict(family.streams(model))
+    mm, call = dict(mm), dict(kwargs)
+    ids = call.get("input_ids", args[0] if args else None)
+    if ids is None:
+        raise ValueError("mm_encoder_outputs with audio rows needs input_ids (its placeholders place them)")
+    for name in sorted(family.embedded):
+        entry = mm.pop(name, None)
+        if entry is None:
+            continue
+        rows = entry.pooler_output[0]
+        mask = ids == tokens[name]
+        if int(mask.sum()) != int(rows.shape[0]):
+            raise ValueError(
+                f"mm_encoder_outputs[{name!r}]: {int(rows.shape[0])} rows for the {int(mask.sum())} {name} "
+                "placeholder tokens of input_ids"
+            )
+        embeds = call.get("inputs_embeds")
+        if embeds is None:
+            embeds = model.get_input_embeddings()(ids)
+        call["inputs_embeds"] = embeds.masked_scatter(mask.unsqueeze(-1), rows.to(embeds.dtype))
+    call["mm_encoder_outputs"] = mm or None
+    return call
+
+
+def embed_streams(family: VLMFamily, model):
+    """For a family with :attr:`~VLMFamily.embedded` streams, a forward pre-hook on ``model`` that
+    runs :func:`place_embedded` on every call; returns the hook's handle, or ``None`` for a family
+    without such streams."""
+    if not family.embedded:
+        return None
+
+    def hook(module, args, kwargs):
+        call = place_embedded(family, module, args, kwargs)
+        return None if call is kwargs else (args, call)
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def vlm_family(model) -> VLMFamily | None:
     """The family of ``model`` if it is a supported vision-language model, ``None`` for a text
     model; raises ValueError naming the class, with the supported list, for any other multimodal
@@ -263,6 +406,8 @@ def vlm_family(model) -> VLMFamily | None:
         return _Qwen(name)
     if name in _LLAVA:
         return _Llava()
+    if name in _OMNI:
+        return _QwenOmni()
     config = getattr(model, "config", None)
     multimodal = any(
         getattr(config, key, None) is not None for key in ("vision_config", "audio_config", "thinker_config")

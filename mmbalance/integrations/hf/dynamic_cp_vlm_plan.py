@@ -126,7 +126,7 @@ def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch:
 
 
 def _media_key(family: VLMFamily, name: str) -> str:
-    return "pixel_values_videos" if name == "video" else "pixel_values"
+    return family.media_keys.get(name, "pixel_values")
 
 
 def local_table(local: LocalBatch, width: int) -> np.ndarray:

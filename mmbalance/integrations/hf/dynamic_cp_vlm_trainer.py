@@ -22,7 +22,7 @@ from mmbalance.pyops import cu_seqlens_from_lengths
 from .balance import ZeroLink
 from .cp_attention import CP_KEYWORD
 from .cp_plan import Sequences, model_device, pieces
-from .dynamic_cp_vlm import check_feature_rows, encoder_seconds, vlm_family
+from .dynamic_cp_vlm import check_feature_rows, encoder_seconds, place_embedded, vlm_family
 from .dynamic_cp_vlm_plan import PlaceholderRuns, feature_segments, piece_coords, read_alone, spread_items
 from .encoder_adapter import EncoderAdapter, adapters_for
 from .models.common import core, pooled
@@ -176,6 +176,9 @@ def resolve_media(model, kwargs: dict) -> dict:
         check_feature_rows(ids, pending.streams, mm)
     if mm:
         kwargs["mm_encoder_outputs"] = mm
+        family = vlm_family(model)
+        if family is not None:  # streams the model reads from its input embeddings (Omni's audio)
+            kwargs = place_embedded(family, model, (), kwargs)
     links = [t for t in links if t.requires_grad]
     if links and shard is not None:
         shard.anchor = ZeroLink.apply(*links)
