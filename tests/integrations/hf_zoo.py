@@ -349,7 +349,8 @@ def collate(batches: list[dict], left=False) -> dict:
             pad = torch.full((width - t.numel(),), fill, dtype=t.dtype)
             rows.append(torch.cat([pad, t]) if on_left else torch.cat([t, pad]))
         out[key] = torch.stack(rows)
-    media = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    media = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+             "video_second_per_grid")  # fmt: skip
     for key in media:
         parts = [b[key] for b in batches if key in b]
         if parts:

@@ -142,8 +142,14 @@ def test_one_process_shard_matches_the_stock_forward(name):
     handle.remove()
 
 
-# image and audio in one sequence, text alone, audio alone, audio then image
-OMNI = [[(4, 4), ("audio", 20)], [], [("audio", 13)], [("audio", 30), (4, 8)]]
+# image and audio in one sequence, text alone, audio alone, audio then image, a video and a clip
+OMNI = [
+    [(4, 4), ("audio", 20)],
+    [],
+    [("audio", 13)],
+    [("audio", 30), (4, 8)],
+    [("video", 2, 4, 4), ("audio", 9)],
+]
 
 
 def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
@@ -152,6 +158,7 @@ def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
     forward gives every example alone, and every clip and image encoded once."""
     model, ref = _model("qwen2_5_omni"), _model("qwen2_5_omni", "eager")
     rows = [hf_zoo.batch("qwen2_5_omni", model, [spec], seed=3 + i) for i, spec in enumerate(OMNI)]
+    rows[4]["video_second_per_grid"] = torch.tensor([1.5])
     batch = hf_zoo.collate(rows, left=[i == 1 for i in range(len(rows))])
     handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
     frames = []
@@ -159,7 +166,7 @@ def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
         lambda m, a, kw: frames.append(int(kw["feature_lens"].sum())), with_kwargs=True
     )
     inputs = handle.shard(batch)
-    assert set(inputs["mm_encoder_outputs"]) == {"image", "audio"}
+    assert set(inputs["mm_encoder_outputs"]) == {"image", "video", "audio"}
     n = inputs["num_items_in_batch"]
     loss = model(**inputs).loss
     loss.backward()
@@ -168,13 +175,14 @@ def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
     assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
     err, where = _worst(_grads(model), _grads(ref))
     assert err <= 1e-5, f"gradient of {where}: {err:.2e}"
-    assert frames == [20 + 13 + 30]  # one audio tower call, every clip's valid frames
-    assert handle.stats["encoders"]["audio"]["items"] == 3
+    assert frames == [20 + 13 + 30 + 9]  # one audio tower call, every clip's valid frames
+    assert handle.stats["encoders"]["audio"]["items"] == 4
     want_pos = []
     for b in rows:
         pos, _ = core(ref).get_rope_index(
-            b["input_ids"], b.get("image_grid_thw"), None, b["attention_mask"], False,
-            b["feature_attention_mask"].sum(-1) if "feature_attention_mask" in b else None, None,
+            b["input_ids"], b.get("image_grid_thw"), b.get("video_grid_thw"), b["attention_mask"], False,
+            b["feature_attention_mask"].sum(-1) if "feature_attention_mask" in b else None,
+            b.get("video_second_per_grid"),
         )  # fmt: skip
         want_pos.append(pos[:, 0])
     assert torch.equal(inputs["position_ids"][1:, 0], torch.cat(want_pos, dim=1))
@@ -201,6 +209,15 @@ def test_bad_omni_batches_are_refused_by_name(change, error, words):
         handle.shard(batch)
     for w in words:
         assert w in str(info.value), str(info.value)
+    handle.remove()
+
+
+def test_an_omni_video_needs_its_seconds_per_grid():
+    model = _model("qwen2_5_omni")
+    batch = hf_zoo.batch("qwen2_5_omni", model, [[("video", 2, 4, 4)]])
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
+    with pytest.raises(ValueError, match="video_second_per_grid"):
+        handle.shard(batch)
     handle.remove()
 
 
