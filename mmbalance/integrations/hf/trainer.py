@@ -90,12 +90,12 @@ def balance_trainer(
             and the loss normalized by Trainer (``average_tokens_across_devices``), so training
             equals the run without it. ``cost`` is then ``"quadratic"`` (the model's shape),
             ``"linear"``, a :class:`~mmbalance.balancing.CostModel` or a callable. For the
-            vision-language models of ``apply_dynamic_cp`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-            LLaVA) the collator also computes every sequence's M-RoPE positions whole
-            (``get_rope_index``) and leaves the media to the forward: each member of a group
-            encodes its share of the group's images and frames (a stand-in where it has none)
-            and one all-to-all over the group sends the feature rows to the members holding their
-            placeholders. The slots are scheduled on the LLM tokens (``lengths``, vision tokens
+            multimodal models of ``apply_dynamic_cp`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA,
+            the Qwen2.5-Omni thinker) the collator also computes every sequence's M-RoPE
+            positions whole (``get_rope_index``) and leaves the media to the forward: each member
+            of a group encodes its share of the group's images, frames and clips (a stand-in
+            where it has none) and one all-to-all over the group sends the feature rows to the
+            members holding their placeholders. The slots are scheduled on the LLM tokens (``lengths``, vision tokens
             included) under ``cost``; the encoder phase is not in this schedule's cost, and
             ``apply_encoder_balance`` on the model finds nothing left to balance.
         max_tokens_per_rank: tokens a rank may hold in a forward (required with
