@@ -5,7 +5,9 @@ fresh processes joined by a file rendezvous into a gloo process group, and retur
 values ``fn`` returned, by rank. An exception in any rank is re-raised here with that rank's
 traceback; a rank that does not finish within ``timeout`` seconds makes the whole call fail (no
 hangs); and so does a process that reported success but then did not exit with code 0 within
-``exit_grace`` seconds (an abort or a hang while the interpreter shuts down is a failure too).
+``exit_grace`` seconds (an abort or a hang while the interpreter shuts down is a failure too). A
+run in which gloo failed to connect the new group (a race in its rendezvous, before any rank ran
+``fn``) runs once more on fresh processes.
 """
 
 from __future__ import annotations
@@ -62,7 +64,12 @@ def end_like_a_program() -> None:
     atexit._run_exitfuncs()
 
 
-def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
+# gloo's own message when a pair of ranks fails to connect while the group is created: a race in
+# its TCP rendezvous (pytorch/pytorch#53270, #57469), before any code of the test has run
+_GLOO_CONNECT = "connectFullMesh failed"
+
+
+def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, init_fault=None):
     import torch.distributed as dist
 
     from mmbalance.collectives import teardown
@@ -72,6 +79,9 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
         import torch
 
         torch.set_num_threads(1)
+        if init_fault is not None and rank == 1 and not os.path.exists(init_fault):
+            Path(init_fault).touch()  # the test of the retry: rank 1's first group fails to connect
+            raise RuntimeError(f"Gloo {_GLOO_CONNECT} with [injected] Connection closed by peer")
         dist.init_process_group(
             "gloo",
             init_method=f"file://{init_file}",
@@ -79,6 +89,10 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout),
         )
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises or retries
+        send_report(queue, (rank, False, traceback.format_exc(), "init"))
+        return
+    try:
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -87,34 +101,53 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
                 # go of what fn's last collectives held, or destroying the group can deadlock
                 teardown.wait_for_backend_threads(10)
                 dist.destroy_process_group()
-        send_report(queue, (rank, True, result))
+        send_report(queue, (rank, True, result, "body"))
     except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
-        send_report(queue, (rank, False, traceback.format_exc()))
+        send_report(queue, (rank, False, traceback.format_exc(), "body"))
         return
     end_like_a_program()
 
 
+class _Retry(Exception):
+    """Every failure of a run was gloo failing to connect the group, before the test's code ran."""
+
+
 def run_distributed(
-    fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, exit_grace: float = 30.0
-):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, exit_grace: float = 30.0,
+    _init_fault: str | None = None,
+):  # fmt: skip
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    A run whose every failure is gloo failing to connect the group while it is created (a race in
+    its TCP rendezvous, before ``fn`` ran anywhere) runs once more, on fresh processes and a fresh
+    rendezvous; any other failure, and that one twice, fails the call."""
+    try:
+        return _run_once(fn, world_size, args, timeout, pg_timeout, exit_grace, _init_fault)
+    except _Retry:
+        return _run_once(fn, world_size, args, timeout, pg_timeout, exit_grace, None, retry=False)
+
+
+def _run_once(fn, world_size, args, timeout, pg_timeout, exit_grace, init_fault, retry=True):
     ctx = worker_context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, init_file, fn, args, queue, pg_timeout), daemon=True
+                target=_worker, args=(r, world_size, init_file, fn, args, queue, pg_timeout, init_fault),
+                daemon=True,
             )
             for r in range(world_size)
-        ]
+        ]  # fmt: skip
         start_processes(procs)
         results: dict[int, object] = {}
         errors: dict[int, str] = {}
+        phases: dict[int, str] = {}
         try:
             reports, died = await_reports(queue, procs, timeout, stop=lambda report: not report[1])
-            for rank, (_, ok, value) in reports.items():
+            for rank, (_, ok, value, phase) in reports.items():
                 (results if ok else errors)[rank] = value
+                phases[rank] = phase
             if not errors and died:
                 raise RuntimeError(died_without_report(died))
             if not errors and len(results) < world_size:
@@ -123,6 +156,8 @@ def run_distributed(
                 )
         finally:
             hung = settle(procs, exit_grace if len(results) == world_size else 5.0)
+        if retry and errors and all(phases[r] == "init" and _GLOO_CONNECT in e for r, e in errors.items()):
+            raise _Retry
         if errors:
             rank = min(errors)
             raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
