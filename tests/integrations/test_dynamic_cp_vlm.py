@@ -26,7 +26,7 @@ from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # no
 from mmbalance.integrations.hf.dynamic_cp_vlm import SUPPORTED  # noqa: E402
 from mmbalance.integrations.hf.dynamic_cp_vlm_plan import GatheredStep, PlaceholderRuns  # noqa: E402
 from mmbalance.integrations.hf.models.common import core  # noqa: E402
-from tests.dist_utils import REPO, launch  # noqa: E402
+from tests.dist_utils import REPO, launch, run_distributed  # noqa: E402
 from tests.integrations import hf_zoo  # noqa: E402
 
 SCRIPT = REPO / "tests" / "integrations" / "cp_vlm_loop.py"
@@ -187,6 +187,37 @@ def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
     assert torch.equal(inputs["position_ids"][1:, 0], torch.cat(want_pos, dim=1))
     handle.remove()
     assert not model._forward_pre_hooks  # the audio hook went with the handle
+
+
+def _fsdp2_vlm(rank: int, world: int) -> dict:
+    """FSDP2 on a multimodal model (the towers units of their own, then the root): the family is
+    found through FSDP2's ``FSDP<Name>`` class, and ``shard`` refuses by name on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for name in ("qwen2_vl", "qwen2_5_omni"):
+        model = _model(name)
+        batch = hf_zoo.batch(name, model, [[(4, 4)]], seed=rank)
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(core(model).visual, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        handle = apply_dynamic_cp(model, max_tokens_per_rank=96)  # FSDP<Name> keeps its family
+        try:
+            handle.shard(batch)
+        except NotImplementedError as exc:
+            out[name] = {"class": type(model).__name__, "message": str(exc)}
+        handle.remove()
+    return out
+
+
+@pytest.mark.distributed
+def test_fsdp2_on_a_multimodal_model_is_refused_by_name():
+    for res in run_distributed(_fsdp2_vlm, 2, timeout=300, pg_timeout=60):
+        assert set(res) == {"qwen2_vl", "qwen2_5_omni"}, res
+        for r in res.values():
+            assert r["class"].startswith("FSDP"), r
+            assert "FSDP2" in r["message"] and "handle.shard" in r["message"], r
 
 
 def test_omni_audio_rows_must_match_the_placeholders():

@@ -311,7 +311,9 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
             (images and audio clips; ``...ForConditionalGeneration``; :mod:`.dynamic_cp_vlm`:
             M-RoPE positions from the whole sequence, every image, frame and clip encoded once,
             feature rows sent straight to the shards of their placeholders).
-            Any other multimodal model is refused by name. What the ring cannot run (sliding
+            Any other multimodal model is refused by name, and so is a multimodal model under
+            FSDP2 at :meth:`~DynamicCPHandle.shard` (which runs the encoders before the model's
+            forward, where ``fully_shard`` has not gathered their weights). What the ring cannot run (sliding
             windows, softcap, sinks, chunked attention, block masks, padding masks) raises
             ``NotImplementedError`` at the first forward.
         max_tokens_per_rank: tokens one rank may hold in a forward (its LLM-phase activations;

@@ -400,14 +400,16 @@ def embed_streams(family: VLMFamily, model):
 def vlm_family(model) -> VLMFamily | None:
     """The family of ``model`` if it is a supported vision-language model, ``None`` for a text
     model; raises ValueError naming the class, with the supported list, for any other multimodal
-    model."""
+    model. The class is looked up along its MRO, as the encoder adapters match it: FSDP2's
+    ``fully_shard`` (``FSDP<Name>``) and a user's subclass keep their family."""
     name = type(model).__name__
-    if name in _QWEN:
-        return _Qwen(name)
-    if name in _LLAVA:
-        return _Llava()
-    if name in _OMNI:
-        return _QwenOmni()
+    for cls in type(model).__mro__:
+        if cls.__name__ in _QWEN:
+            return _Qwen(cls.__name__)
+        if cls.__name__ in _LLAVA:
+            return _Llava()
+        if cls.__name__ in _OMNI:
+            return _QwenOmni()
     config = getattr(model, "config", None)
     multimodal = any(
         getattr(config, key, None) is not None for key in ("vision_config", "audio_config", "thinker_config")
@@ -415,7 +417,7 @@ def vlm_family(model) -> VLMFamily | None:
     if multimodal or adapters_for(model):
         raise ValueError(
             f"model: apply_dynamic_cp does not shard {name} (its media would not reach the shards); supported "
-            f"vision-language models: {', '.join(SUPPORTED)}; text decoders (Llama, Qwen2, Qwen3, ...) work as "
+            f"multimodal models: {', '.join(SUPPORTED)}; text decoders (Llama, Qwen2, Qwen3, ...) work as "
             "they are"
         )
     return None

@@ -227,9 +227,24 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
     return res
 
 
+def _refuse_fsdp2(model) -> None:
+    """FSDP2 gathers a unit's parameters in its forward only, and ``shard`` runs the encoders before
+    the model's forward: refused on every rank (the wrapping is the same everywhere) before anything
+    moves, rather than failing inside FSDP or with sharded weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise NotImplementedError(
+            "model: handle.shard of a multimodal model under FSDP2 (fully_shard) is not supported: it runs the "
+            "encoders before the model's forward, where FSDP2 has not gathered their weights; use DDP or no "
+            "wrapper (text decoders shard under FSDP2 as they are)"
+        )
+
+
 def shard_vlm(handle, batch: Mapping) -> dict:
     """:meth:`DynamicCPHandle.shard` for a vision-language model (see the module docstring)."""
     model = handle.model
+    _refuse_fsdp2(model)
     family: VLMFamily = handle.vlm
     comm = _Comm(handle.own)
     rank, world = comm.rank, comm.world
