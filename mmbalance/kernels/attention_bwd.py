@@ -377,9 +377,9 @@ def attn_bwd(
 
     Inputs are assumed validated (``pyops/attention_ops.py`` does it); ``dout`` and ``out`` are
     ``[Tq, H, D]``, ``lse`` (and ``dlse``) ``[H, Tq]`` float32. ``grads`` may pass preallocated
-    float32 ``(dq, dk, dv)``. ``config`` takes :func:`~.attention_common.bwd_config`'s keys (default:
-    its choice for this device); ``stages`` stands for both ``dq_stages`` and ``kv_stages``. Keys no query can see get zero gradients; an empty batch launches
-    nothing. ``window_left``/``window_right``/``softcap`` must be the forward's; attention sinks
+    float32 ``(dq, dk, dv)``. ``config`` takes :func:`~.attention_common.bwd_config`'s keys
+    (default: its choice for this device); ``stages`` stands for both ``dq_stages`` and
+    ``kv_stages``. Keys no query can see get zero gradients; an empty batch launches nothing. ``window_left``/``window_right``/``softcap`` must be the forward's; attention sinks
     need nothing here (``lse`` includes them; their own gradient is the caller's, see
     ``attention_fwd.py``).
     """

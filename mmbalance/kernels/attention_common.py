@@ -245,8 +245,9 @@ def fwd_config(
     """Tile sizes and warps of the forward kernel, chosen per architecture for zero spills.
 
     ``capability`` is ``major * 10 + minor`` (default: the device's); the kernel audit calls this
-    with 80 and 90 and holds every variant it launches to zero spills. ``window``: a sliding-window
-    variant (a third key loop, more live registers); ``softcap``: the tanh-logit variant. The
+    with 80 and 90 and holds every variant it launches to zero spills. 16-bit inputs on sm_90: one
+    warpgroup per 64 x 64 tile for every variant. ``window``: a sliding-window variant (a third key
+    loop, more live registers); ``softcap``: the tanh-logit variant. The
     ``overflow`` entry is the configuration of the tail launch that runs only when a host
     ``max_seqlen_q`` understated a sequence (same ``BLOCK_M``, so it starts where the main grid
     ends): one pipeline stage and narrow key tiles, so its extra loop never spills.
@@ -268,12 +269,8 @@ def fwd_config(
         cfg["overflow"] = dict(BLOCK_N=32, num_warps=4, num_stages=1)
         return cfg
     cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    if window:
-        # sm_90: one stage fewer; sm_80 (no wgmma, fragments held in registers): narrower key tiles
-        if capability >= 90:
-            cfg["num_stages"] = 2
-        else:
-            cfg["BLOCK_N"] = 32
+    if window:  # sm_80 (no wgmma, fragments held in registers): narrower key tiles
+        cfg["BLOCK_N"] = 32
     cfg["overflow"] = dict(BLOCK_N=32, num_warps=8, num_stages=1)
     return cfg
 
@@ -291,9 +288,10 @@ def bwd_config(
 
     ``capability`` is ``major * 10 + minor`` (default: the device's); the kernel audit calls this
     with 80 and 90 and holds every variant it lists to zero spills with it. 16-bit inputs: one
-    table serves every variant; at head dim 128 sm_90 runs one warpgroup a program, sm_80 two. float32 with a window or softcap (IEEE FMA
-    products, whose register allocation is fragile) takes narrower tiles, per architecture. ``overflow`` overrides entries for the tail launches that run only when a host
-    ``max_seqlen`` understated a sequence: the dq tail keeps ``dq_BLOCK_M`` (it starts where the
+    table serves every variant; at head dim 128 sm_90 runs one warpgroup a program, sm_80 two.
+    float32 with a window or softcap (IEEE FMA products, whose register allocation is fragile)
+    takes narrower tiles, per architecture. ``overflow`` overrides entries for the tail launches
+    that run only when a host ``max_seqlen`` understated a sequence: the dq tail keeps ``dq_BLOCK_M`` (it starts where the
     main grid ends) but takes narrower key tiles, and the dk/dv tail more warps, so their extra
     loops never spill. Pipeline depths are per pass (``dq_stages``, ``kv_stages``). float32 uses
     IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.

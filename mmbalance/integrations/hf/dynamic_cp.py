@@ -313,8 +313,8 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
             feature rows sent straight to the shards of their placeholders).
             Any other multimodal model is refused by name, and so is a multimodal model under
             FSDP2 at :meth:`~DynamicCPHandle.shard` (which runs the encoders before the model's
-            forward, where ``fully_shard`` has not gathered their weights). What the ring cannot run (sliding
-            windows, softcap, sinks, chunked attention, block masks, padding masks) raises
+            forward, where ``fully_shard`` has not gathered their weights). What the ring cannot
+            run (sliding windows, softcap, sinks, chunked attention, block masks, padding masks) raises
             ``NotImplementedError`` at the first forward.
         max_tokens_per_rank: tokens one rank may hold in a forward (its LLM-phase activations;
             for a vision-language model the vision tokens count).

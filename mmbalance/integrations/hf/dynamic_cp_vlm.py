@@ -63,7 +63,7 @@ from mmbalance.balancing import CostModel
 
 from .cp_plan import text_config
 from .encoder_adapter import EncoderAdapter, adapters_for, flops_linear
-from .models.common import as_int, audio_out_len, core
+from .models.common import as_int, audio_out_len, core, embed_rows
 
 __all__ = [
     "SUPPORTED",
@@ -230,9 +230,9 @@ def _grids(batch: Mapping, kinds: list[np.ndarray], merge2: int) -> dict:
         counts = np.array([int((k == col + 1).sum()) for k in kinds], dtype=np.int64)
         g = batch.get(key)
         if g is None and int(counts.sum()):
-            pix = "pixel_values_videos" if name == "video" else "pixel_values"
             raise ValueError(
-                f"input_ids holds {int(counts.sum())} {name} placeholder tokens but the batch has no {pix} and {key}"
+                f"input_ids holds {int(counts.sum())} {name} placeholder tokens but the batch has no "
+                f"{VLMFamily.media_keys[name]} and {key}"
             )
         g = (
             torch.zeros(0, 3, dtype=torch.long)
@@ -366,19 +366,9 @@ def place_embedded(family: VLMFamily, model, args: tuple, kwargs: dict) -> dict:
         raise ValueError("mm_encoder_outputs with audio rows needs input_ids (its placeholders place them)")
     for name in sorted(family.embedded):
         entry = mm.pop(name, None)
-        if entry is None:
-            continue
-        rows = entry.pooler_output[0]
-        mask = ids == tokens[name]
-        if int(mask.sum()) != int(rows.shape[0]):
-            raise ValueError(
-                f"mm_encoder_outputs[{name!r}]: {int(rows.shape[0])} rows for the {int(mask.sum())} {name} "
-                "placeholder tokens of input_ids"
-            )
-        embeds = call.get("inputs_embeds")
-        if embeds is None:
-            embeds = model.get_input_embeddings()(ids)
-        call["inputs_embeds"] = embeds.masked_scatter(mask.unsqueeze(-1), rows.to(embeds.dtype))
+        if entry is not None:
+            call["inputs_embeds"] = embed_rows(model, ids, call.get("inputs_embeds"), entry.pooler_output[0],
+                                               tokens[name], f"mm_encoder_outputs[{name!r}]", name)  # fmt: skip
     call["mm_encoder_outputs"] = mm or None
     return call
 

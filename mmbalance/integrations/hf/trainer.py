@@ -95,8 +95,8 @@ def balance_trainer(
             positions whole (``get_rope_index``) and leaves the media to the forward: each member
             of a group encodes its share of the group's images, frames and clips (a stand-in
             where it has none) and one all-to-all over the group sends the feature rows to the
-            members holding their placeholders. The slots are scheduled on the LLM tokens (``lengths``, vision tokens
-            included) under ``cost``; the encoder phase is not in this schedule's cost, and
+            members holding their placeholders. The slots are scheduled on the LLM tokens
+            (``lengths``, vision tokens included) under ``cost``; the encoder phase is not in this schedule's cost, and
             ``apply_encoder_balance`` on the model finds nothing left to balance.
         max_tokens_per_rank: tokens a rank may hold in a forward (required with
             ``context_parallel``).

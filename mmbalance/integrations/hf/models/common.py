@@ -118,20 +118,30 @@ def audio_out_len(frames: np.ndarray) -> np.ndarray:
     return (after_conv - 2) // 2 + 1
 
 
+def embed_rows(model, ids: Tensor, embeds: Tensor | None, rows: Tensor, token_id: int, source: str,
+               what: str, hint: str = "") -> Tensor:  # fmt: skip
+    """The input embeddings (``embeds``, else the model's embedding of ``ids``) with ``rows`` at the
+    ``token_id`` placeholders of ``ids``, in order; raises ValueError naming ``source`` when the
+    counts differ (``hint`` ends the message)."""
+    mask = ids == token_id
+    if int(mask.sum()) != int(rows.shape[0]):
+        raise ValueError(
+            f"{source}: {int(rows.shape[0])} rows for the {int(mask.sum())} {what} placeholder tokens of "
+            f"input_ids{hint}"
+        )
+    if embeds is None:
+        embeds = model.get_input_embeddings()(ids)
+    return embeds.masked_scatter(mask.unsqueeze(-1), rows.to(embeds.dtype))
+
+
 def scatter_audio(model, kwargs: dict, features: Tensor, token_id: int, keep_ids: bool) -> dict:
     """Put audio features at their placeholder tokens of the input embeddings (audio towers have
     no ``mm_encoder_outputs`` hook)."""
     ids = kwargs.get("input_ids")
     if ids is None:
         raise ValueError("audio balancing needs input_ids (its placeholder tokens locate the clips)")
-    embeds = model.get_input_embeddings()(ids)
-    mask = ids == token_id
-    if int(mask.sum()) != features.shape[0]:
-        raise ValueError(
-            f"input_ids holds {int(mask.sum())} audio tokens but the clips give {features.shape[0]} features "
-            "(expand the audio placeholders with the processor)"
-        )
-    kwargs["inputs_embeds"] = embeds.masked_scatter(mask.unsqueeze(-1), features.to(embeds.dtype))
+    kwargs["inputs_embeds"] = embed_rows(model, ids, None, features, token_id, "the audio clips' features", "audio",
+                                         " (expand the audio placeholders with the processor)")  # fmt: skip
     if not keep_ids:
         kwargs["input_ids"] = None
     return kwargs
