@@ -381,7 +381,10 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", help="comma-separated tokens per rank (default 8192,32768)")
     p.add_argument(
         "--datasets",
-        help=f"comma-separated, of {', '.join(DATASETS)}; with --vlm of {', '.join(cp_vlm.DATASETS)} (default: all)",
+        # names such as long_tail_1% go through argparse's %-formatting of help texts: escaped
+        help=(
+            f"comma-separated, of {', '.join(DATASETS)}; with --vlm of {', '.join(cp_vlm.DATASETS)} (default: all)"
+        ).replace("%", "%%"),
     )
     p.add_argument(
         "--vlm",

@@ -7,7 +7,8 @@ alone through the stock eager attention, token-loss sum over the global count).
 
 argv: one or more ``family:form:scenario`` runs: family llama | qwen2, batch form packed | padded,
 scenario long (one sequence over 2x the budget) | mixed (a schedule of degrees 3 and 1, forced by a
-cost with an expensive ring; the model wrapped in DDP, which sums the gradients) | strided (the
+cost with an expensive ring; the model wrapped in DDP, which averages the gradients) | fsdp2 (the
+data of long, the model under FSDP2: every decoder layer and the root ``fully_shard``-ed) | strided (the
 handle balances over a data-parallel sub-group, ranks {0, 2} and {1, 3} as under tensor parallelism
 of 2, each splitting a sequence over its two ranks) | triple (sub-groups {0} and {1, 2, 3}; in the
 second a sequence is split over two of its ranks, a ring inside the sub-group that rank 0 helps
@@ -44,7 +45,7 @@ def tiny_model(attn: str):
 def examples(world: int) -> list[list[dict]]:
     """Per rank, its examples: ``input_ids`` and ``labels`` (prompt tokens masked with -100)."""
     rng = np.random.default_rng(7)
-    if SCENARIO == "long":
+    if SCENARIO in ("long", "fsdp2"):
         lengths = [[9, 23], [150, 5], [17, 30, 2], [12]]  # 150 > 2 * BUDGET
     elif SCENARIO == "strided":
         lengths = [[9, 11], [17, 20, 2], [90, 5], [12, 70]]  # 90 and 70 > BUDGET, in {0, 2} and {1, 3}
@@ -96,26 +97,35 @@ def run_one() -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_model("mmbalance_varlen")
-    cost = "quadratic" if SCENARIO == "long" else CostModel(linear=1.0, ring=0.5, overlap=False)
+    cost = "quadratic" if SCENARIO != "mixed" else CostModel(linear=1.0, ring=0.5, overlap=False)
+    if SCENARIO == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET, cost=cost)
     data = examples(world)
     seen = []
     embed = model.get_input_embeddings()
     embed.register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
     inputs = handle.shard(batch_of(data[rank]))
-    ddp = SCENARIO == "mixed"  # DDP averages gradients over ranks: scale by the world size
-    if ddp:
+    ddp = SCENARIO in ("mixed", "fsdp2")  # they average the gradients over ranks: scale by the world
+    if SCENARIO == "mixed":
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model)  # kept alive until backward has reduced the gradients
         loss = wrapped(**inputs).loss
         (loss * world).backward()
         del wrapped
+    elif SCENARIO == "fsdp2":
+        loss = model(**inputs).loss  # the model was sharded (every decoder layer, then the root) above
+        (loss * world).backward()
     else:
         loss = model(**inputs).loss
         loss.backward()
     stats = handle.stats
-    if SCENARIO == "long":
+    if SCENARIO != "mixed":
         assert max(seen) <= BUDGET, f"rank {rank} embedded {max(seen)} tokens, budget {BUDGET}"
         assert stats["largest_shard"] <= BUDGET, stats
         assert max(stats["degrees"]) >= 3, stats
@@ -124,7 +134,7 @@ def run_one() -> None:
         assert sorted(stats["degrees"]) == [1, 3], stats
     total = loss.detach().clone()
     dist.all_reduce(total)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
     if not ddp:
         for g in grads.values():
             dist.all_reduce(g)
@@ -142,6 +152,11 @@ def run_one() -> None:
                           "grad_rel": worst, "before": stats["before"], "after": stats["after"]}))  # fmt: skip
     handle.remove()
     dist.barrier()
+
+
+def full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as one tensor: FSDP2 keeps each rank's shard of it (a ``DTensor``)."""
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
 
 
 def reference(examples: list[dict]):
