@@ -18,11 +18,14 @@ token-loss sum over the global count); every image and frame is encoded exactly 
 argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | llava (LLaVA
 has no video: a document of eight images stands in for it) | qwen2_5_omni (the thinker: a long
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
-(``apply_encoder_balance`` on the same model) | fault (one rank's batch is bad: refused on every
+(``apply_encoder_balance`` on the same model) | fsdp2 (the model under FSDP2: every decoder layer,
+the towers as units of their own but LLaVA's, whose CLIP tower stays in the root, then the root;
+``shard`` leaves the encoders to the forward) | fault (one rank's batch is bad: refused on every
 rank) | stream (``handle.batches`` over each rank's own loader of a different length, as a stream's
 slices give them: a rank whose loader has ended takes part with empty batches; loss and gradients,
 summed over the steps and ranks, against each step's examples alone over that step's count; every
-drawn sequence counted once). Rank 0 prints one JSON line per run.
+drawn sequence counted once) | stream_fsdp2 (the stream under FSDP2, as fsdp2 wraps it: steps where
+a rank has nothing to encode, or no sequence at all). Rank 0 prints one JSON line per run.
 """
 
 from __future__ import annotations
@@ -116,6 +119,12 @@ def examples(model) -> list[list[dict]]:
 
 def summed_grads(model) -> dict:
     """Every parameter's gradient summed over the ranks (zeros where a rank has none)."""
+    if BALANCE.endswith("fsdp2"):  # each rank holds a shard of the ranks' mean
+        world = dist.get_world_size()
+        return {
+            n: p.grad.full_tensor() * world if p.grad is not None else torch.zeros_like(p.full_tensor())
+            for n, p in model.named_parameters()
+        }
     grads = {
         n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
         for n, p in model.named_parameters()
@@ -140,12 +149,30 @@ def worst_grad(grads: dict, ref) -> tuple[float, str]:
     return worst, where
 
 
+def fsdp2(model) -> None:
+    """``fully_shard`` on every decoder layer and tower (LLaVA's CLIP tower stays in the root:
+    transformers' hidden-state capture does not see an FSDP2-wrapped CLIP model), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mmbalance.integrations.hf.models.common import core
+
+    c = core(model)
+    for layer in getattr(c, "language_model", c).layers:
+        fully_shard(layer)
+    if FAMILY != "llava":
+        for tower, _, _ in towers(model):
+            fully_shard(tower)
+    fully_shard(model)
+
+
 def run_one() -> None:
     from mmbalance.integrations.hf import apply_dynamic_cp, apply_encoder_balance
     from tests.integrations import hf_zoo
 
     rank = dist.get_rank()
     model = tiny("mmbalance_varlen")
+    if BALANCE == "fsdp2":
+        fsdp2(model)
     enc_handle = apply_encoder_balance(model) if BALANCE == "encoder" else None
     handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
     data = examples(model)
@@ -256,6 +283,8 @@ def run_stream() -> None:
 
     rank = dist.get_rank()
     model = tiny("mmbalance_varlen")
+    if BALANCE == "stream_fsdp2":
+        fsdp2(model)
     handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
     mine = [
         [hf_zoo.batch(FAMILY, model, [spec], seed=1000 + 100 * rank + 10 * j + i) for i, spec in enumerate(b)]
@@ -289,7 +318,7 @@ def run_stream() -> None:
                 ref_total += out.loss.detach()
         rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
         worst, _ = worst_grad(grads, ref)
-        print(json.dumps({"run": f"{FAMILY}:stream", "steps": len(degrees), "degrees": degrees, "loss_rel": rel,
+        print(json.dumps({"run": f"{FAMILY}:{BALANCE}", "steps": len(degrees), "degrees": degrees, "loss_rel": rel,
                           "grad_rel": worst}))  # fmt: skip
     handle.remove()
     dist.barrier()
@@ -303,7 +332,7 @@ def main() -> None:
     register_attention()
     for spec in sys.argv[1:]:
         FAMILY, BALANCE = spec.split(":")
-        {"fault": run_fault, "stream": run_stream}.get(BALANCE, run_one)()
+        {"fault": run_fault, "stream": run_stream, "stream_fsdp2": run_stream}.get(BALANCE, run_one)()
     dist.destroy_process_group()
 
 

@@ -22,7 +22,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from mmbalance.balancing import CostModel  # noqa: E402
-from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
+from mmbalance.integrations.hf import apply_dynamic_cp, apply_encoder_balance, register_attention  # noqa: E402
 from mmbalance.integrations.hf.dynamic_cp_vlm import SUPPORTED  # noqa: E402
 from mmbalance.integrations.hf.dynamic_cp_vlm_plan import GatheredStep, PlaceholderRuns  # noqa: E402
 from mmbalance.integrations.hf.models.common import core  # noqa: E402
@@ -67,6 +67,26 @@ def test_qwen3_vl_llava_and_omni_steps_match_one_process_reference_on_4_ranks():
         assert x["after"] < x["before"]
     assert all(x["split_items"]["video"] >= 1 for x in lines[:2])
     assert all(x["split_items"]["audio"] >= 1 for x in lines[4:])  # the long clip's rows on 3 ranks
+
+
+@pytest.mark.distributed
+def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
+    """FSDP2 (every decoder layer, the towers but LLaVA's, the root): ``shard`` moves the encoder
+    inputs and leaves encoding and the feature move to the forward, where FSDP2 gathers the
+    towers; loss and summed gradients against the stock model as without FSDP2, and a stream."""
+    runs = ["qwen2_vl:fsdp2", "qwen3_vl:fsdp2", "llava:fsdp2", "qwen2_5_omni:fsdp2"]
+    runs.append("qwen2_vl:stream_fsdp2")  # steps with ranks that have nothing to encode, or nothing
+    out = launch(SCRIPT, *runs, nproc=4, timeout=900)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["run"] for x in lines] == runs, out[-3000:]
+    stream = lines.pop()
+    assert stream["steps"] == 3 and stream["degrees"][0] == 3, stream
+    assert stream["loss_rel"] <= 1e-5 and stream["grad_rel"] <= 1e-5, stream
+    for x in lines:
+        assert sorted(x["degrees"]) == [1, 3] and x["largest_shard"] <= 64
+        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5
+        assert x["split_items"]["image"] >= 1 and x["after"] < x["before"]
+    assert lines[0]["split_items"]["video"] >= 1 and lines[3]["split_items"]["audio"] >= 1
 
 
 def _model(name: str, attn: str = "mmbalance_varlen", seed: int = 0):
@@ -190,8 +210,9 @@ def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
 
 
 def _fsdp2_vlm(rank: int, world: int) -> dict:
-    """FSDP2 on a multimodal model (the towers units of their own, then the root): the family is
-    found through FSDP2's ``FSDP<Name>`` class, and ``shard`` refuses by name on every rank."""
+    """FSDP2 on a multimodal model (the towers units of their own, then the root) with
+    ``apply_encoder_balance`` on it too: the family is found through FSDP2's ``FSDP<Name>`` class,
+    and ``shard`` refuses the pair by name on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -202,22 +223,24 @@ def _fsdp2_vlm(rank: int, world: int) -> dict:
         mesh = init_device_mesh("cpu", (world,))
         fully_shard(core(model).visual, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        enc = apply_encoder_balance(model)
         handle = apply_dynamic_cp(model, max_tokens_per_rank=96)  # FSDP<Name> keeps its family
         try:
             handle.shard(batch)
         except NotImplementedError as exc:
             out[name] = {"class": type(model).__name__, "message": str(exc)}
         handle.remove()
+        enc.remove()
     return out
 
 
 @pytest.mark.distributed
-def test_fsdp2_on_a_multimodal_model_is_refused_by_name():
+def test_fsdp2_with_encoder_balancing_is_refused_by_name():
     for res in run_distributed(_fsdp2_vlm, 2, timeout=300, pg_timeout=60):
         assert set(res) == {"qwen2_vl", "qwen2_5_omni"}, res
         for r in res.values():
             assert r["class"].startswith("FSDP"), r
-            assert "FSDP2" in r["message"] and "handle.shard" in r["message"], r
+            assert "FSDP2" in r["message"] and "apply_encoder_balance" in r["message"], r
 
 
 def test_omni_audio_rows_must_match_the_placeholders():

@@ -311,9 +311,10 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
             (images and audio clips; ``...ForConditionalGeneration``; :mod:`.dynamic_cp_vlm`:
             M-RoPE positions from the whole sequence, every image, frame and clip encoded once,
             feature rows sent straight to the shards of their placeholders).
-            Any other multimodal model is refused by name, and so is a multimodal model under
-            FSDP2 at :meth:`~DynamicCPHandle.shard` (which runs the encoders before the model's
-            forward, where ``fully_shard`` has not gathered their weights). What the ring cannot
+            Any other multimodal model is refused by name. Under FSDP2 a multimodal model's
+            shard leaves its encoders to the model's forward (where ``fully_shard`` gathers their
+            weights); with :func:`~.balance.apply_encoder_balance` on it too it is refused by
+            name at :meth:`~DynamicCPHandle.shard`. What the ring cannot
             run (sliding windows, softcap, sinks, chunked attention, block masks, padding masks) raises
             ``NotImplementedError`` at the first forward.
         max_tokens_per_rank: tokens one rank may hold in a forward (its LLM-phase activations;

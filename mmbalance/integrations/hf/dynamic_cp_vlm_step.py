@@ -39,6 +39,7 @@ from .dynamic_cp_vlm_plan import (
     spread_items,
     table_width,
 )
+from .dynamic_cp_vlm_trainer import MEDIA_KEYWORD, PendingEntry, PendingMedia, install_media_hook
 from .encoder_adapter import EncoderAdapter
 from .models.common import core, pooled
 
@@ -130,11 +131,15 @@ class _Media:
     split_items: dict[str, int]
     encoded_rows: int
     encoders: dict[str, dict]
+    pending: list[PendingEntry]  # the encoder work left for the forward (``defer``)
+    degree: int  # this rank's CP group's size (0: a rank in no group)
 
 
 def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: GatheredStep, layout, groups, seconds,
-           eh, comm: _Comm) -> _Media:  # fmt: skip
-    """Encode every item once and send its feature rows to the shards of its placeholders."""
+           eh, comm: _Comm, defer: bool) -> _Media:  # fmt: skip
+    """Encode every item once and send its feature rows to the shards of its placeholders; with
+    ``defer``, only the encoder inputs move now, and the encoding and the feature move are left to
+    the model's forward (:attr:`_Media.pending`, without encoder balancing only)."""
     model = handle.model
     rank, world = comm.rank, comm.world
     inner, members = comm.within(layout, groups)
@@ -142,7 +147,7 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
     streams = family.streams(model)
     piece_seq, piece_off = piece_coords(step.lengths, layout.piece_len)
     runs = PlaceholderRuns(step, step.lengths.size)
-    res = _Media({}, [], np.zeros(world), np.zeros(world), {}, 0, {})
+    res = _Media({}, [], np.zeros(world), np.zeros(world), {}, 0, {}, [], int(members.size))
     for k, adapter in enumerate(adapters):
         n_items = step.seq[k].size
         if not n_items:  # no rank has an item of this encoder: nobody runs it
@@ -169,24 +174,14 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
         moved = comm.move(pay, my_rows, pix_plan)
         recv = pix_plan.recv_order(rank)
         opts = local.options[k]
-        if recv.size:
-            tower = model_device(core(model))
-            outputs = adapter.encode(model, [t.to(tower) for t in moved], step.meta[k][recv], **opts)
-            res.encoded_rows += int(rows[recv].sum())
-        else:  # nothing to encode here: a tiny item keeps the encoder calls equal on every rank
-            d_payload, d_meta = adapter.dummy(model)
-            dummy_out = adapter.encode(model, d_payload, d_meta, **opts)
-            res.links.extend(dummy_out)
-            outputs = [t[:0] for t in dummy_out]
         seg = feature_segments(
             step, k, runs, piece_seq, piece_off, layout.piece_len, layout.piece_dst, enc, slot
         )
         mine = seg["src"] == rank
-        if int(seg["len"][mine].sum()) != int(outputs[0].shape[0]):
-            raise AssertionError("the encoder outputs do not match the feature move")  # a planner bug
+        # the feature move, planned before encoding (the encoder outputs follow ``seg[mine]``)
         if eh is not None:  # items were dealt over the world: the rows move over the world
             feat_plan = Plan.from_destinations(seg["len"], seg["dst"], world, seg["src"])
-            received = comm.move(outputs, seg["len"][mine], feat_plan)
+            mover = comm
             got_seg = feat_plan.recv_order(rank)
         else:  # encoded inside the group: the rows move inside it
             local_of = np.full(world, -1, dtype=np.int64)
@@ -199,21 +194,40 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
             )
             if inner.own is not None and inner.rank != int(local_of[rank]):
                 raise AssertionError("a CP group's process group numbers its ranks out of order")
-            received = inner.move(outputs, seg["len"][mine], feat_plan)
+            mover = inner
             got_seg = ours[feat_plan.recv_order(inner.rank)] if members.size else ours
-        res.links.extend(received)
-        # the rows of every stream, in the order of the shard's placeholders
+        # the received rows of every stream, in the order of the shard's placeholders
+        index: dict[str, Tensor] = {}
         starts = np.concatenate([[0], np.cumsum(seg["len"][got_seg])]).astype(np.int64)
         for st in np.unique(step.stream[k]).tolist():
             sel = np.flatnonzero(seg["stream"][got_seg] == st)
             if sel.size:
                 sel = sel[np.lexsort((seg["row"][got_seg][sel], seg["piece"][got_seg][sel]))]
-                index = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sel.tolist()])
-                idx = torch.from_numpy(index).to(received[0].device)
-                feats = [t.index_select(0, idx).to(device) for t in received]
+                index[streams[st][0]] = torch.from_numpy(
+                    np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sel.tolist()])
+                )
+        res.encoded_rows += int(rows[recv].sum())
+        if defer:  # encode and move the rows in the model's forward (FSDP2 gathers the towers there)
+            res.pending.append(PendingEntry(adapter, list(moved), step.meta[k][recv], opts, seg["len"][mine],
+                                             feat_plan, index, int(rows[recv].sum())))  # fmt: skip
+        else:
+            if recv.size:
+                tower = model_device(core(model))
+                outputs = adapter.encode(model, [t.to(tower) for t in moved], step.meta[k][recv], **opts)
+            else:  # nothing to encode here: a tiny item keeps the encoder calls equal on every rank
+                d_payload, d_meta = adapter.dummy(model)
+                dummy_out = adapter.encode(model, d_payload, d_meta, **opts)
+                res.links.extend(dummy_out)
+                outputs = [t[:0] for t in dummy_out]
+            if int(seg["len"][mine].sum()) != int(outputs[0].shape[0]):
+                raise AssertionError("the encoder outputs do not match the feature move")  # a planner bug
+            received = mover.move(outputs, seg["len"][mine], feat_plan)
+            res.links.extend(received)
+            for name, idx in index.items():
+                feats = [t.index_select(0, idx.to(t.device)).to(device) for t in received]
                 deep = [(f,) for f in feats[1:]] if len(feats) > 1 else None
-                res.mm[streams[st][0]] = pooled((feats[0],), deep)
-            # items whose rows reach more than one rank
+                res.mm[name] = pooled((feats[0],), deep)
+        for st in np.unique(step.stream[k]).tolist():  # items whose rows reach more than one rank
             of = seg["stream"] == st
             pairs = np.unique(np.stack([seg["src"][of], seg["slot"][of], seg["dst"][of]], 1), axis=0)
             _, ranks_per_item = np.unique(pairs[:, :2], axis=0, return_counts=True)
@@ -227,28 +241,33 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
     return res
 
 
-def _refuse_fsdp2(model) -> None:
-    """FSDP2 gathers a unit's parameters in its forward only, and ``shard`` runs the encoders before
-    the model's forward: refused on every rank (the wrapping is the same everywhere) before anything
-    moves, rather than failing inside FSDP or with sharded weights."""
+def _under_fsdp2(model, eh) -> bool:
+    """Whether ``model`` is under FSDP2. FSDP2 gathers a unit's weights in the forward of the root
+    first, so ``shard`` leaves the encoders to the model's forward there (the pending media); with
+    encoder balancing on the same model, whose plan runs in ``shard``, it is refused on every rank
+    (the wrapping is the same everywhere) before anything moves."""
     from torch.distributed.fsdp import FSDPModule
 
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return False
+    if eh is not None:
         raise NotImplementedError(
-            "model: handle.shard of a multimodal model under FSDP2 (fully_shard) is not supported: it runs the "
-            "encoders before the model's forward, where FSDP2 has not gathered their weights; use DDP or no "
-            "wrapper (text decoders shard under FSDP2 as they are)"
+            "model: handle.shard of a multimodal model under FSDP2 (fully_shard) with apply_encoder_balance on "
+            "the same model is not supported (the encoder balancing's plan encodes before the model's forward, "
+            "where FSDP2 has not gathered the encoders' weights); without apply_encoder_balance each CP group "
+            "encodes its own media in the forward"
         )
+    return True
 
 
 def shard_vlm(handle, batch: Mapping) -> dict:
     """:meth:`DynamicCPHandle.shard` for a vision-language model (see the module docstring)."""
     model = handle.model
-    _refuse_fsdp2(model)
     family: VLMFamily = handle.vlm
     comm = _Comm(handle.own)
     rank, world = comm.rank, comm.world
     eh = _encoder_handle(model)
+    defer = _under_fsdp2(model, eh)
     adapters = list(eh.adapters.values()) if eh is not None else handle.adapters
     local, step = _gather(handle, family, adapters, batch, eh, comm)
     lengths, labelled = step.lengths, step.labelled
@@ -292,14 +311,15 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     out = comm.move([torch.stack(cols, dim=1)], layout.piece_len[layout.piece_src == rank], plan)[0].cpu()
 
     # ---- the media, then the shard
-    media = _media(handle, family, adapters, local, step, layout, groups, seconds, eh, comm)
+    media = _media(handle, family, adapters, local, step, layout, groups, seconds, eh, comm, defer)
     mm = media.mm
     shard = shard_of(layout, lengths, rank, groups, int(out.shape[0]))
     if shard is None:
         shard = idle_shard()
         stand_in = [pad_id(model), IGNORE, IGNORE, 0] + ([0, 0, 0] if family.mrope else [])
         out = torch.tensor([stand_in], dtype=torch.int64)
-    check_feature_rows(out[:, 0], family.streams(model), mm)
+    if not defer:  # (deferred: the forward checks them when it has them)
+        check_feature_rows(out[:, 0], family.streams(model), mm)
     links = [t for t in media.links if t.requires_grad]
     if links and handle.own is not None:
         shard.anchor = ZeroLink.apply(*links)
@@ -322,6 +342,9 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         kw["position_ids"] = out[:, 3].unsqueeze(0)
     if mm:
         kw["mm_encoder_outputs"] = mm
+    if media.pending:
+        install_media_hook(model)
+        kw[MEDIA_KEYWORD] = PendingMedia(media.pending, media.degree, family.streams(model))
     if seqs.has_labels:
         kw["labels"] = out[:, 1].unsqueeze(0)
         kw["shift_labels"] = out[:, 2].unsqueeze(0)

@@ -3,7 +3,9 @@ talking. :func:`~mmbalance.integrations.hf.balance_trainer`'s collator gives eve
 group the same collated batch; :class:`GroupCutter` cuts this rank's part of it (sequences, M-RoPE
 positions and the :class:`PendingMedia` of its encoder share) with no communication, and the forward
 pre-hook that :func:`install_media_hook` installs runs it (:func:`resolve_media`): encode, one
-all-to-all of feature rows within the group, the features to the model."""
+all-to-all of feature rows within the group, the features to the model. A plain loop's
+:meth:`~.dynamic_cp.DynamicCPHandle.shard` leaves the same :class:`PendingMedia` to the forward
+under FSDP2 (:mod:`.dynamic_cp_vlm_step`)."""
 
 from __future__ import annotations
 
@@ -27,14 +29,23 @@ from .dynamic_cp_vlm_plan import PlaceholderRuns, feature_segments, piece_coords
 from .encoder_adapter import EncoderAdapter, adapters_for
 from .models.common import core, pooled
 
-__all__ = ["MEDIA_KEYWORD", "GroupCutter", "PendingMedia", "install_media_hook", "resolve_media"]
+__all__ = [
+    "MEDIA_KEYWORD",
+    "GroupCutter",
+    "PendingEntry",
+    "PendingMedia",
+    "install_media_hook",
+    "resolve_media",
+]
 
 #: the model keyword that carries a shard's :class:`PendingMedia` to the forward
 MEDIA_KEYWORD = "mmbalance_media"
 
 
 @dataclass
-class _PendingEntry:
+class PendingEntry:
+    """One encoder's part of a :class:`PendingMedia`."""
+
     adapter: EncoderAdapter
     payload: list[Tensor]  # inputs of the items this rank encodes, in order
     meta: np.ndarray  # their metadata
@@ -53,7 +64,7 @@ class PendingMedia:
     over the group sends the feature rows to the members holding their placeholders. The forward
     pre-hook :func:`resolve_media` runs it."""
 
-    entries: list[_PendingEntry]
+    entries: list[PendingEntry]
     degree: int
     streams: list[tuple[str, int]]
 
@@ -98,7 +109,7 @@ class GroupCutter:
             n_items = step.seq[k].size
             empty = adapter.empty_payload(self.model)
             if not n_items or got is None:
-                entries.append(_PendingEntry(adapter, empty, np.zeros((0, len(adapter.meta_columns)), np.int64),
+                entries.append(PendingEntry(adapter, empty, np.zeros((0, len(adapter.meta_columns)), np.int64),
                                              local.options[k], np.zeros(0, np.int64), None, {}, 0))  # fmt: skip
                 continue
             seconds = encoder_seconds(self, self.family, adapter, step.meta[k], step.rows[k])
@@ -124,7 +135,7 @@ class GroupCutter:
                     index[streams[st][0]] = torch.from_numpy(
                         np.concatenate([np.arange(offs[j], offs[j + 1]) for j in sel.tolist()])
                     )
-            entries.append(_PendingEntry(adapter, payload, step.meta[k][mine], local.options[k],
+            entries.append(PendingEntry(adapter, payload, step.meta[k][mine], local.options[k],
                                          seg["len"][seg["src"] == group_rank], plan, index,
                                          int(step.rows[k][mine].sum())))  # fmt: skip
         return local.seqs, local.positions, PendingMedia(entries, int(degree), streams)
@@ -160,6 +171,8 @@ def resolve_media(model, kwargs: dict) -> dict:
             outputs = [t[:0] for t in dummy]
         if e.plan is None:
             continue
+        if int(e.segments.sum()) != int(outputs[0].shape[0]):
+            raise AssertionError("the encoder outputs do not match the feature move")  # a planner bug
         if pending.degree > 1:
             comm = comm_device(group)
             cu = cu_seqlens_from_lengths(e.segments.astype(np.int64), device=comm)
