@@ -20,7 +20,7 @@ has no video: a document of eight images stands in for it) | qwen2_5_omni (the t
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
 (``apply_encoder_balance`` on the same model) | fsdp2 (the model under FSDP2: every decoder layer,
 the towers as units of their own but LLaVA's, whose CLIP tower stays in the root, then the root;
-``shard`` leaves the encoders to the forward) | fault (one rank's batch is bad: refused on every
+``shard`` leaves the encoders to the forward) | encoder_fsdp2 (both) | fault (one rank's batch is bad: refused on every
 rank) | stream (``handle.batches`` over each rank's own loader of a different length, as a stream's
 slices give them: a rank whose loader has ended takes part with empty batches; loss and gradients,
 summed over the steps and ranks, against each step's examples alone over that step's count; every
@@ -171,9 +171,9 @@ def run_one() -> None:
 
     rank = dist.get_rank()
     model = tiny("mmbalance_varlen")
-    if BALANCE == "fsdp2":
+    if BALANCE.endswith("fsdp2"):
         fsdp2(model)
-    enc_handle = apply_encoder_balance(model) if BALANCE == "encoder" else None
+    enc_handle = apply_encoder_balance(model) if BALANCE.startswith("encoder") else None
     handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
     data = examples(model)
     embedded = []

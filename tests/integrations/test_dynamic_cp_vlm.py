@@ -22,7 +22,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from mmbalance.balancing import CostModel  # noqa: E402
-from mmbalance.integrations.hf import apply_dynamic_cp, apply_encoder_balance, register_attention  # noqa: E402
+from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
 from mmbalance.integrations.hf.dynamic_cp_vlm import SUPPORTED  # noqa: E402
 from mmbalance.integrations.hf.dynamic_cp_vlm_plan import GatheredStep, PlaceholderRuns  # noqa: E402
 from mmbalance.integrations.hf.models.common import core  # noqa: E402
@@ -73,8 +73,10 @@ def test_qwen3_vl_llava_and_omni_steps_match_one_process_reference_on_4_ranks():
 def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
     """FSDP2 (every decoder layer, the towers but LLaVA's, the root): ``shard`` moves the encoder
     inputs and leaves encoding and the feature move to the forward, where FSDP2 gathers the
-    towers; loss and summed gradients against the stock model as without FSDP2, and a stream."""
+    towers; loss and summed gradients against the stock model as without FSDP2, with and without
+    encoder balancing, and a stream."""
     runs = ["qwen2_vl:fsdp2", "qwen3_vl:fsdp2", "llava:fsdp2", "qwen2_5_omni:fsdp2"]
+    runs += ["qwen2_vl:encoder_fsdp2", "llava:encoder_fsdp2", "qwen2_5_omni:encoder_fsdp2"]
     runs.append("qwen2_vl:stream_fsdp2")  # steps with ranks that have nothing to encode, or nothing
     out = launch(SCRIPT, *runs, nproc=4, timeout=900)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
@@ -86,7 +88,8 @@ def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
         assert sorted(x["degrees"]) == [1, 3] and x["largest_shard"] <= 64
         assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5
         assert x["split_items"]["image"] >= 1 and x["after"] < x["before"]
-    assert lines[0]["split_items"]["video"] >= 1 and lines[3]["split_items"]["audio"] >= 1
+    assert lines[0]["split_items"]["video"] >= 1 and lines[4]["split_items"]["video"] >= 1
+    assert lines[3]["split_items"]["audio"] >= 1 and lines[6]["split_items"]["audio"] >= 1
 
 
 def _model(name: str, attn: str = "mmbalance_varlen", seed: int = 0):
@@ -209,38 +212,56 @@ def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
     assert not model._forward_pre_hooks  # the audio hook went with the handle
 
 
-def _fsdp2_vlm(rank: int, world: int) -> dict:
-    """FSDP2 on a multimodal model (the towers units of their own, then the root) with
-    ``apply_encoder_balance`` on it too: the family is found through FSDP2's ``FSDP<Name>`` class,
-    and ``shard`` refuses the pair by name on every rank."""
+def _fsdp2_family(rank: int, world: int) -> dict:
+    """FSDP2 on a multimodal model (the tower a unit of its own, then the root): the family is
+    found through FSDP2's ``FSDP<Name>`` class, and ``shard`` leaves the media to the forward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    out = {}
-    for name in ("qwen2_vl", "qwen2_5_omni"):
-        model = _model(name)
-        batch = hf_zoo.batch(name, model, [[(4, 4)]], seed=rank)
-        mesh = init_device_mesh("cpu", (world,))
-        fully_shard(core(model).visual, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        enc = apply_encoder_balance(model)
-        handle = apply_dynamic_cp(model, max_tokens_per_rank=96)  # FSDP<Name> keeps its family
-        try:
-            handle.shard(batch)
-        except NotImplementedError as exc:
-            out[name] = {"class": type(model).__name__, "message": str(exc)}
-        handle.remove()
-        enc.remove()
+    from mmbalance.integrations.hf.dynamic_cp_vlm_trainer import MEDIA_KEYWORD
+
+    model = _model("qwen2_vl")
+    batch = hf_zoo.batch("qwen2_vl", model, [[(4, 4)]], seed=rank)
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(core(model).visual, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=96)  # FSDP<Name> keeps its family
+    kw = handle.shard(batch)
+    out = {"class": type(model).__name__, "pending": MEDIA_KEYWORD in kw, "mm": "mm_encoder_outputs" in kw}
+    model(**kw).loss.backward()
+    handle.remove()
     return out
 
 
+def _fsdp2_on_one_rank(rank: int, world: int) -> str:
+    """Rank 0's vision tower under FSDP2, rank 1's not (the model's class is the same on both):
+    ``shard`` raises on both before anything moves. (A root wrapped on one rank only differs in
+    class, which ``apply_dynamic_cp`` refuses.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model("qwen2_vl")
+    batch = hf_zoo.batch("qwen2_vl", model, [[(4, 4)]], seed=rank)
+    mesh = init_device_mesh("cpu", (world,))  # collective: every rank
+    if rank == 0:
+        fully_shard(core(model).visual, mesh=mesh)
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=96)
+    with pytest.raises(ValueError) as exc:
+        handle.shard(batch)
+    handle.remove()
+    return str(exc.value)
+
+
 @pytest.mark.distributed
-def test_fsdp2_with_encoder_balancing_is_refused_by_name():
-    for res in run_distributed(_fsdp2_vlm, 2, timeout=300, pg_timeout=60):
-        assert set(res) == {"qwen2_vl", "qwen2_5_omni"}, res
-        for r in res.values():
-            assert r["class"].startswith("FSDP"), r
-            assert "FSDP2" in r["message"] and "apply_encoder_balance" in r["message"], r
+def test_fsdp2_on_some_ranks_only_is_refused_on_every_rank():
+    for msg in run_distributed(_fsdp2_on_one_rank, 2, timeout=300, pg_timeout=60):
+        assert "encoders in the forward (FSDP2)" in msg, msg
+
+
+@pytest.mark.distributed
+def test_fsdp2_keeps_the_family_and_leaves_the_media_to_the_forward():
+    for res in run_distributed(_fsdp2_family, 2, timeout=300, pg_timeout=60):
+        assert res == {"class": "FSDPQwen2VLForConditionalGeneration", "pending": True, "mm": False}, res
 
 
 def test_omni_audio_rows_must_match_the_placeholders():

@@ -313,10 +313,9 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
             feature rows sent straight to the shards of their placeholders).
             Any other multimodal model is refused by name. Under FSDP2 a multimodal model's
             shard leaves its encoders to the model's forward (where ``fully_shard`` gathers their
-            weights); with :func:`~.balance.apply_encoder_balance` on it too it is refused by
-            name at :meth:`~DynamicCPHandle.shard`. What the ring cannot
-            run (sliding windows, softcap, sinks, chunked attention, block masks, padding masks) raises
-            ``NotImplementedError`` at the first forward.
+            weights), with or without :func:`~.balance.apply_encoder_balance` on it. What the
+            ring cannot run (sliding windows, softcap, sinks, chunked attention, block masks,
+            padding masks) raises ``NotImplementedError`` at the first forward.
         max_tokens_per_rank: tokens one rank may hold in a forward (its LLM-phase activations;
             for a vision-language model the vision tokens count).
         cost: the planner's cost of a group of sequences on ``d`` ranks: ``"quadratic"`` (a dense

@@ -46,8 +46,8 @@ One step, on every rank (every decision from gathered facts, so identical everyw
 Under FSDP2 (``fully_shard``), which gathers a unit's weights only once the root's forward has
 begun, step 4 stops after the encoder inputs' move: the encoder call and the feature move run in
 the model's forward, from the :class:`~.dynamic_cp_vlm_trainer.PendingMedia` the shard carries
-(the Trainer's media hook, which FSDP2's own pre-hook precedes). Encoder balancing, whose plan
-encodes in ``shard``, is refused there by name.
+(the Trainer's media hook, which FSDP2's own pre-hook precedes), over the group's process group
+or, with encoder balancing, over the world's.
 
 Every image and frame is encoded exactly once in the world. A rank with nothing to encode (for an
 encoder that has items somewhere) encodes one tiny stand-in item, so every rank runs the encoder

@@ -89,7 +89,8 @@ def _encoder_handle(model):
     return handle if handle is not None and handle.active else None
 
 
-def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Mapping, eh, comm: _Comm):
+def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Mapping, eh, comm: _Comm,
+            defer: bool):  # fmt: skip
     """This rank's batch read, the agreement, and the gathered table: ``(local, step)``."""
     model = handle.model
     if handle.own is None:
@@ -104,6 +105,7 @@ def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Ma
             "cost": cost_key(handle.cost),
             "model": type(model).__name__,
             "encoder balance": enc_ranks,
+            "encoders in the forward (FSDP2)": defer,
             "adapters": [f"{type(a).__name__}(split_frames={a.splits_frames})" for a in adapters],
         }
         if enc_ranks is not None and enc_ranks != own_ranks:
@@ -133,13 +135,14 @@ class _Media:
     encoders: dict[str, dict]
     pending: list[PendingEntry]  # the encoder work left for the forward (``defer``)
     degree: int  # this rank's CP group's size (0: a rank in no group)
+    mover: _Comm  # the feature move's communicator (the CP group's, or the world's under encoder balancing)
 
 
 def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: GatheredStep, layout, groups, seconds,
            eh, comm: _Comm, defer: bool) -> _Media:  # fmt: skip
     """Encode every item once and send its feature rows to the shards of its placeholders; with
     ``defer``, only the encoder inputs move now, and the encoding and the feature move are left to
-    the model's forward (:attr:`_Media.pending`, without encoder balancing only)."""
+    the model's forward (:attr:`_Media.pending`)."""
     model = handle.model
     rank, world = comm.rank, comm.world
     inner, members = comm.within(layout, groups)
@@ -147,7 +150,18 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
     streams = family.streams(model)
     piece_seq, piece_off = piece_coords(step.lengths, layout.piece_len)
     runs = PlaceholderRuns(step, step.lengths.size)
-    res = _Media({}, [], np.zeros(world), np.zeros(world), {}, 0, {}, [], int(members.size))
+    res = _Media(
+        {},
+        [],
+        np.zeros(world),
+        np.zeros(world),
+        {},
+        0,
+        {},
+        [],
+        int(members.size),
+        inner if eh is None else comm,
+    )
     for k, adapter in enumerate(adapters):
         n_items = step.seq[k].size
         if not n_items:  # no rank has an item of this encoder: nobody runs it
@@ -181,7 +195,6 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
         # the feature move, planned before encoding (the encoder outputs follow ``seg[mine]``)
         if eh is not None:  # items were dealt over the world: the rows move over the world
             feat_plan = Plan.from_destinations(seg["len"], seg["dst"], world, seg["src"])
-            mover = comm
             got_seg = feat_plan.recv_order(rank)
         else:  # encoded inside the group: the rows move inside it
             local_of = np.full(world, -1, dtype=np.int64)
@@ -194,7 +207,6 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
             )
             if inner.own is not None and inner.rank != int(local_of[rank]):
                 raise AssertionError("a CP group's process group numbers its ranks out of order")
-            mover = inner
             got_seg = ours[feat_plan.recv_order(inner.rank)] if members.size else ours
         # the received rows of every stream, in the order of the shard's placeholders
         index: dict[str, Tensor] = {}
@@ -221,7 +233,7 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
                 outputs = [t[:0] for t in dummy_out]
             if int(seg["len"][mine].sum()) != int(outputs[0].shape[0]):
                 raise AssertionError("the encoder outputs do not match the feature move")  # a planner bug
-            received = mover.move(outputs, seg["len"][mine], feat_plan)
+            received = res.mover.move(outputs, seg["len"][mine], feat_plan)
             res.links.extend(received)
             for name, idx in index.items():
                 feats = [t.index_select(0, idx.to(t.device)).to(device) for t in received]
@@ -241,23 +253,13 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
     return res
 
 
-def _under_fsdp2(model, eh) -> bool:
-    """Whether ``model`` is under FSDP2. FSDP2 gathers a unit's weights in the forward of the root
-    first, so ``shard`` leaves the encoders to the model's forward there (the pending media); with
-    encoder balancing on the same model, whose plan runs in ``shard``, it is refused on every rank
-    (the wrapping is the same everywhere) before anything moves."""
+def _under_fsdp2(model) -> bool:
+    """Whether ``model`` is under FSDP2, which gathers a unit's weights only once the root's
+    forward has begun: ``shard`` then leaves the encoders to the model's forward (the pending
+    media)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not any(isinstance(m, FSDPModule) for m in model.modules()):
-        return False
-    if eh is not None:
-        raise NotImplementedError(
-            "model: handle.shard of a multimodal model under FSDP2 (fully_shard) with apply_encoder_balance on "
-            "the same model is not supported (the encoder balancing's plan encodes before the model's forward, "
-            "where FSDP2 has not gathered the encoders' weights); without apply_encoder_balance each CP group "
-            "encodes its own media in the forward"
-        )
-    return True
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def shard_vlm(handle, batch: Mapping) -> dict:
@@ -267,9 +269,9 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     comm = _Comm(handle.own)
     rank, world = comm.rank, comm.world
     eh = _encoder_handle(model)
-    defer = _under_fsdp2(model, eh)
+    defer = _under_fsdp2(model)
     adapters = list(eh.adapters.values()) if eh is not None else handle.adapters
-    local, step = _gather(handle, family, adapters, batch, eh, comm)
+    local, step = _gather(handle, family, adapters, batch, eh, comm, defer)
     lengths, labelled = step.lengths, step.labelled
 
     # ---- the plan: CP groups under the budget, with the encoder phase in the cost
@@ -344,7 +346,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         kw["mm_encoder_outputs"] = mm
     if media.pending:
         install_media_hook(model)
-        kw[MEDIA_KEYWORD] = PendingMedia(media.pending, media.degree, family.streams(model))
+        kw[MEDIA_KEYWORD] = PendingMedia(media.pending, media.degree, family.streams(model), media.mover)
     if seqs.has_labels:
         kw["labels"] = out[:, 1].unsqueeze(0)
         kw["shift_labels"] = out[:, 2].unsqueeze(0)

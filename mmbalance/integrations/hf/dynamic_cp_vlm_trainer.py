@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,11 +63,14 @@ class PendingMedia:
     collator leaves for the forward (the collator cuts shards without communication): every rank
     encodes its share of its CP group's items (a stand-in where it has none), and one all-to-all
     over the group sends the feature rows to the members holding their placeholders. The forward
-    pre-hook :func:`resolve_media` runs it."""
+    pre-hook :func:`resolve_media` runs it. A plain loop's ``shard`` under FSDP2 leaves one too,
+    with the communicator of its feature move (``mover``: the CP group's, or the world's under
+    encoder balancing)."""
 
     entries: list[PendingEntry]
     degree: int
     streams: list[tuple[str, int]]
+    mover: Any = None  # ``.move(tensors, rows per segment, plan)``; None: over the shard's ring group
 
     def __repr__(self) -> str:
         return f"PendingMedia(degree={self.degree}, items={[int(e.meta.shape[0]) for e in self.entries]})"
@@ -173,7 +177,9 @@ def resolve_media(model, kwargs: dict) -> dict:
             continue
         if int(e.segments.sum()) != int(outputs[0].shape[0]):
             raise AssertionError("the encoder outputs do not match the feature move")  # a planner bug
-        if pending.degree > 1:
+        if pending.mover is not None:
+            received = pending.mover.move(outputs, e.segments, e.plan)
+        elif pending.degree > 1:
             comm = comm_device(group)
             cu = cu_seqlens_from_lengths(e.segments.astype(np.int64), device=comm)
             received, _ = rebalance([t.to(comm) for t in outputs], cu, e.plan, group)
