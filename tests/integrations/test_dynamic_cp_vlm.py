@@ -225,11 +225,13 @@ def _fsdp2_family(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(core(model).visual, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    hooks = len(model._forward_pre_hooks)  # FSDP2's own
     handle = apply_dynamic_cp(model, max_tokens_per_rank=96)  # FSDP<Name> keeps its family
     kw = handle.shard(batch)
     out = {"class": type(model).__name__, "pending": MEDIA_KEYWORD in kw, "mm": "mm_encoder_outputs" in kw}
     model(**kw).loss.backward()
-    handle.remove()
+    handle.remove()  # and the media hook its shard installed
+    out["hooks left"] = len(model._forward_pre_hooks) - hooks
     return out
 
 
@@ -261,7 +263,19 @@ def test_fsdp2_on_some_ranks_only_is_refused_on_every_rank():
 @pytest.mark.distributed
 def test_fsdp2_keeps_the_family_and_leaves_the_media_to_the_forward():
     for res in run_distributed(_fsdp2_family, 2, timeout=300, pg_timeout=60):
-        assert res == {"class": "FSDPQwen2VLForConditionalGeneration", "pending": True, "mm": False}, res
+        want = {"class": "FSDPQwen2VLForConditionalGeneration", "pending": True, "mm": False, "hooks left": 0}
+        assert res == want, res
+
+
+def test_unresolved_media_are_refused_by_the_attention():
+    """Pending media that reach an attention call (the model's pre-hook did not run: a call of
+    ``model.forward`` or of an inner module) raise instead of losing the features."""
+    from mmbalance.integrations.hf.cp_attention import MEDIA_KEYWORD, cp_attention
+    from mmbalance.integrations.hf.cp_plan import idle_shard
+
+    q = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(RuntimeError, match=f"{MEDIA_KEYWORD}.*call the model itself"):
+        cp_attention(None, q, q, q, None, 1.0, idle_shard(), {MEDIA_KEYWORD: object()})
 
 
 def test_omni_audio_rows_must_match_the_placeholders():

@@ -33,6 +33,9 @@ __all__ = ["CP_KEYWORD", "CPShard", "cp_attention"]
 
 #: the model keyword that carries a :class:`CPShard` down to the attention calls
 CP_KEYWORD = "mmbalance_cp"
+#: the model keyword that carries a shard's pending media to the model's media pre-hook
+#: (:mod:`.dynamic_cp_vlm_trainer`); seen by an attention call only when that hook did not run
+MEDIA_KEYWORD = "mmbalance_media"
 
 
 @dataclass(eq=False)
@@ -159,6 +162,11 @@ def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     if not isinstance(shard, CPShard):
         raise TypeError(
             f"{ATTENTION_NAME}: {CP_KEYWORD} must be a CPShard (from handle.shard), got {type(shard).__name__}"
+        )
+    if MEDIA_KEYWORD in kwargs:  # the model's media pre-hook did not run: the features would be lost
+        raise RuntimeError(
+            f"{ATTENTION_NAME}: the shard's media ({MEDIA_KEYWORD}) reached the attention unresolved: call the model "
+            "itself (model(**kwargs), so its forward pre-hooks run), not model.forward or an inner module"
         )
     group = shard.process_group()  # on every rank, whatever its degree: groups are made collectively
     err = refusal(module, attention_mask, kwargs)

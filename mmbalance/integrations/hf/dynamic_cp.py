@@ -86,6 +86,7 @@ class DynamicCPHandle:
         self.vlm = vlm  # a VLMFamily for the vision-language models (dynamic_cp_vlm.py)
         self.adapters = []
         self._embed_hook = None
+        self.media_hook = False  # whether a shard installed the media pre-hook (FSDP2)
         if vlm is not None:
             from .dynamic_cp_vlm import embed_streams
             from .encoder_adapter import adapters_for
@@ -123,7 +124,10 @@ class DynamicCPHandle:
         with ``feature_attention_mask`` and ``video_second_per_grid``). The keywords then also hold
         ``mm_encoder_outputs`` (the shard's feature rows) and ``position_ids`` ``[4, 1, T]`` for
         the M-RoPE models (the token's position in its sequence, then the three M-RoPE rows the
-        model's ``get_rope_index`` gives the whole sequence); see :mod:`.dynamic_cp_vlm`.
+        model's ``get_rope_index`` gives the whole sequence); see :mod:`.dynamic_cp_vlm`. Under
+        FSDP2 they hold ``mmbalance_media`` instead of ``mm_encoder_outputs``: the encoding and the
+        feature all-to-all run in the model's forward (its pre-hook), so call the model itself
+        (``model(**kwargs)``), once, on every rank.
 
         Returns the model keywords: ``input_ids``, ``position_ids`` (each token's position in its
         own sequence), ``labels``, ``shift_labels`` (the next token's label, shifted on the whole
@@ -291,6 +295,10 @@ class DynamicCPHandle:
         self.removed = True
         if self._embed_hook is not None:
             self._embed_hook.remove()
+        if self.media_hook:  # installed by a shard under FSDP2
+            from .dynamic_cp_vlm_trainer import remove_media_hook
+
+            remove_media_hook(self.model)
         if getattr(self.model, "_mmbalance_dynamic_cp", None) is self:
             del self.model._mmbalance_dynamic_cp
 

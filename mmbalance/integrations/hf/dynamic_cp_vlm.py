@@ -40,8 +40,9 @@ One step, on every rank (every decision from gathered facts, so identical everyw
    token's position in its own sequence, then the three M-RoPE rows: the layout the Qwen text
    models read; LLaVA takes ``[1, T]``). The Omni thinker reads audio only from
    ``input_features``: its audio rows ride in ``mm_encoder_outputs["audio"]`` and a forward
-   pre-hook the handle puts on the model (:func:`embed_streams`; in Trainer, the media hook) places
-   them into the input embeddings at the audio placeholders before the thinker runs.
+   pre-hook the handle puts on the model (:func:`embed_streams`; in Trainer and under FSDP2, the
+   media hook) places them into the input embeddings at the audio placeholders before the
+   thinker runs.
 
 Under FSDP2 (``fully_shard``), which gathers a unit's weights only once the root's forward has
 begun, step 4 stops after the encoder inputs' move: the encoder call and the feature move run in

@@ -345,7 +345,8 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     if mm:
         kw["mm_encoder_outputs"] = mm
     if media.pending:
-        install_media_hook(model)
+        if install_media_hook(model):
+            handle.media_hook = True  # the handle's to remove
         kw[MEDIA_KEYWORD] = PendingMedia(media.pending, media.degree, family.streams(model), media.mover)
     if seqs.has_labels:
         kw["labels"] = out[:, 1].unsqueeze(0)

@@ -23,7 +23,7 @@ from mmbalance.collectives.group import comm_device
 from mmbalance.pyops import cu_seqlens_from_lengths
 
 from .balance import ZeroLink
-from .cp_attention import CP_KEYWORD
+from .cp_attention import CP_KEYWORD, MEDIA_KEYWORD
 from .cp_plan import Sequences, model_device, pieces
 from .dynamic_cp_vlm import check_feature_rows, encoder_seconds, place_embedded, vlm_family
 from .dynamic_cp_vlm_plan import PlaceholderRuns, feature_segments, piece_coords, read_alone, spread_items
@@ -36,11 +36,9 @@ __all__ = [
     "PendingEntry",
     "PendingMedia",
     "install_media_hook",
+    "remove_media_hook",
     "resolve_media",
 ]
-
-#: the model keyword that carries a shard's :class:`PendingMedia` to the forward
-MEDIA_KEYWORD = "mmbalance_media"
 
 
 @dataclass
@@ -52,7 +50,7 @@ class PendingEntry:
     meta: np.ndarray  # their metadata
     options: dict
     segments: np.ndarray  # rows of this rank's outputs per segment it sends, in order
-    plan: Plan | None  # the feature move over the group's ranks (None: the group has no item)
+    plan: Plan | None  # the feature move (over the group's ranks; the world's under encoder balancing)
     index: dict[str, Tensor]  # stream -> rows of the received buffer, in the shard's placeholder order
     rows: int  # input rows this rank encodes
 
@@ -152,7 +150,7 @@ class _GroupLayout:
 
 def resolve_media(model, kwargs: dict) -> dict:
     """The forward's part of a :class:`PendingMedia` in ``kwargs``: encode, exchange within the CP
-    group, and give the features to the model (``mm_encoder_outputs``), with the anchor that keeps
+    group (or along ``mover``), and give the features to the model (``mm_encoder_outputs``), with the anchor that keeps
     every member's backward in the exchange. Returns the new keywords."""
     pending = kwargs.pop(MEDIA_KEYWORD, None)
     if pending is None:
@@ -204,15 +202,25 @@ def resolve_media(model, kwargs: dict) -> dict:
     return kwargs
 
 
-def install_media_hook(model) -> None:
-    """Make ``model``'s forward resolve :class:`PendingMedia` (idempotent): a forward pre-hook, so
-    DDP and the other wrappers call it, and the forward's signature stays the model's."""
+def install_media_hook(model) -> bool:
+    """Make ``model``'s forward resolve :class:`PendingMedia`: a forward pre-hook, so DDP and the
+    other wrappers call it, and the forward's signature stays the model's; kept out of compiled
+    graphs (it runs collectives and numpy). Idempotent: returns whether this call installed it."""
     if getattr(model, "_mmbalance_media_hook", None) is not None:
-        return
+        return False
 
+    @torch.compiler.disable
     def hook(module, args, kwargs):
         if MEDIA_KEYWORD not in kwargs:
             return None
         return args, resolve_media(module, dict(kwargs))
 
     model._mmbalance_media_hook = model.register_forward_pre_hook(hook, with_kwargs=True)
+    return True
+
+
+def remove_media_hook(model) -> None:
+    """Undo :func:`install_media_hook` (idempotent)."""
+    handle = model.__dict__.pop("_mmbalance_media_hook", None)
+    if handle is not None:
+        handle.remove()
