@@ -1,6 +1,6 @@
 """Long videos and image documents in Qwen2-VL with dynamic context parallelism (tiny random model, CPU).
 
-    torchrun --nproc-per-node 4 examples/hf_qwen2vl_long.py [--steps 4] [--budget 128] [--encoder-balance]
+    torchrun --nproc-per-node 4 examples/hf_qwen2vl_long.py [--steps 4] [--budget 128] [--encoder-balance] [--fsdp2]
 
 Every step each rank draws its own examples, as a processor gives them: one rank a long video
 (more tokens than two ranks may hold), another a document of page images, the others short
@@ -14,7 +14,9 @@ over the ranks as drawn and as planned (encoding included). Where the group's me
 media, encoding the video is most of the step, so the planner spreads it over all 4 ranks; with
 ``--encoder-balance`` the encoding is balanced over the world whatever the groups, and the video
 takes 3 ranks while the fourth runs the rest whole. The loss of every rank is its tokens' loss over
-the global count, so the gradients summed over the ranks are those of the whole step.
+the global count, so the gradients summed over the ranks are those of the whole step. With
+``--fsdp2`` the model is sharded with ``fully_shard`` (every decoder layer, the vision tower, the
+root): the shard then leaves the encoding to the model's forward, where FSDP2 gathers the tower.
 """
 
 from __future__ import annotations
@@ -106,12 +108,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="training steps")
     p.add_argument("--budget", type=int, default=128, help="max_tokens_per_rank (vision tokens included)")
     p.add_argument("--encoder-balance", action="store_true", help="balance the encoder over the world too")
+    p.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 (fully_shard)")
     args = p.parse_args()
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     register_attention()
     model = tiny_qwen2vl()
+    if args.fsdp2:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.language_model.layers:
+            fully_shard(layer)
+        fully_shard(model.model.visual)
+        fully_shard(model)
     encoders = apply_encoder_balance(model) if args.encoder_balance else None
     # The planner prices a token 1 and a token a ring exchanges 0.25 (the encoder's FLOPs count as
     # tokens' worth). A model this tiny is all overhead, so the default cost of its own shape
@@ -123,10 +133,13 @@ def main() -> None:
         inputs = handle.shard(draw(rank, step, world))  # <- this rank's shard of the step
         loss = model(**inputs).loss  # this rank's tokens' loss over the global count of labelled tokens
         opt.zero_grad()
-        loss.backward()
-        for param in model.parameters():  # the sum over ranks is the gradient of the global mean
-            if param.grad is not None:
-                dist.all_reduce(param.grad)
+        if args.fsdp2:  # FSDP2 averages the gradients over the ranks: their sum is wanted
+            (loss * world).backward()
+        else:
+            loss.backward()
+            for param in model.parameters():  # the sum over ranks is the gradient of the global mean
+                if param.grad is not None:
+                    dist.all_reduce(param.grad)
         opt.step()
         total = loss.detach().clone()
         dist.all_reduce(total)

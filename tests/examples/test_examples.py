@@ -62,7 +62,7 @@ def test_hf_qwen2vl_long_splits_the_video_and_keeps_the_losses():
         r"max/mean ([0-9.]+) -> ([0-9.]+)  loss ([0-9.]+)  images and frames split over ranks (\d+)"
     )
     losses = {}
-    for flag in ((), ("--encoder-balance",)):
+    for flag in ((), ("--encoder-balance",), ("--fsdp2",)):
         out = _launch("hf_qwen2vl_long.py", "--steps", "2", *flag, nproc=4)
         rows = [pattern.match(line) for line in out.splitlines() if line.startswith("step")]
         assert len(rows) == 2 and all(rows), out[-2000:]
@@ -72,6 +72,7 @@ def test_hf_qwen2vl_long_splits_the_video_and_keeps_the_losses():
             assert int(m.group(3)) <= int(m.group(4)) == 128  # no shard over the budget
             assert float(m.group(6)) < float(m.group(5))  # max/mean as planned below as drawn
             assert int(m.group(8)) >= 1  # some image or frame straddles shards
-        losses[bool(flag)] = [float(m.group(7)) for m in rows]
-    # encoder balancing moves the encoding, not the result
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+        losses[flag] = [float(m.group(7)) for m in rows]
+    # encoder balancing moves the encoding, and FSDP2 the weights and the encoding, not the result
+    assert losses[("--encoder-balance",)] == pytest.approx(losses[()], rel=1e-5)
+    assert losses[("--fsdp2",)] == pytest.approx(losses[()], rel=1e-5)
