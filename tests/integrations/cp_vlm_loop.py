@@ -20,7 +20,8 @@ has no video: a document of eight images stands in for it) | qwen2_5_omni (the t
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
 (``apply_encoder_balance`` on the same model) | fsdp2 (the model under FSDP2: every decoder layer,
 the towers as units of their own but LLaVA's, whose CLIP tower stays in the root, then the root;
-``shard`` leaves the encoders to the forward) | encoder_fsdp2 (both) | fault (one rank's batch is bad: refused on every
+``shard`` leaves the encoders to the forward) | encoder_fsdp2 (both) | fsdp2_bf16 (FSDP2's mixed
+precision: bfloat16 compute, float32 reduction; tolerances of bfloat16) | fault (one rank's batch is bad: refused on every
 rank) | stream (``handle.batches`` over each rank's own loader of a different length, as a stream's
 slices give them: a rank whose loader has ended takes part with empty batches; loss and gradients,
 summed over the steps and ranks, against each step's examples alone over that step's count; every
@@ -119,7 +120,7 @@ def examples(model) -> list[list[dict]]:
 
 def summed_grads(model) -> dict:
     """Every parameter's gradient summed over the ranks (zeros where a rank has none)."""
-    if BALANCE.endswith("fsdp2"):  # each rank holds a shard of the ranks' mean
+    if "fsdp2" in BALANCE:  # each rank holds a shard of the ranks' mean
         world = dist.get_world_size()
         return {
             n: p.grad.full_tensor() * world if p.grad is not None else torch.zeros_like(p.full_tensor())
@@ -149,20 +150,26 @@ def worst_grad(grads: dict, ref) -> tuple[float, str]:
     return worst, where
 
 
-def fsdp2(model) -> None:
+def fsdp2(model, bf16: bool = False) -> None:
     """``fully_shard`` on every decoder layer and tower (LLaVA's CLIP tower stays in the root:
-    transformers' hidden-state capture does not see an FSDP2-wrapped CLIP model), then the root."""
-    from torch.distributed.fsdp import fully_shard
+    transformers' hidden-state capture does not see an FSDP2-wrapped CLIP model), then the root;
+    with ``bf16``, FSDP2's mixed precision (bfloat16 compute, float32 gradient reduction)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from mmbalance.integrations.hf.models.common import core
 
+    kw = (
+        {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+        if bf16
+        else {}
+    )
     c = core(model)
     for layer in getattr(c, "language_model", c).layers:
-        fully_shard(layer)
+        fully_shard(layer, **kw)
     if FAMILY != "llava":
         for tower, _, _ in towers(model):
-            fully_shard(tower)
-    fully_shard(model)
+            fully_shard(tower, **kw)
+    fully_shard(model, **kw)
 
 
 def run_one() -> None:
@@ -171,8 +178,8 @@ def run_one() -> None:
 
     rank = dist.get_rank()
     model = tiny("mmbalance_varlen")
-    if BALANCE.endswith("fsdp2"):
-        fsdp2(model)
+    if "fsdp2" in BALANCE:
+        fsdp2(model, bf16=BALANCE.endswith("bf16"))
     enc_handle = apply_encoder_balance(model) if BALANCE.startswith("encoder") else None
     handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
     data = examples(model)
@@ -223,9 +230,13 @@ def run_one() -> None:
             out.loss.backward()
             ref_total += out.loss.detach()
         rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
-        assert rel <= 1e-5, f"loss {float(total)} vs reference {float(ref_total)} (rel {rel:.2e})"
+        # bfloat16 compute against the float32 reference: its rounding (2^-8 per operation; the
+        # worst tensors are the towers' small layer-norm biases, a few percent off); a feature
+        # row lost or misplaced is off by its whole size
+        tol_loss, tol_grad = (1e-3, 0.15) if BALANCE.endswith("bf16") else (1e-5, 1e-5)
+        assert rel <= tol_loss, f"loss {float(total)} vs reference {float(ref_total)} (rel {rel:.2e})"
         worst, where = worst_grad(grads, ref)
-        assert worst <= 1e-5, f"gradient of {where}: relative error {worst:.2e}"
+        assert worst <= tol_grad, f"gradient of {where}: relative error {worst:.2e}"
         print(json.dumps({"run": f"{FAMILY}:{BALANCE}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"],
                           "loss_rel": rel, "grad_rel": worst, "split_items": stats["split_items"],
                           "before": stats["before"], "after": stats["after"], "encoded_rows": int(encoded)}))  # fmt: skip

@@ -78,12 +78,15 @@ def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
     runs = ["qwen2_vl:fsdp2", "qwen3_vl:fsdp2", "llava:fsdp2", "qwen2_5_omni:fsdp2"]
     runs += ["qwen2_vl:encoder_fsdp2", "llava:encoder_fsdp2", "qwen2_5_omni:encoder_fsdp2"]
     runs.append("qwen2_vl:stream_fsdp2")  # steps with ranks that have nothing to encode, or nothing
+    runs.insert(-1, "qwen2_vl:fsdp2_bf16")  # FSDP2's mixed precision: loss 1e-3, gradients 0.15
     out = launch(SCRIPT, *runs, nproc=4, timeout=900)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [x["run"] for x in lines] == runs, out[-3000:]
     stream = lines.pop()
     assert stream["steps"] == 3 and stream["degrees"][0] == 3, stream
     assert stream["loss_rel"] <= 1e-5 and stream["grad_rel"] <= 1e-5, stream
+    bf16 = lines.pop()
+    assert bf16["loss_rel"] <= 1e-3 and bf16["grad_rel"] <= 0.15, bf16
     for x in lines:
         assert sorted(x["degrees"]) == [1, 3] and x["largest_shard"] <= 64
         assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5
