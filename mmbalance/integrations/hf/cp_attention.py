@@ -29,7 +29,7 @@ from mmbalance.pyops.attention_ops import attention_block
 
 from .attention_mask import ATTENTION_NAME, VarlenMask
 
-__all__ = ["CP_KEYWORD", "CPShard", "cp_attention"]
+__all__ = ["CP_KEYWORD", "MEDIA_KEYWORD", "CPShard", "cp_attention"]
 
 #: the model keyword that carries a :class:`CPShard` down to the attention calls
 CP_KEYWORD = "mmbalance_cp"
