@@ -8,7 +8,9 @@ alone through the stock eager attention, token-loss sum over the global count).
 argv: one or more ``family:form:scenario`` runs: family llama | qwen2, batch form packed | padded,
 scenario long (one sequence over 2x the budget) | mixed (a schedule of degrees 3 and 1, forced by a
 cost with an expensive ring; the model wrapped in DDP, which averages the gradients) | fsdp2 (the
-data of long, the model under FSDP2: every decoder layer and the root ``fully_shard``-ed) | strided (the
+data of long, the model under FSDP2: every decoder layer and the root ``fully_shard``-ed) | ckpt (the
+data of long, with transformers' gradient checkpointing: backward recomputes every layer, its ring
+attention included) | strided (the
 handle balances over a data-parallel sub-group, ranks {0, 2} and {1, 3} as under tensor parallelism
 of 2, each splitting a sequence over its two ranks) | triple (sub-groups {0} and {1, 2, 3}; in the
 second a sequence is split over two of its ranks, a ring inside the sub-group that rank 0 helps
@@ -45,7 +47,7 @@ def tiny_model(attn: str):
 def examples(world: int) -> list[list[dict]]:
     """Per rank, its examples: ``input_ids`` and ``labels`` (prompt tokens masked with -100)."""
     rng = np.random.default_rng(7)
-    if SCENARIO in ("long", "fsdp2"):
+    if SCENARIO in ("long", "fsdp2", "ckpt"):
         lengths = [[9, 23], [150, 5], [17, 30, 2], [12]]  # 150 > 2 * BUDGET
     elif SCENARIO == "strided":
         lengths = [[9, 11], [17, 20, 2], [90, 5], [12, 70]]  # 90 and 70 > BUDGET, in {0, 2} and {1, 3}
@@ -104,6 +106,11 @@ def run_one() -> None:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+    attn_calls = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda m, i, o: attn_calls.append(1))
+    if SCENARIO == "ckpt":
+        model.gradient_checkpointing_enable()
+        model.train()
     handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET, cost=cost)
     data = examples(world)
     seen = []
@@ -125,6 +132,10 @@ def run_one() -> None:
         loss = model(**inputs).loss
         loss.backward()
     stats = handle.stats
+    want = 2 if SCENARIO == "ckpt" else 1  # the forward, and the recompute in backward
+    assert len(attn_calls) == want, (
+        f"rank {rank}: layer 0's attention ran {len(attn_calls)} times, not {want}"
+    )
     if SCENARIO != "mixed":
         assert max(seen) <= BUDGET, f"rank {rank} embedded {max(seen)} tokens, budget {BUDGET}"
         assert stats["largest_shard"] <= BUDGET, stats

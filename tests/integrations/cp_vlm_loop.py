@@ -21,7 +21,8 @@ audio clip stands in for the video, an image and a clip share a sequence), balan
 (``apply_encoder_balance`` on the same model) | fsdp2 (the model under FSDP2: every decoder layer,
 the towers as units of their own but LLaVA's, whose CLIP tower stays in the root, then the root;
 ``shard`` leaves the encoders to the forward) | encoder_fsdp2 (both) | fsdp2_bf16 (FSDP2's mixed
-precision: bfloat16 compute, float32 reduction; tolerances of bfloat16) | fault (one rank's batch is bad: refused on every
+precision: bfloat16 compute, float32 reduction; tolerances of bfloat16) | fsdp2_ckpt (and
+transformers' gradient checkpointing) | fault (one rank's batch is bad: refused on every
 rank) | stream (``handle.batches`` over each rank's own loader of a different length, as a stream's
 slices give them: a rank whose loader has ended takes part with empty batches; loss and gradients,
 summed over the steps and ranks, against each step's examples alone over that step's count; every
@@ -178,6 +179,14 @@ def run_one() -> None:
 
     rank = dist.get_rank()
     model = tiny("mmbalance_varlen")
+    from mmbalance.integrations.hf.models.common import core
+
+    attn_calls = []
+    lm = getattr(core(model), "language_model", core(model))
+    lm.layers[0].self_attn.register_forward_hook(lambda m, i, o: attn_calls.append(1))
+    if BALANCE.endswith("ckpt"):  # transformers' gradient checkpointing: towers and decoder layers
+        model.gradient_checkpointing_enable()
+        model.train()
     if "fsdp2" in BALANCE:
         fsdp2(model, bf16=BALANCE.endswith("bf16"))
     enc_handle = apply_encoder_balance(model) if BALANCE.startswith("encoder") else None
@@ -194,6 +203,10 @@ def run_one() -> None:
     loss = model(**inputs).loss
     loss.backward()
     stats = handle.stats
+    want = 2 if BALANCE.endswith("ckpt") else 1  # the forward, and the recompute in backward
+    assert len(attn_calls) == want, (
+        f"rank {rank}: layer 0's attention ran {len(attn_calls)} times, not {want}"
+    )
     assert max(embedded) <= BUDGET, f"rank {rank} embedded {max(embedded)} tokens, budget {BUDGET}"
     assert stats["largest_shard"] <= BUDGET, stats
     assert sorted(stats["degrees"]) == [1, 3], stats

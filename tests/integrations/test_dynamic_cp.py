@@ -28,10 +28,10 @@ SCRIPT = REPO / "tests" / "integrations" / "cp_plain_loop.py"
 
 @pytest.mark.distributed
 def test_plain_loop_matches_one_process_reference_on_4_ranks():
-    """The world as the group (long; mixed under DDP; fsdp2 under FSDP2), and data-parallel
-    sub-groups (strided, triple)."""
+    """The world as the group (long; mixed under DDP; fsdp2 under FSDP2; ckpt with gradient
+    checkpointing), and data-parallel sub-groups (strided, triple)."""
     world = ["llama:packed:long", "qwen2:padded:long", "llama:padded:mixed", "qwen2:packed:mixed"]
-    world.append("qwen2:padded:fsdp2")
+    world += ["qwen2:padded:fsdp2", "llama:packed:ckpt"]
     sub = ["llama:packed:strided", "qwen2:padded:triple"]
     out = launch(SCRIPT, *world, *sub, nproc=4, timeout=600)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]

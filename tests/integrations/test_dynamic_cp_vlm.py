@@ -77,6 +77,7 @@ def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
     encoder balancing, and a stream."""
     runs = ["qwen2_vl:fsdp2", "qwen3_vl:fsdp2", "llava:fsdp2", "qwen2_5_omni:fsdp2"]
     runs += ["qwen2_vl:encoder_fsdp2", "llava:encoder_fsdp2", "qwen2_5_omni:encoder_fsdp2"]
+    runs.append("qwen2_vl:fsdp2_ckpt")  # with gradient checkpointing
     runs.append("qwen2_vl:stream_fsdp2")  # steps with ranks that have nothing to encode, or nothing
     runs.insert(-1, "qwen2_vl:fsdp2_bf16")  # FSDP2's mixed precision: loss 1e-3, gradients 0.15
     out = launch(SCRIPT, *runs, nproc=4, timeout=900)
