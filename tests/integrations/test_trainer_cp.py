@@ -39,6 +39,9 @@ def test_trainer_with_context_parallel_trains_like_without_it_and_resumes():
                 for n in ("plain", "cp", "resumed") for r in range(4)}  # fmt: skip
         w = {n: torch.load(Path(tmp) / f"{n}.pt") for n in ("plain", "cp", "resumed")}
     assert worst_rel(w["cp"], w["plain"]) <= 1e-5
+    # gradient checkpointing in the CP run: every forward's attention ran again in backward
+    assert all(logs["cp", r]["attention"] == 2 * logs["cp", r]["forwards"] for r in range(4))
+    assert all(logs["plain", r]["attention"] == logs["plain", r]["forwards"] for r in range(4))
     assert worst_rel(w["resumed"], w["cp"]) <= 1e-5
     assert max(logs["cp", r]["max_tokens"] for r in range(4)) <= S.BUDGET
     assert max(logs["plain", r]["max_tokens"] for r in range(4)) > S.BUDGET  # the budget splits something

@@ -1,7 +1,8 @@
 """Launched by test_trainer_cp.py on 4 CPU ranks (the environment torchrun gives its workers):
 transformers' Trainer on a tiny Llama with ``balance_trainer``, first without context parallelism,
 then with ``context_parallel=True`` and a budget that splits the long examples, then resumed from
-the CP run's checkpoint after 3 optimizer steps. Every rank logs what its loader fetched and the
+the CP run's checkpoint after 3 optimizer steps. The CP run uses gradient checkpointing (backward
+recomputes every layer, its ring attention included), the resumed run does not. Every rank logs what its loader fetched and the
 largest number of tokens its embedding saw in one forward to ``$MMB_TMP``; rank 0 saves the final
 weights of every run there.
 
@@ -104,17 +105,20 @@ def watch(model) -> list[int]:
     return seen
 
 
-def train(name: str, cp: bool, resume: str | None = None):
+def train(name: str, cp: bool, resume: str | None = None, ckpt: bool = False):
     from transformers import Trainer
 
     from mmbalance.integrations.hf import balance_trainer
 
     tmp = os.environ["MMB_TMP"]
     args = args_for(
-        tmp, num_train_epochs=EPOCHS, save_strategy="steps" if cp and not resume else "no", save_steps=3
-    )
+        tmp, num_train_epochs=EPOCHS, save_strategy="steps" if cp and not resume else "no", save_steps=3,
+        gradient_checkpointing=ckpt,
+    )  # fmt: skip
     model = build_model()
     seen = watch(model)
+    attn: list[int] = []  # layer 0's attention calls: twice a forward under gradient checkpointing
+    model.model.layers[0].self_attn.register_forward_hook(lambda m, i, o: attn.append(1))
     data = Logged(examples())
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
     kw = {"context_parallel": True, "max_tokens_per_rank": BUDGET} if cp else {}
@@ -122,7 +126,9 @@ def train(name: str, cp: bool, resume: str | None = None):
     trainer.train(resume_from_checkpoint=resume)
     rank = int(os.environ["RANK"])
     with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
-        json.dump({"batches": data.log, "max_tokens": max(seen), "forwards": len(seen)}, f)
+        json.dump(
+            {"batches": data.log, "max_tokens": max(seen), "forwards": len(seen), "attention": len(attn)}, f
+        )
     if rank == 0:
         torch.save(
             {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(tmp, f"{name}.pt")
@@ -202,7 +208,7 @@ def main() -> None:
         loop("loop")
     else:
         train("plain", cp=False)
-        train("cp", cp=True)
+        train("cp", cp=True, ckpt=True)
         train("resumed", cp=True, resume=os.path.join(os.environ["MMB_TMP"], "out", "checkpoint-3"))
     import torch.distributed as dist
 

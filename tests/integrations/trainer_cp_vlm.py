@@ -83,17 +83,23 @@ def train(name: str, cp: bool):
     from mmbalance.integrations.hf.models.common import core
 
     tmp = os.environ["MMB_TMP"]
+    # Qwen2-VL's CP run recomputes in backward (gradient checkpointing). Not the Omni thinker's:
+    # Trainer then builds DDP with find_unused_parameters=False, and the thinker's audio tower has a
+    # parameter its forward never uses (audio_bos_eos_token), with or without context parallelism
+    ckpt = cp and FAMILY == "qwen2_vl"
     args = TrainingArguments(
         output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
         learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
         logging_steps=1, report_to=[], seed=0, use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
-        num_train_epochs=1, save_strategy="no",
+        num_train_epochs=1, save_strategy="no", gradient_checkpointing=ckpt,
     )  # fmt: skip
     model = build_model()
     seen: list[int] = []
     tower: list[int] = []
     model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
     core(model).visual.register_forward_pre_hook(lambda m, a: tower.append(int(a[0].shape[0])))
+    attn: list[int] = []  # layer 0's attention calls: twice a forward under gradient checkpointing
+    core(model).language_model.layers[0].self_attn.register_forward_hook(lambda m, i, o: attn.append(1))
     audio: list[int] = []
     if FAMILY == "qwen2_5_omni":
         core(model).audio_tower.register_forward_pre_hook(
@@ -109,7 +115,7 @@ def train(name: str, cp: bool):
     degrees = trainer.cp_sampler.stats.get("degrees") if cp else None
     with open(os.path.join(tmp, f"{name}-rank{rank}.json"), "w") as f:
         json.dump({"batches": data.log, "max_tokens": max(seen), "tower_rows": tower, "audio_rows": audio,
-                   "degrees": degrees,
+                   "degrees": degrees, "attention": len(attn), "forwards": len(seen),
                    "media_rows": [media_rows(i, model) for i in range(N)]}, f)  # fmt: skip
     if rank == 0:
         torch.save(
