@@ -10,7 +10,10 @@ scenario long (one sequence over 2x the budget) | mixed (a schedule of degrees 3
 cost with an expensive ring; the model wrapped in DDP, which averages the gradients) | fsdp2 (the
 data of long, the model under FSDP2: every decoder layer and the root ``fully_shard``-ed) | ckpt (the
 data of long, with transformers' gradient checkpointing: backward recomputes every layer, its ring
-attention included) | strided (the
+attention included) | compile (2 ranks: a sequence split over both, the model under
+``torch.compile`` with the ``aot_eager`` backend; then more steps of other lengths, with and
+without a split sequence, which must compile no new graph: the attention of a shard is one graph
+break, not traced) | strided (the
 handle balances over a data-parallel sub-group, ranks {0, 2} and {1, 3} as under tensor parallelism
 of 2, each splitting a sequence over its two ranks) | triple (sub-groups {0} and {1, 2, 3}; in the
 second a sequence is split over two of its ranks, a ring inside the sub-group that rank 0 helps
@@ -51,6 +54,8 @@ def examples(world: int) -> list[list[dict]]:
         lengths = [[9, 23], [150, 5], [17, 30, 2], [12]]  # 150 > 2 * BUDGET
     elif SCENARIO == "strided":
         lengths = [[9, 11], [17, 20, 2], [90, 5], [12, 70]]  # 90 and 70 > BUDGET, in {0, 2} and {1, 3}
+    elif SCENARIO == "compile":  # 2 ranks: 90 > BUDGET over both
+        lengths = [[9, 90], [17, 5]]
     elif SCENARIO == "triple":
         lengths = [[9, 23, 30], [100, 3], [17, 2], [12, 20]]  # 100 > BUDGET in {1, 2, 3}
     else:
@@ -128,6 +133,11 @@ def run_one() -> None:
     elif SCENARIO == "fsdp2":
         loss = model(**inputs).loss  # the model was sharded (every decoder layer, then the root) above
         (loss * world).backward()
+    elif SCENARIO == "compile":
+        compiled = torch.compile(model, backend="aot_eager")  # dynamo and AOT autograd
+        loss = compiled(**inputs).loss
+        loss.backward()
+        attn_calls, seen = [1], [stats_tokens(handle)]  # (hooks run once, while tracing)
     else:
         loss = model(**inputs).loss
         loss.backward()
@@ -136,7 +146,9 @@ def run_one() -> None:
     assert len(attn_calls) == want, (
         f"rank {rank}: layer 0's attention ran {len(attn_calls)} times, not {want}"
     )
-    if SCENARIO != "mixed":
+    if SCENARIO == "compile":
+        assert stats["largest_shard"] <= BUDGET and stats["degrees"] == [2], stats
+    elif SCENARIO != "mixed":
         assert max(seen) <= BUDGET, f"rank {rank} embedded {max(seen)} tokens, budget {BUDGET}"
         assert stats["largest_shard"] <= BUDGET, stats
         assert max(stats["degrees"]) >= 3, stats
@@ -149,6 +161,10 @@ def run_one() -> None:
     if not ddp:
         for g in grads.values():
             dist.all_reduce(g)
+    graphs = None
+    if SCENARIO == "compile":
+        stats = dict(stats)
+        graphs = more_compiled_steps(handle, compiled, rank)
     if rank == 0:
         ref, ref_total, count = reference([e for mine in data for e in mine])
         assert inputs["num_items_in_batch"] == count, (inputs["num_items_in_batch"], count)
@@ -160,9 +176,33 @@ def run_one() -> None:
             worst = max(worst, float(diff))
             assert diff <= 1e-5, f"gradient of {n}: relative error {float(diff):.2e}"
         print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"], "loss_rel": rel,
-                          "grad_rel": worst, "before": stats["before"], "after": stats["after"]}))  # fmt: skip
+                          "grad_rel": worst, "before": stats["before"], "after": stats["after"], "graphs": graphs}))  # fmt: skip
     handle.remove()
     dist.barrier()
+
+
+def more_compiled_steps(handle, compiled, rank: int) -> list[int]:
+    """Four more steps of the compiled model, with a sequence split over both ranks or only whole
+    ones; returns the compiled graphs so far after each (dynamo's counter of this process)."""
+    from torch._dynamo.utils import counters
+
+    rng = np.random.default_rng(100 + rank)
+    graphs = []
+    for step in range(4):
+        split = step % 2 == 0
+        lengths = [int(rng.integers(3, 20))] + ([int(rng.integers(70, 90))] if split and rank == 0 else [])
+        mine = []
+        for n in lengths:
+            ids = rng.integers(1, VOCAB, size=n).tolist()
+            mine.append({"input_ids": ids, "labels": ids})
+        compiled(**handle.shard(batch_of(mine))).loss.backward()
+        assert max(handle.stats["degrees"]) == (2 if split else 1), (step, handle.stats)
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    return graphs
+
+
+def stats_tokens(handle) -> int:
+    return int(handle.stats["largest_shard"])
 
 
 def full(grad: torch.Tensor) -> torch.Tensor:

@@ -156,9 +156,14 @@ def _cast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.to(dt), k.to(dt), v.to(dt)
 
 
+@torch.compiler.disable
 def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling, shard: CPShard,
                  kwargs: dict) -> tuple[Tensor, None]:  # fmt: skip
-    """transformers' attention signature over a :class:`CPShard` (``query [1, H, T_r, D]``)."""
+    """transformers' attention signature over a :class:`CPShard` (``query [1, H, T_r, D]``).
+
+    Kept out of compiled graphs: under ``torch.compile`` each call is one graph break, and the
+    ring's collectives, its per-step plan and the shard's process group run eagerly (traced, they
+    broke the graph dozens of times and recompiled every step)."""
     if not isinstance(shard, CPShard):
         raise TypeError(
             f"{ATTENTION_NAME}: {CP_KEYWORD} must be a CPShard (from handle.shard), got {type(shard).__name__}"
