@@ -29,16 +29,17 @@ SCRIPT = REPO / "tests" / "integrations" / "cp_plain_loop.py"
 @pytest.mark.distributed
 def test_plain_loop_matches_one_process_reference_on_4_ranks():
     """The world as the group (long; mixed under DDP; fsdp2 under FSDP2; ckpt with gradient
-    checkpointing), and data-parallel sub-groups (strided, triple)."""
+    checkpointing; amp under bfloat16 autocast), and data-parallel sub-groups (strided, triple)."""
     world = ["llama:packed:long", "qwen2:padded:long", "llama:padded:mixed", "qwen2:packed:mixed"]
-    world += ["qwen2:padded:fsdp2", "llama:packed:ckpt"]
+    world += ["qwen2:padded:fsdp2", "llama:packed:ckpt", "qwen2:packed:amp"]
     sub = ["llama:packed:strided", "qwen2:padded:triple"]
     out = launch(SCRIPT, *world, *sub, nproc=4, timeout=600)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [x["run"] for x in lines] == world + sub, out[-3000:]
     for x in lines[: len(world)]:
         assert max(x["degrees"]) >= 3 and x["largest_shard"] <= 64
-        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5
+        amp = x["run"].endswith("amp")  # bfloat16 autocast against the float32 reference
+        assert x["loss_rel"] <= (1e-3 if amp else 1e-5) and x["grad_rel"] <= (0.05 if amp else 1e-5), x
         assert x["after"] < x["before"]
     assert all(sorted(x["degrees"]) == [1, 3] for x in lines if x["run"].endswith("mixed"))
     strided, triple = (x["groups"] for x in lines[len(world) :])
