@@ -53,19 +53,18 @@ def test_plain_loop_matches_one_process_reference_on_4_ranks():
 def test_compiled_model_matches_the_reference_and_compiles_once():
     """``torch.compile`` (aot_eager) of a model whose shard splits a sequence over 2 ranks: loss and
     gradients as the reference; then steps with and without a split sequence compile no new graph
-    (the shard's attention is one graph break: traced, the ring broke the graph dozens of times,
-    hit dynamo's recompile limit in the first step and took 20 s a step instead of 0.03 s)."""
+    after the second, on every rank (the shard's attention is one graph break: traced, the ring
+    broke the graph dozens of times and hit dynamo's recompile limit in the first step)."""
     out = launch(SCRIPT, "llama:packed:compile", nproc=2, timeout=600)
     (x,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert x["degrees"] == [2] and x["largest_shard"] <= 64, x
     assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5, x
-    assert len(set(x["graphs"])) == 1, x  # the later steps reuse the graphs of the first two
-
-
-def test_the_shard_attention_stays_out_of_compiled_graphs():
-    from mmbalance.integrations.hf.cp_attention import cp_attention
-
-    assert getattr(cp_attention, "_torchdynamo_disable", False)
+    # per rank: graphs after each of the 5 CP steps, then of the same steps without CP. After the
+    # second step (dynamic shapes) no new graph; and no more graphs than without CP (traced, the
+    # ring made 34 against 16)
+    for graphs in x["graphs"]:
+        *cp, plain = graphs
+        assert len(set(cp[1:])) == 1 and cp[-1] <= plain, x
 
 
 def _tiny(attn="mmbalance_varlen", **extra):

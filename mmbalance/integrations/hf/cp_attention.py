@@ -27,6 +27,7 @@ from mmbalance.collectives.group import group_timeout
 from mmbalance.collectives.ring import ring_attention
 from mmbalance.pyops.attention_ops import attention_block
 
+from .attention_compile import outside_graph
 from .attention_mask import ATTENTION_NAME, VarlenMask
 
 __all__ = ["CP_KEYWORD", "MEDIA_KEYWORD", "CPShard", "cp_attention"]
@@ -156,14 +157,15 @@ def _cast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.to(dt), k.to(dt), v.to(dt)
 
 
-@torch.compiler.disable
+@outside_graph(ATTENTION_NAME, "the context-parallel attention (the ring's collectives and plan)")
 def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling, shard: CPShard,
                  kwargs: dict) -> tuple[Tensor, None]:  # fmt: skip
     """transformers' attention signature over a :class:`CPShard` (``query [1, H, T_r, D]``).
 
-    Kept out of compiled graphs: under ``torch.compile`` each call is one graph break, and the
-    ring's collectives, its per-step plan and the shard's process group run eagerly (traced, they
-    broke the graph dozens of times and recompiled every step)."""
+    Kept out of compiled graphs: under ``torch.compile`` each call is one graph break (and
+    ``fullgraph=True`` is refused by name), and the ring's collectives, its per-step plan and the
+    shard's process group run eagerly (traced, they broke the graph dozens of times and hit
+    dynamo's recompile limit in the first step)."""
     if not isinstance(shard, CPShard):
         raise TypeError(
             f"{ATTENTION_NAME}: {CP_KEYWORD} must be a CPShard (from handle.shard), got {type(shard).__name__}"
