@@ -176,13 +176,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict | None = None) -> str:
+#: how long the other ranks of a launch may run on once one has failed (they may raise too, and
+#: say why), before they are killed: a peer that waits on the failed rank would wait out its
+#: process group's timeout
+LAUNCH_GRACE = 60.0
+
+
+def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict | None = None,
+           grace: float = LAUNCH_GRACE) -> str:  # fmt: skip
     """Run the Python file ``script`` on ``nproc`` ranks with the environment ``torchrun`` gives its
     workers (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...), from the repository root.
 
     The workers are started here rather than through torchrun, whose workers live in sessions of
     their own: a timeout here kills every worker, so a hung example fails the test instead of
-    leaving the suite waiting on pipes that a stray worker holds open. Returns rank 0's stdout.
+    leaving the suite waiting on pipes that a stray worker holds open. Once a rank has failed, the
+    others get ``grace`` seconds to end before they are killed (the test fails either way). Returns
+    rank 0's stdout.
     """
     port = str(_free_port())
     procs, logs = [], []
@@ -196,13 +205,20 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
                 procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=REPO,
                                               env=env_r, stdout=logs[-1], stderr=subprocess.STDOUT, text=True,
                                               start_new_session=True))  # fmt: skip
-            deadline, timed_out = time.monotonic() + timeout, False
-            for proc in procs:
-                try:
-                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+            deadline, timed_out, failed_at = time.monotonic() + timeout, False, None
+            while True:
+                codes = [p.poll() for p in procs]  # every one polled (any() would stop at the first)
+                if all(c is not None for c in codes):
+                    break
+                now = time.monotonic()
+                if failed_at is None and any(c not in (None, 0) for c in codes):
+                    failed_at = now
+                if now > deadline:
                     timed_out = True
                     break
+                if failed_at is not None and now > failed_at + grace:
+                    break  # the rest are killed below; the failed rank's error is the report
+                time.sleep(0.1)
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -216,6 +232,9 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
     if timed_out:
         tails = "".join(f"--- rank {r}\n{out[-2000:]}" for r, out in enumerate(outs))
         raise AssertionError(f"{script} {' '.join(args)} did not finish in {timeout:.0f} s:\n{tails}")
+    for rank, (proc, out) in enumerate(zip(procs, outs)):
+        if proc.returncode != 0 and proc.returncode != -signal.SIGKILL:  # a rank that failed by itself first
+            raise AssertionError(f"rank {rank}'s process {describe_exit(proc.returncode)}:\n{out[-3000:]}")
     for rank, (proc, out) in enumerate(zip(procs, outs)):
         assert proc.returncode == 0, f"rank {rank}'s process {describe_exit(proc.returncode)}:\n{out[-3000:]}"
     return outs[0]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import launch, run_distributed
 from tests.faults.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -132,3 +132,25 @@ def _die_in_body_with_error(rank: int, world: int, log: str) -> int:
     if rank == 1:
         raise RuntimeError(f"Gloo connectFullMesh failed, but in the body of rank {rank}")
     return rank
+
+
+def test_launch_stops_the_other_ranks_soon_after_one_fails(tmp_path):
+    """A launched rank that fails leaves the others a grace period, not the whole timeout: a peer
+    waiting on it (here: sleeping) is killed, and the failed rank's error is the report."""
+    script = tmp_path / "one_fails.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit('rank 1 gives up')\n"
+        "time.sleep(600)\n"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank 1's process exited with code 1[\s\S]*rank 1 gives up"):
+        launch(script, nproc=3, timeout=300, grace=2)
+    assert time.monotonic() - t0 < 60
+
+
+def test_launch_returns_rank_0s_output(tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    assert launch(script, nproc=2, timeout=120).strip() == "rank 0 of 2"
