@@ -147,7 +147,7 @@ def worker(argv: list[str]) -> None:
     total_steps = args.warmup + args.steps
     data = real_steps(args.dataset, world, args.budget, total_steps, args.fill, args.seed, args.scale)
     longest = max(int(part.max(initial=0)) for step in data for part in step)
-    from mmbalance.integrations.hf.dynamic_cp import cost_model_of
+    from mmbalance.integrations.hf.cp import cost_model_of
 
     base = cost_model_of(model, "quadratic")
     assert isinstance(base, CostModel)

@@ -15,8 +15,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .group import group_timeout, world_of
+from .inflight import gather_objects
 
-__all__ = ["GroupPool"]
+__all__ = ["GroupPool", "own_group"]
 
 
 class GroupPool:
@@ -76,3 +77,23 @@ class GroupPool:
 
     def __len__(self) -> int:
         return len(self._groups)
+
+
+def own_group(base):
+    """A process group with ``base``'s ranks for one caller alone: its all-to-alls (also those of
+    the backward, which autograd schedules) then never interleave with DDP's or FSDP's collectives
+    on a shared communicator. It takes ``base``'s timeout. ``new_group`` is collective over the
+    world and needs the same calls in the same order on every rank, so every rank learns every
+    rank's group first and all create all of them."""
+    every = gather_objects(tuple(dist.get_process_group_ranks(base)))
+    timeout = group_timeout(base)
+    me, own = dist.get_rank(), None
+    for ranks in sorted(set(every)):
+        g = (
+            dist.new_group(list(ranks), timeout=timeout)
+            if timeout is not None
+            else dist.new_group(list(ranks))
+        )
+        if me in ranks:
+            own = g
+    return own

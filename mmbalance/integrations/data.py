@@ -25,7 +25,7 @@ from mmbalance.balancing.plan import DEFAULT_BETA
 from mmbalance.balancing.post_balance import check_cost_range
 from mmbalance.balancing.validate import as_coefficient, as_count, as_lengths
 
-__all__ = ["BalancedBatchSampler", "EpochPlan"]
+__all__ = ["BalancedBatchSampler", "EpochPlan", "epoch_order", "sampler_policy", "step_stats"]
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
             rank = dist.get_rank() if rank is None else rank
         self.num_replicas = as_count(num_replicas, "num_replicas")
         self.rank = as_count(rank, "rank", minimum=0, maximum=self.num_replicas - 1)
-        self.policy, self.alpha, self.beta = self._cost(cost, alpha, beta, bool(padding))
+        self.policy, self.alpha, self.beta = sampler_policy(cost, alpha, beta, bool(padding))
         self.padding = self.policy in ("padded", "padded_quadratic")
         check_cost_range(self.table[:, -1], self.policy, self.alpha, self.beta)
         self.shuffle = bool(shuffle)
@@ -183,19 +183,6 @@ class BalancedBatchSampler(Sampler[list[int]]):
         """Examples per optimizer step, over all ranks and micro-batches."""
         return self.batch_size * self.num_replicas * self.grad_accum
 
-    @staticmethod
-    def _cost(cost, alpha, beta, padding: bool) -> tuple[str, float, float]:
-        if isinstance(cost, CostModel):
-            weight = cost.attention * (1.0 + cost.eta)
-            padded = padding or cost.padded
-            return ("padded_quadratic" if padded else "quadratic"), float(cost.linear), float(weight)
-        if cost == "sum":
-            return ("padded" if padding else "sum"), 1.0, 0.0
-        if cost == "quadratic":
-            policy = "padded_quadratic" if padding else "quadratic"
-            return policy, as_coefficient(alpha, "alpha"), as_coefficient(beta, "beta")
-        raise ValueError(f"cost must be 'sum', 'quadratic' or a CostModel, got {cost!r}")
-
     def set_epoch(self, epoch: int) -> None:
         """Use the permutation of ``epoch`` (call it at every epoch, on every rank)."""
         if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
@@ -205,22 +192,11 @@ class BalancedBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return self.num_steps * self.grad_accum
 
-    def _order(self) -> np.ndarray:
-        n = self.table.shape[0]
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(n)
-        else:
-            order = np.arange(n)
-        if self.total_size <= n:
-            return order[: self.total_size]
-        reps = math.ceil((self.total_size - n) / max(n, 1))
-        return np.concatenate([order, np.tile(order, reps)[: self.total_size - n]])
-
     def plan_epoch(self) -> EpochPlan:
         """The plan of every rank for the current epoch (computed once per epoch, then cached)."""
         if self._cache is not None and self._cache[0] == self.epoch:
             return self._cache[1]
-        order = self._order().astype(np.int64)
+        order = epoch_order(self.table.shape[0], self.total_size, self.shuffle, self.seed, self.epoch)
         steps, n = self.num_steps, self.step_size
         rank, micro, costs = plan_micro_batches(
             self.table[order, -1], steps, n, self.num_replicas, self.grad_accum, self.policy, self.alpha,
@@ -256,28 +232,11 @@ class BalancedBatchSampler(Sampler[list[int]]):
         pick = np.argsort(keys, kind="stable")
         flat = plan.indices.reshape(-1)[mine][pick].tolist()
         bounds = np.concatenate(([0], np.cumsum(np.bincount(keys, minlength=steps * g)))).tolist()
-        stats = self._all_stats(plan)
+        stats = step_stats(plan, self.table, self.columns, self.num_replicas)
         for s in range(steps):
             self.stats = stats[s]
             for k in range(s * g, (s + 1) * g):
                 yield flat[bounds[k] : bounds[k + 1]]
-
-    def _all_stats(self, plan: EpochPlan) -> list[dict[str, float]]:
-        """:attr:`stats` of every step, computed for the whole epoch at once."""
-        steps, d = self.num_steps, self.num_replicas
-        key = (np.arange(steps, dtype=np.int64)[:, None] * d + plan.rank).reshape(-1)
-
-        def ratio(load: np.ndarray) -> np.ndarray:
-            mean = load.mean(axis=-1)
-            return np.where(mean > 0, load.max(axis=-1) / np.where(mean > 0, mean, 1.0), 1.0)
-
-        cols = {}
-        for j, name in enumerate(self.columns):
-            w = self.table[plan.indices.reshape(-1), j].astype(np.float64)
-            cols[name] = ratio(np.bincount(key, weights=w, minlength=steps * d).reshape(steps, d)).tolist()
-        cols["cost"] = ratio(plan.costs.sum(axis=1)).tolist()
-        cols["micro_cost"] = ratio(plan.costs).max(axis=1).tolist() if steps else []
-        return [{name: vals[s] for name, vals in cols.items()} for s in range(steps)]
 
     def __repr__(self) -> str:
         return (
@@ -285,3 +244,51 @@ class BalancedBatchSampler(Sampler[list[int]]):
             f"num_replicas={self.num_replicas}, rank={self.rank}, grad_accum={self.grad_accum}, "
             f"policy={self.policy!r}, steps={self.num_steps})"
         )
+
+
+def sampler_policy(cost, alpha, beta, padding: bool) -> tuple[str, float, float]:
+    """The planner's policy and coefficients ``(policy, alpha, beta)`` of the sampler's ``cost``
+    (``"sum"``, ``"quadratic"`` or a :class:`~mmbalance.balancing.CostModel`) and ``padding``."""
+    if isinstance(cost, CostModel):
+        weight = cost.attention * (1.0 + cost.eta)
+        padded = padding or cost.padded
+        return ("padded_quadratic" if padded else "quadratic"), float(cost.linear), float(weight)
+    if cost == "sum":
+        return ("padded" if padding else "sum"), 1.0, 0.0
+    if cost == "quadratic":
+        policy = "padded_quadratic" if padding else "quadratic"
+        return policy, as_coefficient(alpha, "alpha"), as_coefficient(beta, "beta")
+    raise ValueError(f"cost must be 'sum', 'quadratic' or a CostModel, got {cost!r}")
+
+
+def epoch_order(n: int, total: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """The ``total`` dataset indices an epoch draws, in order (int64): the permutation seeded by
+    ``(seed, epoch)`` (or ``0..n-1``), cut to ``total`` or padded with its own start."""
+    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    order = order.astype(np.int64)
+    if total <= n:
+        return order[:total]
+    reps = math.ceil((total - n) / max(n, 1))
+    return np.concatenate([order, np.tile(order, reps)[: total - n]])
+
+
+def step_stats(plan: EpochPlan, table: np.ndarray, columns: list[str], world: int) -> list[dict[str, float]]:
+    """:attr:`BalancedBatchSampler.stats` of every step of ``plan``, computed for the whole epoch
+    at once: max/mean over ranks of each column's tokens and of the step's cost, and the largest
+    max/mean over the step's micro-batch slots (``"micro_cost"``)."""
+    steps = plan.indices.shape[0]
+    key = (np.arange(steps, dtype=np.int64)[:, None] * world + plan.rank).reshape(-1)
+
+    def ratio(load: np.ndarray) -> np.ndarray:
+        mean = load.mean(axis=-1)
+        return np.where(mean > 0, load.max(axis=-1) / np.where(mean > 0, mean, 1.0), 1.0)
+
+    cols = {}
+    for j, name in enumerate(columns):
+        w = table[plan.indices.reshape(-1), j].astype(np.float64)
+        cols[name] = ratio(
+            np.bincount(key, weights=w, minlength=steps * world).reshape(steps, world)
+        ).tolist()
+    cols["cost"] = ratio(plan.costs.sum(axis=1)).tolist()
+    cols["micro_cost"] = ratio(plan.costs).max(axis=1).tolist() if steps else []
+    return [{name: vals[s] for name, vals in cols.items()} for s in range(steps)]

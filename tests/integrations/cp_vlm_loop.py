@@ -75,7 +75,7 @@ SPECS = {
 def towers(model) -> list:
     """``(tower, its input rows of one call, the rows of one stand-in item)`` of every encoder
     (a rank with nothing to encode runs a stand-in item)."""
-    from mmbalance.integrations.hf.models.common import core
+    from mmbalance.integrations.hf.encoders import core
 
     if FAMILY == "llava":
         return [
@@ -157,7 +157,7 @@ def fsdp2(model, bf16: bool = False) -> None:
     with ``bf16``, FSDP2's mixed precision (bfloat16 compute, float32 gradient reduction)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from mmbalance.integrations.hf.models.common import core
+    from mmbalance.integrations.hf.encoders import core
 
     kw = (
         {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
@@ -179,7 +179,7 @@ def run_one() -> None:
 
     rank = dist.get_rank()
     model = tiny("mmbalance_varlen")
-    from mmbalance.integrations.hf.models.common import core
+    from mmbalance.integrations.hf.encoders import core
 
     attn_calls = []
     lm = getattr(core(model), "language_model", core(model))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from mmbalance.balancing import CostModel  # noqa: E402
 from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
-from mmbalance.integrations.hf.cp_plan import plan_layout, split_sequences  # noqa: E402
+from mmbalance.integrations.hf.cp import plan_layout, split_sequences  # noqa: E402
 from tests.dist_utils import REPO, launch, run_distributed  # noqa: E402
 
 SCRIPT = REPO / "tests" / "integrations" / "cp_plain_loop.py"
@@ -230,8 +230,8 @@ def test_features_the_ring_cannot_run_are_refused_by_name(extra, call, feature):
 
 
 def test_refusals_name_softcap_sinks_chunks_and_blocks():
-    from mmbalance.integrations.hf.attention_mask import VarlenMask
-    from mmbalance.integrations.hf.cp_attention import refusal
+    from mmbalance.integrations.hf.attention import VarlenMask
+    from mmbalance.integrations.hf.cp.attention import refusal
 
     class Layer:
         is_causal = True

@@ -23,9 +23,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 from mmbalance.balancing import CostModel  # noqa: E402
 from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
-from mmbalance.integrations.hf.dynamic_cp_vlm import SUPPORTED  # noqa: E402
-from mmbalance.integrations.hf.dynamic_cp_vlm_plan import GatheredStep, PlaceholderRuns  # noqa: E402
-from mmbalance.integrations.hf.models.common import core  # noqa: E402
+from mmbalance.integrations.hf.cp import SUPPORTED  # noqa: E402
+from mmbalance.integrations.hf.cp.vlm_plan import GatheredStep, PlaceholderRuns  # noqa: E402
+from mmbalance.integrations.hf.encoders import core  # noqa: E402
 from tests.dist_utils import REPO, launch, run_distributed  # noqa: E402
 from tests.integrations import hf_zoo  # noqa: E402
 
@@ -222,7 +222,7 @@ def _fsdp2_family(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from mmbalance.integrations.hf.dynamic_cp_vlm_trainer import MEDIA_KEYWORD
+    from mmbalance.integrations.hf.cp.shard import MEDIA_KEYWORD
 
     model = _model("qwen2_vl")
     batch = hf_zoo.batch("qwen2_vl", model, [[(4, 4)]], seed=rank)
@@ -274,8 +274,8 @@ def test_fsdp2_keeps_the_family_and_leaves_the_media_to_the_forward():
 def test_unresolved_media_are_refused_by_the_attention():
     """Pending media that reach an attention call (the model's pre-hook did not run: a call of
     ``model.forward`` or of an inner module) raise instead of losing the features."""
-    from mmbalance.integrations.hf.cp_attention import MEDIA_KEYWORD, cp_attention
-    from mmbalance.integrations.hf.cp_plan import idle_shard
+    from mmbalance.integrations.hf.cp.attention import cp_attention
+    from mmbalance.integrations.hf.cp.shard import MEDIA_KEYWORD, idle_shard
 
     q = torch.zeros(1, 2, 1, 8)
     with pytest.raises(RuntimeError, match=f"{MEDIA_KEYWORD}.*call the model itself"):

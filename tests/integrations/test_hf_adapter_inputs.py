@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.18")
 
-from mmbalance.integrations.hf.models import (  # noqa: E402
+from mmbalance.integrations.hf.encoders.models import (  # noqa: E402
     InternVLAdapter,
     LlavaAdapter,
     Qwen2AudioAdapter,

@@ -25,7 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.18")
 
-import mmbalance.integrations.hf.attention as attn  # noqa: E402
+import mmbalance.integrations.hf.attention.backend as attn  # noqa: E402
 from mmbalance.integrations.hf import ATTENTION_NAME, register_attention  # noqa: E402
 from tests.dist_utils import launch  # noqa: E402
 from tests.tolerances import LOWP_FACTOR  # noqa: E402

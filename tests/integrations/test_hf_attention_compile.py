@@ -18,8 +18,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.18")
 
-import mmbalance.integrations.hf.attention as attn  # noqa: E402
-import mmbalance.integrations.hf.attention_plan as attn_plan  # noqa: E402
+import mmbalance.integrations.hf.attention.backend as attn  # noqa: E402
+import mmbalance.integrations.hf.attention.plan as attn_plan  # noqa: E402
 from mmbalance.integrations.hf import ATTENTION_NAME, register_attention  # noqa: E402
 
 VOCAB = 64
@@ -49,7 +49,7 @@ def _packed(lens=LENS, seed=1):
 def plans(monkeypatch) -> list[int]:
     """How many times the backend plans (``host_plan`` or a 4-D mask's plan)."""
     calls: list[int] = []
-    for name in ("host_plan", "dense_mask_runs"):  # the planner's module: attention_plan.py
+    for name in ("host_plan", "dense_mask_runs"):  # the planner's module: attention/plan.py
         real = getattr(attn_plan, name)
 
         def spy(*args, _real=real, **kwargs):

@@ -161,7 +161,7 @@ def test_cu_seq_lens_of_different_lengths_are_bottom_right():
 def test_window_is_judged_per_sequence(monkeypatch):
     """Packed sequences all shorter than the window call the op without a window; one longer
     sequence passes flash-attention's ``window_left = W - 1``."""
-    import mmbalance.integrations.hf.attention as attn
+    import mmbalance.integrations.hf.attention.backend as attn
 
     seen = []
 

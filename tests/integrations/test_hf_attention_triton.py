@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     from mmbalance.kernels import _launch
     from mmbalance.integrations.hf import register_attention
     assert _launch.INTERPRET
-    import mmbalance.integrations.hf.attention as attn
+    import mmbalance.integrations.hf.attention.backend as attn
     used = []
     real = attn.attention_block
     def spy(*a, **k):

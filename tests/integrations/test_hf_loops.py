@@ -282,7 +282,7 @@ def test_fsdp2_with_the_tower_sharded_on_its_own(world):
 
 def test_a_video_split_by_frame_is_planned_per_frame():
     """The items the planner sees (no process group needed: the adapter alone)."""
-    from mmbalance.integrations.hf.models import QwenVisionAdapter
+    from mmbalance.integrations.hf.encoders.models import QwenVisionAdapter
 
     model = Z.build("qwen2_vl", seed=1)
     batch = Z.batch("qwen2_vl", model, [[(4, 4), ("video", 3, 4, 6)]], seed=0)

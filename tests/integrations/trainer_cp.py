@@ -171,7 +171,7 @@ def loop(name: str):
     from torch.utils.data import DataLoader
 
     from mmbalance.integrations.hf import apply_dynamic_cp
-    from mmbalance.integrations.hf.cp_trainer import RankSlice
+    from mmbalance.integrations.hf.cp import RankSlice
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")

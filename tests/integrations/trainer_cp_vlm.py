@@ -80,7 +80,7 @@ def train(name: str, cp: bool):
     from transformers import Trainer, TrainingArguments
 
     from mmbalance.integrations.hf import balance_trainer
-    from mmbalance.integrations.hf.models.common import core
+    from mmbalance.integrations.hf.encoders import core
 
     tmp = os.environ["MMB_TMP"]
     # Qwen2-VL's CP run recomputes in backward (gradient checkpointing). Not the Omni thinker's:

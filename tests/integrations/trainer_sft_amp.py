@@ -37,7 +37,7 @@ def train(run: str, **config) -> None:
     from transformers import PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
 
-    import mmbalance.integrations.hf.attention as attn
+    import mmbalance.integrations.hf.attention.backend as attn
     from mmbalance.integrations.hf import balance_trainer
 
     seen: set[str] = set()

@@ -16,7 +16,7 @@
       loss = model(**handle.shard(batch)).loss
 
 * :class:`EncoderAdapter` / :func:`register_adapter`: teach it a model class it does not know
-  (the built-in adapters are in ``models/``, one file per family).
+  (the built-in adapters are in ``encoders/models/``, one file per family).
 * :func:`register_attention`: a packed (padding-free) varlen attention backend for transformers'
   ``AttentionInterface``, named ``"mmbalance_varlen"``.
 * :func:`balance_trainer`: ``Trainer`` trains on balanced per-rank batches
@@ -52,9 +52,15 @@ def _require_transformers() -> None:
 _require_transformers()
 
 from .attention import ATTENTION_NAME, register_attention  # noqa: E402
-from .balance import EncoderBalanceHandle, apply_encoder_balance  # noqa: E402
-from .dynamic_cp import DynamicCPHandle, apply_dynamic_cp  # noqa: E402
-from .encoder_adapter import EncoderAdapter, Items, register_adapter, registered_adapters  # noqa: E402
+from .cp import DynamicCPHandle, apply_dynamic_cp  # noqa: E402
+from .encoders import (  # noqa: E402
+    EncoderAdapter,
+    EncoderBalanceHandle,
+    Items,
+    apply_encoder_balance,
+    register_adapter,
+    registered_adapters,
+)
 from .trainer import balance_trainer  # noqa: E402
 
 __all__ = [

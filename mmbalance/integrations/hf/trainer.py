@@ -23,7 +23,20 @@ import numpy as np
 from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_threads
 from mmbalance.integrations.data import BalancedBatchSampler
 
-from .cp_plan import cost_model_of
+from .attention import ATTENTION_NAME
+from .cp import (
+    CPBatchSampler,
+    CPCollator,
+    GroupCutter,
+    RankSlice,
+    StreamLoader,
+    TaggedDataset,
+    cost_model_of,
+    install_media_hook,
+    make_handle,
+    pad_id,
+    vlm_family,
+)
 
 __all__ = ["balance_trainer"]
 
@@ -104,7 +117,7 @@ def balance_trainer(
     Streaming: with an ``IterableDataset``, every rank reads its slice of the stream (examples
     ``rank, rank + world, ...``), batches ``per_device_train_batch_size`` of them with the
     trainer's collator, and each micro-batch is post-balanced over the ranks by one all-to-all
-    (:meth:`~mmbalance.integrations.hf.dynamic_cp.DynamicCPHandle.batches`): degree 1 everywhere
+    (:meth:`~mmbalance.integrations.hf.cp.DynamicCPHandle.batches`): degree 1 everywhere
     (OrchMLLM's LLM-phase post-balancing) unless ``context_parallel``. Every drawn example is
     trained once; the loader has no length, so set ``max_steps``.
 
@@ -226,9 +239,6 @@ def _warn_tokens(trainer) -> int:
 
 
 def _check_cp_model(trainer) -> None:
-    from .attention_mask import ATTENTION_NAME
-    from .dynamic_cp_vlm import vlm_family
-
     vlm_family(trainer.model)  # a multimodal model the sharding does not support is refused by name
 
     impl = getattr(getattr(trainer.model, "config", None), "_attn_implementation", None)
@@ -257,9 +267,6 @@ def _stream_train_dataloader(self):
     """``Trainer.get_train_dataloader`` for a streamed dataset: this rank's slice, batched by the
     trainer's collator, post-balanced by all-to-all (bound to the instance)."""
     from torch.utils.data import DataLoader
-
-    from .cp_trainer import RankSlice, StreamLoader
-    from .dynamic_cp import make_handle
 
     context_parallel, budget, cost = self._mmbalance_stream
     handle = getattr(self, "_mmbalance_stream_handle", None)
@@ -331,11 +338,6 @@ def _balanced_train_dataloader(self):
     dataset, collator = _collator_of(self, dataset)
     batch_sampler: Any = sampler
     if self._mmbalance_cp is not None:
-        from .cp_plan import pad_id
-        from .cp_trainer import CPBatchSampler, CPCollator, TaggedDataset
-        from .dynamic_cp_vlm import vlm_family
-        from .dynamic_cp_vlm_trainer import GroupCutter, install_media_hook
-
         budget, cost = self._mmbalance_cp
         batch_sampler = CPBatchSampler(sampler, budget, cost)
         self.cp_sampler = batch_sampler

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..encoder_adapter import EncoderAdapter, Items, packed_rows, register_adapter
+from ..adapter import EncoderAdapter, Items, packed_rows, register_adapter
 from .common import as_int, core, dtype_device, mm_outputs, pending_pixels, pooled
 
 __all__ = ["Idefics3Adapter"]

@@ -1,10 +1,10 @@
 """``"mmbalance_varlen"`` under ``torch.compile``, and its plans cached across a forward's layers.
 
 The backend plans every batch on the host: where each packed sequence starts, which keys a padded
-row keeps (``attention_plan.py``, ``host_plan``). That reads tensor values, so Dynamo cannot trace it. The
+row keeps (``plan.py``, ``host_plan``). That reads tensor values, so Dynamo cannot trace it. The
 planning stays out of the graph:
 
-* the mask function (``attention_mask.varlen_mask``) plans the mask it returns right away, so the
+* the mask function (``mask.varlen_mask``) plans the mask it returns right away, so the
   model's layers only look the plan up and trace through to the op. Inside a compiled region the
   mask function itself runs outside the graph: one graph break per forward and mask type (Dynamo
   counts it once in every frame around it), whatever the number of layers. A mask built before
@@ -13,7 +13,7 @@ planning stays out of the graph:
   4-D mask handed in from outside, packed ``position_ids``) plans outside the graph, one break per
   call, and the plan is cached (see :class:`PlanCache`) so the layers of one forward plan once; a
   call with nothing to read (cross-attention without a mask) is planned from its shapes in the
-  graph (``attention._rows_plan``).
+  graph (``plan.rows_plan``).
 
 Where a break is needed, ``torch.compile(fullgraph=True)`` (and ``torch.export``) raise
 :class:`FullgraphUnsupported` at the first call, a ``NotImplementedError`` naming the backend and

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..encoder_adapter import EncoderAdapter, Items, flops_linear, packed_rows, register_adapter
+from ..adapter import EncoderAdapter, Items, flops_linear, packed_rows, register_adapter
 from .common import as_int, core, dtype_device, mm_outputs, pooled
 
 __all__ = ["QwenVisionAdapter", "Qwen3VLMoeVisionAdapter"]

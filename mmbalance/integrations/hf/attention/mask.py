@@ -28,7 +28,7 @@ from torch import Tensor
 # transformers passes a prepared BlockMask (or 4-D tensor) through its mask builders unchanged
 from torch.nn.attention.flex_attention import BlockMask as _Prepared
 
-from .attention_compile import outside_graph
+from .compile import outside_graph
 
 __all__ = [
     "ATTENTION_NAME",
@@ -294,7 +294,7 @@ def varlen_mask(
     right away (their usual shape: this batch, query and key length), so that the layers only look
     the plan up. Inside ``torch.compile`` it runs outside the graph (reading transformers' mask
     function back is host work: one graph break per mask), and the layers trace through to the op
-    without a break; ``fullgraph=True`` raises ``NotImplementedError`` here (``attention_compile.py``).
+    without a break; ``fullgraph=True`` raises ``NotImplementedError`` here (``compile.py``).
     A mask built outside the compiled region (``generate`` builds its decoding masks before it
     calls the compiled forward) is planned already, so such a forward compiles even with
     ``fullgraph=True``.
@@ -321,7 +321,7 @@ def _mask_and_plan(
     return spec
 
 
-# the planner of a mask's op calls: it lives with the attention function (attention.py), which
+# the planner of a mask's op calls: it lives with the attention function (plan.py), which
 # hands it over when it is imported (this module does not import that one: no circle)
 _PLANNER: list = []
 

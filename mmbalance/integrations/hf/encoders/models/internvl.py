@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..encoder_adapter import register_adapter
+from ..adapter import register_adapter
 from .common import TileAdapter, as_int, core, mm_outputs, pending_pixels, pooled, vision_feature_options
 
 __all__ = ["InternVLAdapter"]

@@ -1,22 +1,18 @@
-"""The data side of dynamic context parallelism in transformers' ``Trainer``
-(``balance_trainer(..., context_parallel=True)``) and of streaming data (an ``IterableDataset``).
+"""The data side of dynamic context parallelism in transformers' ``Trainer`` on map-style data
+(``balance_trainer(..., context_parallel=True)``; streams are in ``stream.py``).
 
-Map-style data (:class:`CPBatchSampler`): every rank computes the same epoch plan as
+:class:`CPBatchSampler`: every rank computes the same epoch plan as
 :class:`~mmbalance.integrations.data.BalancedBatchSampler` (the same examples in every optimizer
 step, split into the same ``gradient_accumulation_steps`` micro-batch slots), then schedules each
-slot's examples with the dynamic-CP planner (``dynamic_cp.plan_layout``: CP groups of any degree
+slot's examples with the dynamic-CP planner (:func:`~.plan.plan_layout`: CP groups of any degree
 under ``max_tokens_per_rank``). Every rank loads only its group's examples, whole, and its
 collator cuts this rank's zigzag shard out of them (:class:`CPCollator`): nothing is exchanged,
 and the batch the model gets is already the shard, so Trainer counts the step's labelled tokens
 (``shift_labels``) on the shards, once each. For a vision-language model the collator also gives
 the M-RoPE positions of the whole sequences and the encoder work of this rank
-(:class:`~.dynamic_cp_vlm_trainer.PendingMedia`), which a forward pre-hook runs: every image and frame is
-encoded by one member of its group, and one all-to-all over the group moves the feature rows.
-
-Streaming data (:class:`StreamLoader`): every rank draws its own examples from its slice of the
-stream, and :meth:`~mmbalance.integrations.hf.dynamic_cp.DynamicCPHandle.batches` post-balances
-each micro-batch over the ranks by all-to-all (degree 1 everywhere without context parallelism),
-until every rank's slice has ended.
+(:class:`~.vlm_plan.PendingMedia`), which a forward pre-hook runs (:mod:`.media`): every image and
+frame is encoded by one member of its group, and one all-to-all over the group moves the feature
+rows.
 """
 
 from __future__ import annotations
@@ -26,16 +22,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import Dataset, Sampler
 
 from mmbalance.collectives.ring_plan import ring_plan
 from mmbalance.integrations.data import BalancedBatchSampler
 
-from .cp_attention import CP_KEYWORD, CPShard
-from .cp_plan import IGNORE, plan_layout, split_sequences
-from .dynamic_cp_vlm_trainer import MEDIA_KEYWORD
+from ..attention import CP_KEYWORD
+from .inputs import IGNORE, split_sequences
+from .plan import plan_layout
+from .shard import MEDIA_KEYWORD, CPShard
 
-__all__ = ["CPBatchSampler", "CPCollator", "SlotMeta", "StreamLoader", "TaggedDataset", "RankSlice"]
+__all__ = ["CPBatchSampler", "CPCollator", "SlotMeta", "TaggedDataset"]
 
 
 @dataclass(frozen=True)
@@ -148,7 +145,7 @@ class CPCollator:
     def __init__(self, collate: Callable, pad_id: int = 0, vlm=None):
         self.collate = collate
         self.pad_id = int(pad_id)
-        #: a vision-language model's GroupCutter (dynamic_cp_vlm_trainer.py): the shard then also carries
+        #: a vision-language model's GroupCutter (vlm_cut.py): the shard then also carries
         #: M-RoPE positions ``[4, 1, T]`` and the PendingMedia the forward encodes
         self.vlm = vlm
 
@@ -198,47 +195,3 @@ class CPCollator:
                 out["position_ids"] = torch.cat([pos.unsqueeze(0), mrope[index].t()]).unsqueeze(1)
             out[MEDIA_KEYWORD] = pending
         return out
-
-
-# ---------------------------------------------------------------------------------- streaming
-class RankSlice(IterableDataset):
-    """This rank's slice of a stream: the examples ``rank, rank + world, ...`` (the same stream on
-    every rank, as a plain ``IterableDataset`` gives it), also split over data-loader workers."""
-
-    def __init__(self, dataset, rank: int, world: int):
-        self.dataset, self.rank, self.world = dataset, int(rank), int(world)
-
-    def set_epoch(self, epoch: int) -> None:
-        fn = getattr(self.dataset, "set_epoch", None)
-        if callable(fn):
-            fn(epoch)
-
-    def __iter__(self):
-        info = get_worker_info()
-        workers, wid = (info.num_workers, info.id) if info is not None else (1, 0)
-        stride = self.world * workers
-        first = self.rank + self.world * wid
-        for i, row in enumerate(self.dataset):
-            if i % stride == first:
-                yield row
-
-
-class StreamLoader:
-    """A rank's loader of a stream whose micro-batches come out post-balanced (``handle.batches``).
-
-    Iterating yields model keywords until every rank's loader has ended; it has no length
-    (Trainer then needs ``max_steps``). ``set_epoch`` reaches the stream.
-    """
-
-    def __init__(self, loader, handle, dataset: RankSlice):
-        self.loader, self.handle, self.dataset = loader, handle, dataset
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-        self.dataset.set_epoch(epoch)
-
-    def __iter__(self):
-        for kw in self.handle.batches(self.loader):
-            kw.pop("num_items_in_batch", None)  # Trainer counts it (shift_labels, across devices)
-            yield kw

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..encoder_adapter import packed_rows, register_adapter
+from ..adapter import packed_rows, register_adapter
 from .common import TileAdapter, as_int, core, mm_outputs, pending_pixels, pooled, vision_feature_options
 
 __all__ = ["LlavaAdapter", "LlavaNextAdapter"]

@@ -1,4 +1,4 @@
-"""How ``mmbalance_varlen`` turns one attention call into op calls (``attention.py`` runs them).
+"""How ``mmbalance_varlen`` turns one attention call into op calls (``backend.py`` runs them).
 
 A call's sequences (:class:`VarlenMask` from our mask function, or what flash-attention reads from
 a call without it: a 2-D padding mask, ``position_ids`` that restart, ``cu_seq_lens_q/k``) become a
@@ -6,7 +6,7 @@ a call without it: a 2-D padding mask, ``position_ids`` that restart, ``cu_seq_l
 position runs, the window the op needs, and for bidirectional image blocks a second call
 (:class:`BlockPlan`). Plans are made on the host, once per forward (the mask function plans every
 layer's usual call ahead, :func:`plan_mask`; calls without our mask are cached by their tensors),
-and outside ``torch.compile``'s graph (``attention_compile.py``).
+and outside ``torch.compile``'s graph (``compile.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch import Tensor
 
 from mmbalance.pyops.varlen import cu_seqlens_from_lengths
 
-from .attention_compile import PlanCache, outside_graph
-from .attention_mask import ATTENTION_NAME, VarlenMask, dense_mask_runs, set_planner
+from .compile import PlanCache, outside_graph
+from .mask import ATTENTION_NAME, VarlenMask, dense_mask_runs, set_planner
 
 __all__ = [
     "BlockPlan", "CallPlan", "host_plan", "mask_from_keywords", "plan_mask", "plan_with_mask", "plan_without_mask",
@@ -446,5 +446,5 @@ def mask_from_keywords(
     return spec
 
 
-# the mask function plans with this module's planner (attention_mask.py imports nothing from here)
+# the mask function plans with this module's planner (mask.py imports nothing from here)
 set_planner(plan_mask)

@@ -4,24 +4,24 @@ Qwen3-VL-MoE, LLaVA and the Qwen2.5-Omni thinker. This module holds the model fa
 keys, feature streams, M-RoPE positions, encoder FLOPs, the streams placed into the input
 embeddings) and the encoder cost (a group plans with its members' share of it,
 :func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds``); the numpy side of a
-step is in :mod:`.dynamic_cp_vlm_plan`, the step itself (:func:`~.dynamic_cp_vlm_step.shard_vlm`)
-in :mod:`.dynamic_cp_vlm_step`, the Trainer's collator side in :mod:`.dynamic_cp_vlm_trainer`.
+step is in :mod:`.vlm_plan`, the step itself (:func:`~.vlm_step.shard_vlm`)
+in :mod:`.vlm_step`, the Trainer's collator side in :mod:`.vlm_cut` and the hooks in :mod:`.media`.
 
 One step, on every rank (every decision from gathered facts, so identical everywhere):
 
-1. The batch is cut into sequences (:func:`~.dynamic_cp.split_sequences`). The M-RoPE positions
+1. The batch is cut into sequences (:func:`~.inputs.split_sequences`). The M-RoPE positions
    of every sequence come from the model's own ``get_rope_index`` over the whole sequence, before
    anything is split; they travel with the tokens, so every shard has exactly the positions the
    unsplit sequence gives its tokens.
-2. The media become encoder items (the adapters of ``models/``: an image, one frame of a video
+2. The media become encoder items (the adapters of ``encoders/models/``: an image, one frame of a video
    for the Qwen ViTs, an image for LLaVA) and are matched to their sequences by placeholder count.
 3. One gather of a small integer table: per sequence its tokens (vision tokens included) and
    labelled tokens, per item its sequence, stream (image or video), input and output rows and
    metadata, per sequence the run-length code of its placeholder tokens. Every rank then computes
-   the same plan: CP groups under ``max_tokens_per_rank`` (:func:`~.dynamic_cp.plan_layout`),
+   the same plan: CP groups under ``max_tokens_per_rank`` (:func:`~.plan.plan_layout`),
    the zigzag pieces, and an encoding rank for every item:
 
-   * with :func:`~.balance.apply_encoder_balance` on the same model: the encoder balancing's own
+   * with :func:`~mmbalance.integrations.hf.encoders.apply_encoder_balance` on the same model: the encoder balancing's own
      plan over the whole world (its cost, ``ranks_per_node`` and ``split_frames``);
    * without it: each CP group encodes its own sequences' items, spread over its members
      (longest-processing-time first on the items' encoder cost; video frames are items).
@@ -40,13 +40,13 @@ One step, on every rank (every decision from gathered facts, so identical everyw
    token's position in its own sequence, then the three M-RoPE rows: the layout the Qwen text
    models read; LLaVA takes ``[1, T]``). The Omni thinker reads audio only from
    ``input_features``: its audio rows ride in ``mm_encoder_outputs["audio"]`` and a forward
-   pre-hook the handle puts on the model (:func:`embed_streams`; in Trainer and under FSDP2, the
+   pre-hook the handle puts on the model (:func:`~.media.embed_streams`; in Trainer and under FSDP2, the
    media hook) places them into the input embeddings at the audio placeholders before the
    thinker runs.
 
 Under FSDP2 (``fully_shard``), which gathers a unit's weights only once the root's forward has
 begun, step 4 stops after the encoder inputs' move: the encoder call and the feature move run in
-the model's forward, from the :class:`~.dynamic_cp_vlm_trainer.PendingMedia` the shard carries
+the model's forward, from the :class:`~.vlm_plan.PendingMedia` the shard carries
 (the Trainer's media hook, which FSDP2's own pre-hook precedes), over the group's process group
 or, with encoder balancing, over the world's.
 
@@ -68,18 +68,15 @@ from torch import Tensor
 
 from mmbalance.balancing import CostModel
 
-from .cp_plan import text_config
-from .encoder_adapter import EncoderAdapter, adapters_for, flops_linear
-from .models.common import as_int, audio_out_len, core, embed_rows
+from ..encoders import EncoderAdapter, adapters_for, as_int, audio_out_len, core, flops_linear
+from .inputs import text_config
 
 __all__ = [
     "SUPPORTED",
     "VLMFamily",
     "assign_media",
     "check_feature_rows",
-    "embed_streams",
     "encoder_seconds",
-    "place_embedded",
     "vlm_family",
 ]
 
@@ -112,7 +109,7 @@ class VLMFamily:
     batch_keys: frozenset[str] = frozenset()
     mrope = False
     #: streams the model takes no ``mm_encoder_outputs`` entry for: their rows reach the input
-    #: embeddings through the handle's forward pre-hook (:func:`embed_streams`)
+    #: embeddings through the handle's forward pre-hook (:func:`~.media.embed_streams`)
     embedded: frozenset[str] = frozenset()
     #: the batch key that carries each stream's media, for messages
     media_keys: Mapping[str, str] = {"image": "pixel_values", "video": "pixel_values_videos"}
@@ -254,7 +251,7 @@ class _QwenOmni(VLMFamily):
     """The Qwen2.5-Omni thinker: images and videos through its Qwen ViT, audio clips through its
     audio tower, M-RoPE positions from its ``get_rope_index``. The thinker reads image and video
     rows from ``mm_encoder_outputs`` but audio only from ``input_features``: the shard's audio rows
-    reach the input embeddings at its audio placeholders instead (:func:`embed_streams`)."""
+    reach the input embeddings at its audio placeholders instead (:func:`~.media.embed_streams`)."""
 
     label = "Qwen2.5-Omni thinker"
     mrope = True
@@ -353,45 +350,6 @@ class _Llava(VLMFamily):
         per = int(cfg.num_hidden_layers) * (flops_linear(hidden, int(cfg.intermediate_size)) * tokens
                                             + 4.0 * hidden * tokens * tokens)  # fmt: skip
         return np.full(meta.shape[0], per, dtype=np.float64)
-
-
-def place_embedded(family: VLMFamily, model, args: tuple, kwargs: dict) -> dict:
-    """The forward keywords with the rows of the family's :attr:`~VLMFamily.embedded` streams (the
-    Qwen2.5-Omni thinker's audio) moved from ``mm_encoder_outputs`` (in the order of the call's
-    placeholders) into the input embeddings at their placeholder tokens. The embeddings are the
-    model's own (``get_input_embeddings()(input_ids)``, or the call's ``inputs_embeds``), so the
-    gradient reaches the embedding table and the rows alike; ``input_ids`` stays, for the
-    placeholders of the streams the model reads itself. Raises ValueError when a stream's rows do
-    not match its placeholders."""
-    mm = kwargs.get("mm_encoder_outputs")
-    if not isinstance(mm, Mapping) or not any(name in mm for name in family.embedded):
-        return kwargs
-    tokens = dict(family.streams(model))
-    mm, call = dict(mm), dict(kwargs)
-    ids = call.get("input_ids", args[0] if args else None)
-    if ids is None:
-        raise ValueError("mm_encoder_outputs with audio rows needs input_ids (its placeholders place them)")
-    for name in sorted(family.embedded):
-        entry = mm.pop(name, None)
-        if entry is not None:
-            call["inputs_embeds"] = embed_rows(model, ids, call.get("inputs_embeds"), entry.pooler_output[0],
-                                               tokens[name], f"mm_encoder_outputs[{name!r}]", name)  # fmt: skip
-    call["mm_encoder_outputs"] = mm or None
-    return call
-
-
-def embed_streams(family: VLMFamily, model):
-    """For a family with :attr:`~VLMFamily.embedded` streams, a forward pre-hook on ``model`` that
-    runs :func:`place_embedded` on every call; returns the hook's handle, or ``None`` for a family
-    without such streams."""
-    if not family.embedded:
-        return None
-
-    def hook(module, args, kwargs):
-        call = place_embedded(family, module, args, kwargs)
-        return None if call is kwargs else (args, call)
-
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def vlm_family(model) -> VLMFamily | None:

@@ -1,28 +1,35 @@
 """The numpy side of a vision-language step of dynamic context parallelism (see
-:mod:`.dynamic_cp_vlm`): a rank's batch read into sequences, M-RoPE positions and encoder items
+:mod:`.families`): a rank's batch read into sequences, M-RoPE positions and encoder items
 (:func:`read_batch`), the rows it contributes to the gathered table and the table read back
 (:class:`GatheredStep`), the placeholder runs, the feature segments that compose the encoder's plan
 with the LLM's pieces, and the encoding ranks of a group's items without encoder balancing. Shared
-by :func:`~.dynamic_cp_vlm_step.shard_vlm` and the Trainer's :class:`~.dynamic_cp_vlm_trainer.GroupCutter`;
+by :func:`~.vlm_step.shard_vlm` and the Trainer's :class:`~.vlm_cut.GroupCutter`;
 nothing here communicates."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
-from .cp_plan import Sequences, split_sequences
-from .dynamic_cp_vlm import VLMFamily, assign_media
-from .encoder_adapter import EncoderAdapter, Items
+from mmbalance.balancing import Plan
+
+from ..encoders import EncoderAdapter, Items
+from .families import VLMFamily, assign_media
+from .inputs import Sequences, split_sequences
 
 __all__ = [
     "GatheredStep",
     "LocalBatch",
+    "PendingEntry",
+    "PendingMedia",
     "PlaceholderRuns",
     "feature_segments",
+    "placeholder_order",
     "local_table",
     "parse_table",
     "piece_coords",
@@ -130,7 +137,7 @@ def _media_key(family: VLMFamily, name: str) -> str:
 
 
 def local_table(local: LocalBatch, width: int) -> np.ndarray:
-    """The rows this rank contributes to the gathered table (see :func:`~.dynamic_cp_vlm_step.shard_vlm`)."""
+    """The rows this rank contributes to the gathered table (see :func:`~.vlm_step.shard_vlm`)."""
     rows = []
     seqs = local.seqs
     labelled = seqs.labelled
@@ -302,6 +309,21 @@ def feature_segments(
     return {k: v[order] for k, v in cat.items()}
 
 
+def placeholder_order(seg: dict, received: np.ndarray, streams: list, item_streams: np.ndarray) -> dict:
+    """The rows of a received feature buffer (the segments ``seg[received]``, back to back) of every
+    stream, in the order of the shard's placeholders: ``{stream name: int64 row index}``."""
+    index: dict[str, Tensor] = {}
+    starts = np.concatenate([[0], np.cumsum(seg["len"][received])]).astype(np.int64)
+    for st in np.unique(item_streams).tolist():
+        sel = np.flatnonzero(seg["stream"][received] == st)
+        if sel.size:
+            sel = sel[np.lexsort((seg["row"][received][sel], seg["piece"][received][sel]))]
+            index[streams[st][0]] = torch.from_numpy(
+                np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sel.tolist()])
+            )
+    return index
+
+
 def spread_items(step: GatheredStep, a: int, layout, seconds: np.ndarray, load: np.ndarray) -> np.ndarray:
     """Encoding rank of every item of adapter ``a`` without encoder balancing: its sequence's CP
     group, the least loaded member (longest item first; ties to the lower rank)."""
@@ -326,3 +348,37 @@ def _group_of(schedule, n: int) -> np.ndarray:
     for k, g in enumerate(schedule):
         out[np.asarray(g.sequences, dtype=np.int64)] = k
     return out
+
+
+# ------------------------------------------------------------------- the work left to the forward
+@dataclass
+class PendingEntry:
+    """One encoder's part of a :class:`PendingMedia`."""
+
+    adapter: EncoderAdapter
+    payload: list[Tensor]  # inputs of the items this rank encodes, in order
+    meta: np.ndarray  # their metadata
+    options: dict
+    segments: np.ndarray  # rows of this rank's outputs per segment it sends, in order
+    plan: Plan | None  # the feature move (over the group's ranks; the world's under encoder balancing)
+    index: dict[str, Tensor]  # stream -> rows of the received buffer, in the shard's placeholder order
+    rows: int  # input rows this rank encodes
+
+
+@dataclass(eq=False)
+class PendingMedia:
+    """The encoder work of one shard that :func:`~mmbalance.integrations.hf.balance_trainer`'s
+    collator leaves for the forward (the collator cuts shards without communication): every rank
+    encodes its share of its CP group's items (a stand-in where it has none), and one all-to-all
+    over the group sends the feature rows to the members holding their placeholders. The forward
+    pre-hook :func:`resolve_media` runs it. A plain loop's ``shard`` under FSDP2 leaves one too,
+    with the communicator of its feature move (``mover``: the CP group's, or the world's under
+    encoder balancing)."""
+
+    entries: list[PendingEntry]
+    degree: int
+    streams: list[tuple[str, int]]
+    mover: Any = None  # ``.move(tensors, rows per segment, plan)``; None: over the shard's ring group
+
+    def __repr__(self) -> str:
+        return f"PendingMedia(degree={self.degree}, items={[int(e.meta.shape[0]) for e in self.entries]})"

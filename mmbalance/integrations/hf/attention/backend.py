@@ -11,7 +11,7 @@ training needs neither flash-attn nor padding.
 What a call can express, and how it maps onto the op (one call per layer, every sequence of the
 batch packed into it):
 
-* the mask, through our ``AttentionMaskInterface`` function (``attention_mask.py``): causal or
+* the mask, through our ``AttentionMaskInterface`` function (``mask.py``): causal or
   bidirectional, padding (left, right, or both around generated tokens), a KV cache's offsets
   (queries bottom-right of their keys; a static cache's empty slots masked), sliding windows
   (judged per sequence), Llama4's chunked attention (each chunk its own sequence), packed rows
@@ -28,7 +28,7 @@ batch packed into it):
 * ``torch.autocast``: q, k and v run in the autocast dtype.
 
 Every plan is made once per forward and reused by the layers; under ``torch.compile`` planning
-stays outside the graph (``attention_compile.py``).
+stays outside the graph (``compile.py``).
 
 Everything else a model hands an attention function is refused with an error that names the
 backend and the feature, never ignored: attention dropout in training, ``position_bias`` (T5),
@@ -43,6 +43,7 @@ with more queries than keys and no ``cu_seq_lens``, paged caches, unknown keywor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,17 +51,32 @@ from torch import Tensor
 
 from mmbalance.pyops.attention_ops import attention_block, merge_attention_states
 
-from .attention_mask import ATTENTION_NAME, VarlenMask, varlen_mask
-from .attention_plan import BlockPlan, plan_with_mask, plan_without_mask, refuse, rows_plan, shape_plan
-from .cp_attention import CP_KEYWORD, cp_attention
+from .mask import ATTENTION_NAME, VarlenMask, varlen_mask
+from .plan import BlockPlan, plan_with_mask, plan_without_mask, refuse, rows_plan, shape_plan
 
 __all__ = [
     "ATTENTION_NAME",
+    "CP_KEYWORD",
     "register_attention",
+    "register_shard_attention",
     "varlen_attention",
     "varlen_mask",
     "VarlenMask",
 ]
+
+#: the model keyword that carries a context-parallel shard down to the attention calls: its value
+#: runs the call's attention itself, through the runner registered for its type
+#: (:func:`register_shard_attention`; dynamic context parallelism registers its shard's ring)
+CP_KEYWORD = "mmbalance_cp"
+_SHARD_RUNNERS: dict[type, Callable[..., tuple[Tensor, None]]] = {}
+
+
+def register_shard_attention(kind: type, run: Callable[..., tuple[Tensor, None]]) -> None:
+    """Run every call whose :data:`CP_KEYWORD` holds a ``kind`` with
+    ``run(module, query, key, value, attention_mask, scaling, shard, kwargs)`` (transformers'
+    signature, the shard and the call's other keywords; returns ``(out [1, T, H, Dv], None)``)."""
+    _SHARD_RUNNERS[kind] = run
+
 
 # keywords that shape the attention and are implemented here
 _IMPLEMENTED = {
@@ -121,12 +137,17 @@ def varlen_attention(
     module that does not say ``is_causal`` (or says False) is bidirectional.
 
     With a dynamic context-parallel shard in the keywords (``mmbalance_cp``, from
-    :meth:`~mmbalance.integrations.hf.dynamic_cp.DynamicCPHandle.shard`) it runs the shard's ring
-    or varlen attention instead (``cp_attention.py``)."""
+    :meth:`~mmbalance.integrations.hf.cp.DynamicCPHandle.shard`) it runs the shard's ring or
+    varlen attention instead (``cp/attention.py``, registered by :func:`register_shard_attention`)."""
     shard = kwargs.pop(CP_KEYWORD, None)
     _check_keywords(module, dropout, kwargs)
     if shard is not None:
-        return cp_attention(module, query, key, value, attention_mask, scaling, shard, kwargs)
+        run = _SHARD_RUNNERS.get(type(shard))
+        if run is None:
+            raise TypeError(
+                f"{ATTENTION_NAME}: {CP_KEYWORD} must be a shard from handle.shard (a CPShard), got {type(shard).__name__}"
+            )
+        return run(module, query, key, value, attention_mask, scaling, shard, kwargs)
     query, key, value = _one_dtype(query, key, value)
     b, h, lq, d = query.shape
     lk, dv = key.shape[2], value.shape[-1]

@@ -1,30 +1,18 @@
 """Encoder balancing for a Hugging Face model: gather sizes -> plan -> all-to-all -> encode -> back.
 
 ``apply_encoder_balance(model)`` replaces ``model.forward`` (on the instance; ``handle.remove()``
-puts the class's back). In every training forward, for each encoder the model has (see
-``models/``):
-
-1. the encoder's items are taken out of the forward's arguments (``Items``);
-2. every rank's item sizes are all-gathered (one small collective, with the agreement step, so a
-   bad input on one rank, or ranks that disagree on the forward's encoder options or grad mode,
-   raise on every rank);
-3. every rank computes the same locality-aware post-balancing plan on the items' encoder costs
-   (``post_balance(costs, ranks, "sum", src_ranks=...)``: items stay home unless balance needs
-   the move, moved items prefer node-mates);
-4. the inputs move with one all-to-all (``rebalance``), each rank encodes its share with one
-   encoder call (a tiny stand-in item when its share is empty, so FSDP/DDP see the same calls on
-   every rank), and the outputs return with one all-to-all along the inverse plan;
-5. the outputs, back in their rank and order, go where the model expects its encoder's results
-   (``mm_encoder_outputs``, or the input embeddings for audio towers), and the model's own forward
-   runs on them: the language model is untouched.
+puts the class's back). In every training forward, each encoder the model has (see ``models/``)
+is balanced over the ranks by :func:`~.move.balance_encoder` (its items read, their sizes
+gathered, one plan on every rank, the inputs moved, one encoder call per rank, the outputs moved
+back), and the model's own forward runs on the outputs: the language model is untouched.
 
 Backward retraces the two all-to-alls (``rebalance`` is differentiable), so encoder gradients are
 produced on the rank that encoded the item and summed by DDP/FSDP as usual: loss and summed
 gradients equal the unbalanced step's. So that every rank's backward reaches the all-to-all and
 its encoder call even when its own batch has no item, a zero that depends on every rank's returned
-outputs and stand-in encoding is added to the input embeddings of the language model: whatever the
-loss is built from (logits, hidden states of a base ``...Model``) depends on it, nothing is a view,
-and in-place ops on the loss work as usual.
+outputs and stand-in encoding (:class:`~.link.ZeroLink`) is added to the input embeddings of the
+language model: whatever the loss is built from (logits, hidden states of a base ``...Model``)
+depends on it, nothing is a view, and in-place ops on the loss work as usual.
 
 Evaluation forwards (``model.eval()``) and ``generate()`` run the stock forward: their call
 patterns may differ between ranks, and generation needs no balanced encoder.
@@ -34,7 +22,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,22 +29,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mmbalance.balancing import imbalance, post_balance
-from mmbalance.collectives import rebalance
 from mmbalance.collectives.agreement import Entry
-from mmbalance.collectives.alltoall import gather_table
-from mmbalance.collectives.group import group_timeout, world_of
-from mmbalance.collectives.inflight import gather_objects
+from mmbalance.collectives.group import world_of
+from mmbalance.collectives.group_pool import own_group
 from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_threads
-from mmbalance.pyops import cu_seqlens_from_lengths
 
 from . import models as _builtin  # noqa: F401 - registers the built-in adapters
-from .encoder_adapter import EncoderAdapter, Items, adapters_for, supported_classes
+from .adapter import EncoderAdapter, adapters_for, supported_classes
+from .link import ZeroLink
+from .move import balance_encoder
+from .plan import item_costs
 
-__all__ = ["HANDLE_ATTR", "EncoderBalanceHandle", "ZeroLink", "apply_encoder_balance", "own_group"]
+__all__ = ["EncoderBalanceHandle", "apply_encoder_balance", "encoder_balance_of"]
 
-HANDLE_ATTR = "_mmbalance_encoder_balance"
-_COST_UNITS = 1e9  # the largest item cost, in the integer units the planner balances
+_HANDLE_ATTR = "_mmbalance_encoder_balance"
 _REMOVE_WAIT_S = 5.0  # remove(): how long to wait for gloo's workers before destroying the group
 
 
@@ -66,25 +51,6 @@ def _unwrap(model):
     from torch.nn.parallel import DistributedDataParallel
 
     return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-class ZeroLink(torch.autograd.Function):
-    """A zero scalar whose backward sends zero gradients to ``tensors``: adding it to something
-    the loss depends on makes every rank's backward run through ``tensors`` (the returned outputs
-    and the stand-in encoding, hence the backward all-to-all and the encoder), without reading
-    their values (an inf in them cannot turn the zero into a NaN)."""
-
-    @staticmethod
-    def forward(ctx, *tensors):
-        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
-        return torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # zeros that take no memory (one element, expanded): the point is the path, not the value
-        return tuple(
-            torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.meta
-        )
 
 
 def _floating(t) -> bool:
@@ -149,7 +115,7 @@ class EncoderBalanceHandle:
     def _install(self) -> None:
         model = self.model
         model.forward = self
-        model.__dict__[HANDLE_ATTR] = self
+        model.__dict__[_HANDLE_ATTR] = self
         stock_generate = getattr(model, "generate", None)
         if callable(stock_generate):
 
@@ -179,7 +145,7 @@ class EncoderBalanceHandle:
                 setattr(model, name, old)
             else:
                 model.__dict__.pop(name, None)
-        model.__dict__.pop(HANDLE_ATTR, None)
+        model.__dict__.pop(_HANDLE_ATTR, None)
         self._removed = True
         group, self.group = self.group, None
         if group is not None and dist.is_initialized():
@@ -241,138 +207,26 @@ class EncoderBalanceHandle:
             hook.remove()
 
     def _balance(self, adapter: EncoderAdapter, kwargs: dict, links: list[Tensor]) -> dict:
-        model, group = self.model, self.group
-        rank, world = world_of(group)
-        t0 = time.perf_counter()
-        items, options, mat = None, {}, None
-        n_meta = len(adapter.meta_columns)
-        with Entry(f"apply_encoder_balance[{adapter.encoder}]", group) as e:
-            e.fields = {
-                "adapter": type(adapter).__name__,
-                "training": bool(model.training),
-                "grad enabled": torch.is_grad_enabled(),
-                "cost": self.cost
-                if isinstance(self.cost, str)
-                else f"callable {getattr(self.cost, '__qualname__', '?')}",
-                "ranks_per_node": self.ranks_per_node,
-                "split_frames": bool(adapter.splits_frames),
-            }
-            options = adapter.call_options(model, kwargs)
-            e.fields["encoder options"] = repr(sorted(options.items()))
-            try:
-                items = adapter.extract(model, kwargs)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{adapter.encoder} inputs: {exc}") from exc
-            if items is not None:
-                self._check_items(adapter, items)
-            mat = np.zeros((0, 1 + n_meta), dtype=np.int64)
-            if items is not None and len(items):
-                mat = np.concatenate([items.rows[:, None], items.meta], axis=1)
-        table, src = gather_table(mat, group, entry=e)
-        if table.shape[0] == 0:  # no rank has an item: the stock path, on every rank alike
+        step = balance_encoder(self.model, adapter, kwargs, links, group=self.group, cost=self.cost,
+                               ranks_per_node=self.ranks_per_node)  # fmt: skip
+        if step.stats is None or step.timings is None:  # no rank had an item
             self.stats.pop(adapter.encoder, None)
             self.timings.pop(adapter.encoder, None)
-            return kwargs
-        rows_all, meta_all = table[:, 0], table[:, 1:]
-        costs = self._costs(adapter, meta_all, rows_all)
-        units = np.maximum(1, np.rint(costs * (_COST_UNITS / max(float(costs.max()), 1e-300)))).astype(
-            np.int64
-        )
-        plan = post_balance(units, world, "sum", src_ranks=src, ranks_per_node=self.ranks_per_node)
-        self.stats[adapter.encoder] = {
-            "before": imbalance(np.bincount(src, weights=costs, minlength=world)),
-            "after": imbalance(np.bincount(plan.dst_rank, weights=costs, minlength=world)),
-            "moved": float(np.mean(src != plan.dst_rank)),
-        }
-
-        # inputs to the encoder layout
-        t1 = time.perf_counter()
-        mine = items if items is not None and len(items) else None
-        payload = mine.payload if mine is not None else adapter.empty_payload(model)
-        in_rows = mine.rows if mine is not None else np.zeros(0, dtype=np.int64)
-        device = payload[0].device
-        moved, _ = rebalance(
-            list(payload), cu_seqlens_from_lengths(in_rows, device=device), plan.with_lengths(rows_all), group
-        )
-        recv = plan.recv_order(rank)
-        t2 = time.perf_counter()
-        if recv.size:
-            outputs = adapter.encode(model, moved, meta_all[recv], **options)
-        else:  # nothing to encode here: a tiny item keeps the encoder calls equal on every rank
-            d_payload, d_meta = adapter.dummy(model)
-            dummy_out = adapter.encode(model, d_payload, d_meta, **options)
-            links.extend(dummy_out)
-            outputs = [t[:0] for t in dummy_out]
-        # outputs back to their items' ranks and order
-        t3 = time.perf_counter()
-        out_rows_all = np.asarray(adapter.out_rows(model, meta_all, **options), dtype=np.int64)
-        back_plan = plan.with_lengths(out_rows_all).inverse()
-        back, _ = rebalance(
-            outputs, cu_seqlens_from_lengths(out_rows_all[recv], device=outputs[0].device), back_plan, group
-        )
-        links.extend(back)
-        t4 = time.perf_counter()
-        self.timings[adapter.encoder] = {
-            "plan_ms": 1e3 * (t1 - t0),
-            "move_in_ms": 1e3 * (t2 - t1),
-            "encode_ms": 1e3 * (t3 - t2),
-            "move_back_ms": 1e3 * (t4 - t3),
-        }
-        if mine is None:
-            return kwargs
-        return adapter.restore(model, kwargs, mine, back)
+        else:
+            self.stats[adapter.encoder] = step.stats
+            self.timings[adapter.encoder] = step.timings
+        return step.kwargs
 
     def item_costs(self, adapter: EncoderAdapter, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The cost this handle balances for every item of ``adapter`` (float64 ``[n]``), from the
         gathered item table: what :func:`apply_encoder_balance`'s ``cost`` says."""
-        return self._costs(adapter, meta, rows)
-
-    def _costs(self, adapter: EncoderAdapter, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        if callable(self.cost):
-            costs = np.asarray(self.cost(adapter.encoder, meta, rows), dtype=np.float64).reshape(-1)
-        elif self.cost == "rows":
-            costs = rows.astype(np.float64)
-        elif self.cost == "items":
-            costs = np.ones(rows.size)
-        else:
-            costs = np.asarray(adapter.cost(self.model, meta, rows), dtype=np.float64).reshape(-1)
-        if costs.shape != rows.shape or not np.all(np.isfinite(costs)) or np.any(costs < 0):
-            raise ValueError(
-                f"cost for {adapter.encoder} must give one finite cost >= 0 per item, got {costs!r}"
-            )
-        return costs
-
-    @staticmethod
-    def _check_items(adapter: EncoderAdapter, items: Items) -> None:
-        if items.meta.shape[1] != len(adapter.meta_columns):
-            raise ValueError(
-                f"{type(adapter).__name__}.extract gave {items.meta.shape[1]} metadata columns, "
-                f"meta_columns names {len(adapter.meta_columns)}"
-            )
-        total = int(items.rows.sum())
-        for k, t in enumerate(items.payload):
-            if t.shape[0] != total:
-                raise ValueError(f"payload[{k}] has {t.shape[0]} rows, the items {total}")
+        return item_costs(self.cost, self.model, adapter, meta, rows)
 
 
-def own_group(base):
-    """A process group with ``base``'s ranks used by the balancing alone: its all-to-alls (also
-    those of the backward, which autograd schedules) then never interleave with DDP's or FSDP's
-    collectives on a shared communicator. It takes ``base``'s timeout. ``new_group`` is collective
-    over the world and needs the same calls in the same order on every rank, so every rank learns
-    every rank's group first and all create all of them."""
-    every = gather_objects(tuple(dist.get_process_group_ranks(base)))
-    timeout = group_timeout(base)
-    me, own = dist.get_rank(), None
-    for ranks in sorted(set(every)):
-        g = (
-            dist.new_group(list(ranks), timeout=timeout)
-            if timeout is not None
-            else dist.new_group(list(ranks))
-        )
-        if me in ranks:
-            own = g
-    return own
+def encoder_balance_of(model) -> EncoderBalanceHandle | None:
+    """The active :class:`EncoderBalanceHandle` applied to ``model`` (``None`` without one)."""
+    handle = model.__dict__.get(_HANDLE_ATTR)
+    return handle if handle is not None and handle.active else None
 
 
 def apply_encoder_balance(
@@ -425,7 +279,7 @@ def apply_encoder_balance(
     inner = _unwrap(model)
     if not isinstance(inner, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if HANDLE_ATTR in inner.__dict__:
+    if _HANDLE_ATTR in inner.__dict__:
         raise ValueError(
             f"{type(inner).__name__} already has encoder balancing applied; call handle.remove() first"
         )

@@ -1,164 +1,28 @@
-"""The numpy side of dynamic context parallelism, shared by the text path (``dynamic_cp.py``),
-the vision-language path (``dynamic_cp_vlm*.py``) and the Trainer's data side (``cp_trainer.py``):
-a batch read into its sequences (:func:`split_sequences`), the planner's cost for a model
-(:func:`cost_model_of`), one step's plan (:func:`plan_layout`: CP groups under the token budget,
-each sequence cut into the zigzag chunks of its group's ranks), and a rank's shard and model
-keywords from a plan. No communication happens here.
+"""The numpy side of dynamic context parallelism, shared by the text step (``step.py``), the
+vision-language step (``vlm_step.py``, ``vlm_plan.py``) and the Trainer's data side
+(``collate.py``): the planner's cost for a model (:func:`cost_model_of`), one step's plan
+(:func:`plan_layout`: CP groups under the token budget, each sequence cut into the zigzag chunks of
+its group's ranks), a rank's shard of a plan (:func:`shard_of`) and the step's statistics
+(:func:`step_stats`). No communication happens here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
 
-from mmbalance.balancing import CostModel, cp_schedule, post_balance
+from mmbalance.balancing import CostModel, Plan, cp_schedule, imbalance, post_balance
 from mmbalance.balancing.cp_schedule import CPGroup
 from mmbalance.collectives.ring_plan import ring_plan
 
-from .cp_attention import CP_KEYWORD, CPShard
+from .inputs import text_config
+from .shard import CPShard
 
-__all__ = [
-    "IGNORE", "Layout", "Sequences", "cost_key", "cost_model_of", "idle_shard", "model_device", "model_kwargs",
-    "pad_id", "pieces", "plan_layout", "positions", "shard_of", "split_sequences", "text_config",
-]  # fmt: skip
-
-IGNORE = -100
-# batch keys that describe the packing of the input (recomputed for the shard, so dropped)
-_PACKING_KEYS = {
-    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "num_items_in_batch",
-}  # fmt: skip
-_COLUMNS = ("input_ids", "labels", "shift_labels", "position_ids")
-
-
-# ------------------------------------------------------------------------------- the sequences
-@dataclass
-class Sequences:
-    """This rank's sequences, back to back (int64 ``[T]`` each), in batch order.
-
-    ``lengths`` ``[n]``; ``labels``/``shift_labels`` are all ``-100`` when the batch had none.
-    ``spans``: ``(row, start, end)`` of every sequence in the batch's ``[B, L]`` tensors (what
-    slices another per-token input, such as ``mm_token_type_ids``, the same way).
-    """
-
-    input_ids: Tensor
-    labels: Tensor
-    shift_labels: Tensor
-    lengths: np.ndarray
-    has_labels: bool
-    spans: list[tuple[int, int, int]] | None = None
-
-    @property
-    def labelled(self) -> np.ndarray:
-        """Labelled tokens (``shift_labels != -100``) of every sequence, int64 ``[n]``."""
-        if not self.lengths.size:
-            return np.zeros(0, dtype=np.int64)
-        seg = np.repeat(np.arange(self.lengths.size), self.lengths)
-        mask = (self.shift_labels != IGNORE).numpy()
-        return np.bincount(seg[mask], minlength=self.lengths.size).astype(np.int64)
-
-
-def _as_2d(batch: Mapping, name: str) -> Tensor | None:
-    t = batch.get(name)
-    if t is None:
-        return None
-    if not isinstance(t, Tensor):
-        raise TypeError(f"batch[{name!r}] must be a tensor, got {type(t).__name__}")
-    if t.dim() == 1:
-        t = t.unsqueeze(0)
-    if t.dim() != 2:
-        raise ValueError(f"batch[{name!r}] must be [B, L] (or [1, T] packed), got shape {tuple(t.shape)}")
-    return t
-
-
-def split_sequences(batch: Mapping) -> Sequences:
-    """The sequences of a batch, packed or padded (see :meth:`DynamicCPHandle.shard`).
-
-    Rows are cut at ``attention_mask`` (one run of valid tokens per row: left or right padding)
-    and, inside it, where ``position_ids`` restart (packed rows: every sequence starts at 0 and
-    counts up by one). Raises ValueError/TypeError naming the batch key for anything else.
-    """
-    if not isinstance(batch, Mapping):
-        raise TypeError(f"batch must be a mapping of model inputs, got {type(batch).__name__}")
-    ids = _as_2d(batch, "input_ids")
-    if ids is None:
-        raise ValueError(
-            "batch has no 'input_ids' (handle.shard needs token ids; inputs_embeds are not split)"
-        )
-    if ids.dtype.is_floating_point:
-        raise TypeError(f"batch['input_ids'] must be integer token ids, got {ids.dtype}")
-    known = set(_COLUMNS) | _PACKING_KEYS | {"attention_mask", "use_cache", "return_dict"}
-    for key, val in batch.items():
-        if key not in known and val is not None:
-            raise ValueError(
-                f"batch[{key!r}]: handle.shard does not know how to split this input (it splits input_ids, "
-                f"attention_mask, position_ids and labels)"
-            )
-    b, length = ids.shape
-    shapes = {}
-    for name in ("attention_mask", "position_ids", "labels"):
-        t = _as_2d(batch, name)
-        if t is not None and tuple(t.shape) != (b, length):
-            raise ValueError(f"batch[{name!r}] has shape {tuple(t.shape)}, input_ids {(b, length)}")
-        shapes[name] = t
-    mask, pos, labels = shapes["attention_mask"], shapes["position_ids"], shapes["labels"]
-    ids_np = ids.detach().cpu().to(torch.int64)
-    lab_np = labels.detach().cpu().to(torch.int64) if labels is not None else None
-    keep_rows: list[tuple[int, int, int]] = []  # (row, start, end) of valid tokens
-    valid = (
-        mask.detach().cpu().to(torch.bool).numpy() if mask is not None else np.ones((b, length), dtype=bool)
-    )
-    for r in range(b):
-        d = np.diff(np.concatenate([[0], valid[r].astype(np.int8), [0]]))
-        starts, ends = np.flatnonzero(d == 1), np.flatnonzero(d == -1)
-        if starts.size > 1:
-            raise ValueError(
-                f"batch['attention_mask'] row {r} has {starts.size} separate runs of valid tokens; handle.shard "
-                "takes left or right padding (one run per row), or packed rows without attention_mask"
-            )
-        if starts.size:
-            keep_rows.append((r, int(starts[0]), int(ends[0])))
-    pos_np = pos.detach().cpu().to(torch.int64).numpy() if pos is not None else None
-    lengths: list[int] = []
-    spans: list[tuple[int, int, int]] = []
-    id_parts, lab_parts, shift_parts = [], [], []
-    for r, s, e in keep_rows:
-        if pos_np is not None:
-            p = pos_np[r, s:e]
-            cuts = np.flatnonzero(np.diff(p) != 1) + 1
-            bounds = np.concatenate([[0], cuts, [e - s]])
-            for a in bounds[:-1].tolist():
-                if p[a] != 0:
-                    raise ValueError(
-                        f"batch['position_ids'] row {r}: a sequence starts at position {int(p[a])} (token {s + a}); "
-                        "every sequence must count 0, 1, 2, ... (packed rows restart at 0, as "
-                        "DataCollatorWithFlattening gives them)"
-                    )
-            seqs = [(s + a, s + z) for a, z in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
-        else:
-            seqs = [(s, e)]
-        for a, z in seqs:
-            lengths.append(z - a)
-            spans.append((r, a, z))
-            id_parts.append(ids_np[r, a:z])
-            lab = lab_np[r, a:z] if lab_np is not None else torch.full((z - a,), IGNORE, dtype=torch.int64)
-            lab_parts.append(lab)
-            shift = torch.full((z - a,), IGNORE, dtype=torch.int64)
-            shift[:-1] = lab[1:]
-            shift_parts.append(shift)
-    empty = torch.zeros(0, dtype=torch.int64)
-    return Sequences(
-        input_ids=torch.cat(id_parts) if id_parts else empty,
-        labels=torch.cat(lab_parts) if lab_parts else empty,
-        shift_labels=torch.cat(shift_parts) if shift_parts else empty,
-        lengths=np.asarray(lengths, dtype=np.int64),
-        has_labels=labels is not None,
-        spans=spans,
-    )
+__all__ = ["Layout", "cost_key", "cost_model_of", "pieces", "plan_layout", "shard_of", "step_stats"]
 
 
 # ------------------------------------------------------------------------------------ the cost
@@ -349,46 +213,31 @@ def shard_of(layout: Layout, lengths: np.ndarray, rank: int, groups: dict, token
     return CPShard(g.degree, int(layout.rank_in_group[rank]), groups[gi], gcu, tokens)
 
 
-def idle_shard() -> CPShard:
-    """The shard of a rank with nothing to run: one stand-in token (label ``-100``)."""
-    cu = np.array([0, 1], dtype=np.int64)
-    return CPShard(1, 0, None, cu, 1, torch.tensor([0, 1], dtype=torch.int32), 1)
-
-
-def positions(lengths: np.ndarray) -> Tensor:
-    if not lengths.size:
-        return torch.zeros(0, dtype=torch.int64)
-    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return torch.from_numpy(np.arange(int(lengths.sum()), dtype=np.int64) - starts)
-
-
-def text_config(model):
-    config = getattr(model, "config", None)
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
-
-
-def pad_id(model) -> int:
-    pad = getattr(text_config(model), "pad_token_id", None)
-    return int(pad) if isinstance(pad, int) and pad >= 0 else 0
-
-
-def model_device(model) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def model_kwargs(out: Tensor, shard: CPShard, items: int, has_labels: bool, device) -> dict:
-    out = out.to(device)
-    kw = {
-        "input_ids": out[:, 0].unsqueeze(0),
-        "position_ids": out[:, 3].unsqueeze(0),
-        "use_cache": False,
-        CP_KEYWORD: shard,
+def step_stats(cost, lengths: np.ndarray, src: np.ndarray, labelled: np.ndarray, layout: Layout, world: int,
+               plan: Plan, before: np.ndarray | None = None, after: np.ndarray | None = None) -> dict:  # fmt: skip
+    """A step's statistics (``handle.stats``); ``before``/``after`` (modelled time per rank as
+    sampled and as planned) are computed here under ``cost`` unless given."""
+    if before is None:
+        before = np.zeros(world)
+        if isinstance(cost, CostModel):
+            for r in range(world):
+                before[r] = cost.time(lengths[src == r]) if (src == r).any() else 0.0
+    if after is None:
+        after = np.zeros(world)
+        for g in layout.schedule:
+            for r in g.ranks:
+                after[r] = float(g.time)
+    return {
+        "degrees": [int(g.degree) for g in layout.schedule],
+        "largest_shard": int(layout.shard_tokens.max(initial=0)),
+        "before": imbalance(before),
+        "after": imbalance(after),
+        "max_before": float(before.max(initial=0.0)),
+        "mean_before": float(before.mean()) if world else 0.0,
+        "max_after": float(after.max(initial=0.0)),
+        "mean_after": float(after.mean()) if world else 0.0,
+        "moved_tokens": int(plan.moved_tokens()),
+        "plan_ms": 1e3 * layout.plan_s,
+        "sequences": int(lengths.size),
+        "num_items_in_batch": int(labelled.sum()),
     }
-    if has_labels:
-        kw["labels"] = out[:, 1].unsqueeze(0)
-        kw["shift_labels"] = out[:, 2].unsqueeze(0)
-        kw["num_items_in_batch"] = items
-    return kw

@@ -8,7 +8,7 @@ every sequence's tokens to its group in one all-to-all (:func:`~mmbalance.collec
 each zigzag chunk straight to the rank that holds it, so no rank sends a token twice) and returns
 this rank's model keywords. Inside the model, ``mmbalance_varlen`` reads the shard from those
 keywords and runs ring attention over the rank's group, or plain varlen attention at degree 1
-(``cp_attention.py``)::
+(``attention.py``)::
 
     handle = apply_dynamic_cp(model, max_tokens_per_rank=8192)   # after init_process_group
     for batch in loader:                                          # each rank its own batch
@@ -31,41 +31,27 @@ from __future__ import annotations
 import numbers
 from collections.abc import Iterator, Mapping
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmbalance.balancing import CostModel, Plan, imbalance
-from mmbalance.collectives import GroupPool, rebalance
+from mmbalance.balancing import CostModel
+from mmbalance.collectives import GroupPool
 from mmbalance.collectives.agreement import Entry
-from mmbalance.collectives.alltoall import gather_table
 from mmbalance.collectives.group import comm_device, world_of
-from mmbalance.collectives.inflight import gather_objects, mark_distributed_run, run
+from mmbalance.collectives.group_pool import own_group
+from mmbalance.collectives.inflight import mark_distributed_run, run
 from mmbalance.collectives.teardown import release_at_exit
 
-from .attention_mask import ATTENTION_NAME
-from .balance import own_group
-from .cp_attention import CPShard
-from .cp_plan import (
-    IGNORE,
-    Layout,
-    Sequences,
-    cost_key,
-    cost_model_of,
-    idle_shard,
-    model_device,
-    model_kwargs,
-    pad_id,
-    plan_layout,
-    positions,
-    shard_of,
-    split_sequences,
-)  # fmt: skip
+from ..attention import ATTENTION_NAME
+from ..encoders import adapters_for
+from .families import vlm_family
+from .media import embed_streams, install_media_hook, remove_media_hook
+from .plan import cost_key, cost_model_of
+from .shard import MEDIA_KEYWORD
+from .step import RingGroups, shard_text
+from .vlm_step import shard_vlm
 
-__all__ = [
-    "IGNORE", "DynamicCPHandle", "Sequences", "apply_dynamic_cp", "cost_model_of", "idle_shard", "make_handle",
-    "pad_id", "plan_layout", "shard_of", "split_sequences",
-]  # fmt: skip
+__all__ = ["DynamicCPHandle", "apply_dynamic_cp", "make_handle"]
 
 
 # ---------------------------------------------------------------------------------- the handle
@@ -81,16 +67,13 @@ class DynamicCPHandle:
         self.encoder_cost = encoder_cost
         self.group = group
         self.own = own
-        self._pool = pool
-        self._groups: dict[tuple[int, ...], object] = {}
-        self.vlm = vlm  # a VLMFamily for the vision-language models (dynamic_cp_vlm.py)
+        #: the process groups of the CP groups (``None`` in one process)
+        self.groups = RingGroups(own, pool) if own is not None and pool is not None else None
+        self.vlm = vlm  # a VLMFamily for the vision-language models (families.py)
         self.adapters = []
         self._embed_hook = None
         self.media_hook = False  # whether a shard installed the media pre-hook (FSDP2)
         if vlm is not None:
-            from .dynamic_cp_vlm import embed_streams
-            from .encoder_adapter import adapters_for
-
             self.adapters = adapters_for(model)
             self._embed_hook = embed_streams(vlm, model)
         self.removed = False
@@ -124,7 +107,7 @@ class DynamicCPHandle:
         with ``feature_attention_mask`` and ``video_second_per_grid``). The keywords then also hold
         ``mm_encoder_outputs`` (the shard's feature rows) and ``position_ids`` ``[4, 1, T]`` for
         the M-RoPE models (the token's position in its sequence, then the three M-RoPE rows the
-        model's ``get_rope_index`` gives the whole sequence); see :mod:`.dynamic_cp_vlm`. Under
+        model's ``get_rope_index`` gives the whole sequence); see :mod:`.families`. Under
         FSDP2 they hold ``mmbalance_media`` instead of ``mm_encoder_outputs``: the encoding and the
         feature all-to-all run in the model's forward (its pre-hook), so call the model itself
         (``model(**kwargs)``), once, on every rank.
@@ -143,43 +126,12 @@ class DynamicCPHandle:
         """
         if self.removed:
             raise RuntimeError("this dynamic-CP handle was removed (handle.remove()); apply_dynamic_cp again")
-        if self.vlm is not None:
-            from .dynamic_cp_vlm_step import shard_vlm
-
-            return shard_vlm(self, batch)
-        device = model_device(self.model)
-        seqs: Sequences | None = None
-        if self.own is None:  # one process: every sequence whole, on this rank
-            seqs = split_sequences(batch)
-            return self._single(seqs, device)
-        world = dist.get_world_size(self.own)
-        with Entry("apply_dynamic_cp.shard", self.own) as e:
-            e.fields = {"max_tokens_per_rank": self.max_tokens_per_rank, "cost": cost_key(self.cost)}
-            seqs = split_sequences(batch)
-            e.fields["labels"] = seqs.has_labels
-        table_in = None if seqs is None else np.stack([seqs.lengths, seqs.labelled], axis=1)
-        table, src = gather_table(table_in, self.own, entry=e)
-        assert seqs is not None
-        lengths, labelled = table[:, 0], table[:, 1]
-        layout = plan_layout(lengths, src, world, self.max_tokens_per_rank, self.cost, self.context_parallel)
-        rank = dist.get_rank(self.own)
-        groups = self.ring_groups(layout)
-        payload = torch.stack(
-            [seqs.input_ids, seqs.labels, seqs.shift_labels, positions(seqs.lengths)], dim=1
-        )
-        mine = layout.piece_src == rank
-        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(layout.piece_len[mine])]).astype(np.int64))
-        plan = Plan.from_destinations(layout.piece_len, layout.piece_dst, world, layout.piece_src)
-        comm = comm_device(self.own)
-        out, _ = rebalance(payload.to(comm), cu.to(comm), plan, self.own)
-        out = out.cpu()
-        shard = shard_of(layout, lengths, rank, groups, int(out.shape[0]))
-        if shard is None:
-            shard = idle_shard()
-            out = torch.tensor([[pad_id(self.model), IGNORE, IGNORE, 0]], dtype=torch.int64)
-        self.record(lengths, src, labelled, layout, world, plan)
-        self.stats["local_sequences"] = int(seqs.lengths.size)
-        return model_kwargs(out, shard, int(labelled.sum()), seqs.has_labels, device)
+        if self.vlm is None:
+            return shard_text(self, batch)
+        kw = shard_vlm(self, batch)
+        if MEDIA_KEYWORD in kw and install_media_hook(self.model):
+            self.media_hook = True  # the handle's to remove
+        return kw
 
     def batches(self, loader) -> Iterator[dict]:
         """:meth:`shard` of every batch of this rank's ``loader`` (any iterable of batches), until
@@ -213,80 +165,6 @@ class DynamicCPHandle:
             self.stats["drawn"] = drawn
             yield kw
 
-    def _single(self, seqs: Sequences, device) -> dict:
-        lengths = seqs.lengths
-        budget = self.max_tokens_per_rank
-        if budget is not None and int(lengths.sum()) > budget:
-            raise ValueError(
-                f"max_tokens_per_rank={budget}: one process holds all {int(lengths.sum())} tokens of the batch"
-            )
-        payload = torch.stack([seqs.input_ids, seqs.labels, seqs.shift_labels, positions(lengths)], dim=1)
-        if not lengths.size:
-            payload = torch.tensor([[pad_id(self.model), IGNORE, IGNORE, 0]], dtype=torch.int64)
-            lengths = np.array([1], dtype=np.int64)
-        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        shard = CPShard(
-            1, 0, None, cu, int(cu[-1]), torch.from_numpy(cu.astype(np.int32)), int(lengths.max())
-        )
-        t = self.cost.time(seqs.lengths) if isinstance(self.cost, CostModel) else 0.0
-        self.stats = {
-            "degrees": [1], "largest_shard": int(cu[-1]), "before": 1.0, "after": 1.0, "max_before": t,
-            "mean_before": t, "max_after": t, "mean_after": t, "moved_tokens": 0, "plan_ms": 0.0,
-            "sequences": int(seqs.lengths.size), "num_items_in_batch": int(seqs.labelled.sum()),
-            "local_sequences": int(seqs.lengths.size),
-        }  # fmt: skip
-        return model_kwargs(payload, shard, int(seqs.labelled.sum()), seqs.has_labels, device)
-
-    def ring_groups(self, layout: Layout) -> dict[int, object]:
-        """The process group of every group of degree > 1, created in the same order on every rank."""
-        base_ranks = dist.get_process_group_ranks(self.own)
-        wanted = {}
-        for gi, g in enumerate(layout.schedule):
-            if g.degree > 1:
-                wanted[gi] = tuple(base_ranks[r] for r in g.ranks)
-        new = [r for r in wanted.values() if r not in self._groups and len(r) < len(base_ranks)]
-        if len(base_ranks) < dist.get_world_size():
-            # new_group is collective over the world: every rank creates every rank set any
-            # data-parallel group needs, in one order
-            new = sorted({r for sets in gather_objects(new) for r in sets})
-        assert self._pool is not None
-        for ranks in new:
-            if ranks not in self._groups:
-                self._groups[ranks] = self._pool.get(ranks)
-        # the whole group runs on the handle's own communicator, never on DDP's
-        return {gi: self.own if len(r) == len(base_ranks) else self._groups[r] for gi, r in wanted.items()}
-
-    def record(self, lengths, src, labelled, layout: Layout, world: int, plan: Plan,
-                before: np.ndarray | None = None, after: np.ndarray | None = None) -> None:  # fmt: skip
-        """``handle.stats`` of a step; ``before``/``after`` (modelled time per rank as sampled and
-        as planned) are computed here unless given."""
-        cost = self.cost
-        if before is None:
-            before = np.zeros(world)
-            if isinstance(cost, CostModel):
-                for r in range(world):
-                    before[r] = cost.time(lengths[src == r]) if (src == r).any() else 0.0
-        if after is None:
-            after = np.zeros(world)
-            for g in layout.schedule:
-                t = float(g.time)
-                for r in g.ranks:
-                    after[r] = t
-        self.stats = {
-            "degrees": [int(g.degree) for g in layout.schedule],
-            "largest_shard": int(layout.shard_tokens.max(initial=0)),
-            "before": imbalance(before),
-            "after": imbalance(after),
-            "max_before": float(before.max(initial=0.0)),
-            "mean_before": float(before.mean()) if world else 0.0,
-            "max_after": float(after.max(initial=0.0)),
-            "mean_after": float(after.mean()) if world else 0.0,
-            "moved_tokens": int(plan.moved_tokens()),
-            "plan_ms": 1e3 * layout.plan_s,
-            "sequences": int(lengths.size),
-            "num_items_in_batch": int(labelled.sum()),
-        }
-
     def remove(self) -> None:
         """Detach from the model: later :meth:`shard` calls raise; the model's attention runs as
         without the handle (a shard's kwargs no longer reach it). Idempotent."""
@@ -296,8 +174,6 @@ class DynamicCPHandle:
         if self._embed_hook is not None:
             self._embed_hook.remove()
         if self.media_hook:  # installed by a shard under FSDP2
-            from .dynamic_cp_vlm_trainer import remove_media_hook
-
             remove_media_hook(self.model)
         if getattr(self.model, "_mmbalance_dynamic_cp", None) is self:
             del self.model._mmbalance_dynamic_cp
@@ -316,12 +192,12 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
             ``model.set_attn_implementation("mmbalance_varlen")``). The plain text decoders
             (Llama, Qwen2, Qwen3, Mistral, ...) are supported, and the multimodal models
             Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA and the Qwen2.5-Omni thinker
-            (images and audio clips; ``...ForConditionalGeneration``; :mod:`.dynamic_cp_vlm`:
+            (images and audio clips; ``...ForConditionalGeneration``; :mod:`.families`:
             M-RoPE positions from the whole sequence, every image, frame and clip encoded once,
             feature rows sent straight to the shards of their placeholders).
             Any other multimodal model is refused by name. Under FSDP2 a multimodal model's
             shard leaves its encoders to the model's forward (where ``fully_shard`` gathers their
-            weights), with or without :func:`~.balance.apply_encoder_balance` on it. What the
+            weights), with or without :func:`~mmbalance.integrations.hf.encoders.apply_encoder_balance` on it. What the
             ring cannot run (sliding windows, softcap, sinks, chunked attention, block masks,
             padding masks) raises ``NotImplementedError`` at the first forward.
         max_tokens_per_rank: tokens one rank may hold in a forward (its LLM-phase activations;
@@ -347,7 +223,7 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
             the sum in place of the max; ``E``: the encoder seconds of the group's media, spread
             over its members; :func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds``),
             and takes, of that plan and the one on ``cost`` alone, the faster by
-            :meth:`~mmbalance.balancing.CostModel.step_with_encoders` (``exchange="group"``). With :func:`~.balance.apply_encoder_balance` on
+            :meth:`~mmbalance.balancing.CostModel.step_with_encoders` (``exchange="group"``). With :func:`~mmbalance.integrations.hf.encoders.apply_encoder_balance` on
             the same model the encoders are balanced over the whole world, the same for every
             schedule, so the groups are priced by ``cost`` alone.
 
@@ -370,8 +246,6 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
         raise TypeError(f"max_tokens_per_rank must be an int, got {type(max_tokens_per_rank).__name__}")
     if max_tokens_per_rank < 1:
         raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
-    from .dynamic_cp_vlm import vlm_family
-
     vlm_family(model)  # an unsupported multimodal model is refused by name before anything else
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
@@ -392,8 +266,6 @@ def make_handle(model, budget: int | None, cost, group, context_parallel: bool,
                 encoder_cost="auto") -> DynamicCPHandle:  # fmt: skip
     """The handle behind :func:`apply_dynamic_cp` (``context_parallel=False``: degree 1
     everywhere, the streamed post-balancing of ``balance_trainer``; ``budget`` may be ``None``)."""
-    from .dynamic_cp_vlm import vlm_family
-
     family = vlm_family(model)
     costm = cost_model_of(model, cost)
     if family is not None and encoder_cost is not None and not isinstance(costm, CostModel):

@@ -1,5 +1,5 @@
 """One vision-language step of dynamic context parallelism: :func:`shard_vlm`, what
-:meth:`DynamicCPHandle.shard` runs for the models of :mod:`.dynamic_cp_vlm` (the step is described
+:meth:`DynamicCPHandle.shard` runs for the models of :mod:`.families` (the step is described
 there): the agreement and the gathered table, the plan, the token move, the encoder inputs' move,
 one encoder call per rank, the feature move to the shards, the shard's keywords and statistics."""
 
@@ -14,38 +14,37 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mmbalance.balancing import CostModel, Plan, imbalance, post_balance
+from mmbalance.balancing import CostModel, Plan, imbalance
 from mmbalance.collectives import rebalance
 from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.alltoall import gather_table
 from mmbalance.collectives.group import comm_device
 from mmbalance.pyops import cu_seqlens_from_lengths
 
-from .balance import HANDLE_ATTR as _ENCODER_BALANCE_ATTR
-from .balance import ZeroLink
-from .cp_attention import CP_KEYWORD
-from .cp_plan import cost_key, idle_shard, model_device, pad_id, plan_layout, positions, shard_of
-from .dynamic_cp_vlm import VLMFamily, check_feature_rows, encoder_seconds
-from .dynamic_cp_vlm_plan import (
+from ..attention import CP_KEYWORD
+from ..encoders import EncoderAdapter, ZeroLink, core, encoder_balance_of, encoder_plan, pooled
+from .families import VLMFamily, check_feature_rows, encoder_seconds
+from .inputs import IGNORE, model_device, pad_id, positions
+from .plan import cost_key, plan_layout, shard_of, step_stats
+from .shard import MEDIA_KEYWORD, idle_shard
+from .vlm_plan import (
     GatheredStep,
     LocalBatch,
+    PendingEntry,
+    PendingMedia,
     PlaceholderRuns,
     feature_segments,
     local_table,
     parse_table,
     piece_coords,
+    placeholder_order,
     read_alone,
     read_batch,
     spread_items,
     table_width,
 )
-from .dynamic_cp_vlm_trainer import MEDIA_KEYWORD, PendingEntry, PendingMedia, install_media_hook
-from .encoder_adapter import EncoderAdapter
-from .models.common import core, pooled
 
 __all__ = ["shard_vlm"]
-
-IGNORE = -100
 
 
 # ---------------------------------------------------------------------------------------- moves
@@ -81,12 +80,6 @@ class _Comm:
         cu = cu_seqlens_from_lengths(lengths.astype(np.int64), device=self.device)
         out, _ = rebalance(moved, cu, plan, self.own)
         return list(out)
-
-
-def _encoder_handle(model):
-    """The :class:`~.balance.EncoderBalanceHandle` applied to ``model``, if one is active."""
-    handle = model.__dict__.get(_ENCODER_BALANCE_ATTR)
-    return handle if handle is not None and handle.active else None
 
 
 def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Mapping, eh, comm: _Comm,
@@ -169,9 +162,7 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
         rows = step.rows[k]
         if eh is not None:  # the encoder balancing's plan, over the whole world
             costs = eh.item_costs(adapter, step.meta[k], rows)
-            units = np.maximum(1, np.rint(costs * (1e9 / max(float(costs.max()), 1e-300)))).astype(np.int64)
-            pix_plan = post_balance(units, world, "sum", src_ranks=step.src[k],
-                                    ranks_per_node=eh.ranks_per_node).with_lengths(rows)  # fmt: skip
+            pix_plan = encoder_plan(costs, step.src[k], world, eh.ranks_per_node)[0].with_lengths(rows)
             enc = pix_plan.dst_rank
             np.add.at(res.load, enc, seconds[k])
         else:  # each group encodes its own sequences' items
@@ -209,15 +200,7 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
                 raise AssertionError("a CP group's process group numbers its ranks out of order")
             got_seg = ours[feat_plan.recv_order(inner.rank)] if members.size else ours
         # the received rows of every stream, in the order of the shard's placeholders
-        index: dict[str, Tensor] = {}
-        starts = np.concatenate([[0], np.cumsum(seg["len"][got_seg])]).astype(np.int64)
-        for st in np.unique(step.stream[k]).tolist():
-            sel = np.flatnonzero(seg["stream"][got_seg] == st)
-            if sel.size:
-                sel = sel[np.lexsort((seg["row"][got_seg][sel], seg["piece"][got_seg][sel]))]
-                index[streams[st][0]] = torch.from_numpy(
-                    np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sel.tolist()])
-                )
+        index = placeholder_order(seg, got_seg, streams, step.stream[k])
         res.encoded_rows += int(rows[recv].sum())
         if defer:  # encode and move the rows in the model's forward (FSDP2 gathers the towers there)
             res.pending.append(PendingEntry(adapter, list(moved), step.meta[k][recv], opts, seg["len"][mine],
@@ -268,7 +251,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     family: VLMFamily = handle.vlm
     comm = _Comm(handle.own)
     rank, world = comm.rank, comm.world
-    eh = _encoder_handle(model)
+    eh = encoder_balance_of(model)
     defer = _under_fsdp2(model)
     adapters = list(eh.adapters.values()) if eh is not None else handle.adapters
     local, step = _gather(handle, family, adapters, batch, eh, comm, defer)
@@ -301,7 +284,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
             layouts, key=lambda lay: cost.step_with_encoders(lay.schedule, lengths, enc_seq, exchange="group")
         )
         layout = dataclasses.replace(layout, plan_s=sum(lay.plan_s for lay in layouts))
-    groups = handle.ring_groups(layout) if handle.own is not None else {}
+    groups = handle.groups.of(layout) if handle.own is not None else {}
 
     # ---- the token columns to their pieces
     seqs = local.seqs
@@ -330,7 +313,9 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     before, after = _modelled(handle.cost, lengths, step.seq_src, layout, world)
     if before is not None and after is not None:
         before, after = before + media.home, after + media.load
-    handle.record(lengths, step.seq_src, labelled, layout, world, plan, before, after)
+    handle.stats = step_stats(
+        handle.cost, lengths, step.seq_src, labelled, layout, world, plan, before, after
+    )
     handle.stats["encoders"] = media.encoders
     handle.stats["split_items"] = media.split_items
     handle.stats["encoded_rows"] = media.encoded_rows
@@ -344,9 +329,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         kw["position_ids"] = out[:, 3].unsqueeze(0)
     if mm:
         kw["mm_encoder_outputs"] = mm
-    if media.pending:
-        if install_media_hook(model):
-            handle.media_hook = True  # the handle's to remove
+    if media.pending:  # the handle installs the media hook that resolves it
         kw[MEDIA_KEYWORD] = PendingMedia(media.pending, media.degree, family.streams(model), media.mover)
     if seqs.has_labels:
         kw["labels"] = out[:, 1].unsqueeze(0)

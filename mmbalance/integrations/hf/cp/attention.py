@@ -1,101 +1,30 @@
 """Attention of a dynamic context-parallel shard inside a Hugging Face model.
 
-:meth:`~mmbalance.integrations.hf.dynamic_cp.DynamicCPHandle.shard` returns, next to the model
-inputs, a :class:`CPShard` under the keyword ``mmbalance_cp``. transformers hands model keywords
-down to every attention call, so ``mmbalance_varlen`` finds the shard there and runs:
+:meth:`~mmbalance.integrations.hf.cp.DynamicCPHandle.shard` returns, next to the model inputs, a
+:class:`~.shard.CPShard` under the keyword ``mmbalance_cp``. transformers hands model keywords
+down to every attention call, so ``mmbalance_varlen`` finds the shard there and runs
+:func:`cp_attention` (registered with the attention backend on import):
 
 * degree 1 (the rank holds whole sequences): causal varlen attention over its packed sequences;
 * degree ``d > 1``: ring attention (:func:`mmbalance.collectives.ring.ring_attention`, zigzag
   layout) over the CP group of the shard: every sequence of the group is split over the group's
   ranks, and every rank of the group calls attention with the same layers in the same order.
 
-The shard travels with the call (not with global state), so gradient checkpointing's recompute
-and several models in one process see the right shard. What the ring cannot run yet is refused by
-name (:func:`refusal`).
+What the ring cannot run yet is refused by name (:func:`refusal`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from mmbalance.collectives.group import group_timeout
 from mmbalance.collectives.ring import ring_attention
 from mmbalance.pyops.attention_ops import attention_block
 
-from .attention_compile import outside_graph
-from .attention_mask import ATTENTION_NAME, VarlenMask
+from ..attention import ATTENTION_NAME, VarlenMask, outside_graph, register_shard_attention
+from .shard import MEDIA_KEYWORD, CPShard
 
-__all__ = ["CP_KEYWORD", "MEDIA_KEYWORD", "CPShard", "cp_attention"]
-
-#: the model keyword that carries a :class:`CPShard` down to the attention calls
-CP_KEYWORD = "mmbalance_cp"
-#: the model keyword that carries a shard's pending media to the model's media pre-hook
-#: (:mod:`.dynamic_cp_vlm_trainer`); seen by an attention call only when that hook did not run
-MEDIA_KEYWORD = "mmbalance_media"
-
-
-@dataclass(eq=False)
-class CPShard:
-    """What the attention layers of one rank need to know about the shard it holds.
-
-    Attributes:
-        degree: ranks of this rank's CP group (1: whole sequences, plain varlen attention).
-        group_rank: this rank's index in the group (its zigzag chunks).
-        group: the group's process group (``None`` for degree 1).
-        cu_seqlens: int64 ``[B + 1]`` boundaries of the group's sequences, unsplit (the ring's
-            global view; for degree 1 the rank's own sequences).
-        tokens: tokens this rank holds (the query length every attention call must have).
-        local_cu_seqlens: int32 ``[B + 1]`` boundaries of the rank's local pieces (degree 1).
-        max_seqlen: longest local sequence (degree 1).
-        anchor: a zero scalar (or ``None``) that every attention call adds to its output: it
-            depends on the shard's encoder features and stand-in encodings, so every rank's
-            backward runs the collectives that send their gradients back, also a rank whose
-            shard holds no placeholder token (:mod:`.dynamic_cp_vlm`).
-    """
-
-    degree: int
-    group_rank: int
-    group: object
-    cu_seqlens: np.ndarray
-    tokens: int
-    local_cu_seqlens: Tensor | None = None
-    max_seqlen: int = 0
-    device_cu: dict = field(default_factory=dict, repr=False)
-    anchor: Tensor | None = field(default=None, repr=False)
-    #: global ranks of this rank's group, and every group of degree > 1 of the step (sorted): a
-    #: shard made where no process group can be made (a data-loader worker) names its group by
-    #: ranks; the first attention call creates the step's groups, in one order on every rank
-    ranks: tuple[int, ...] = ()
-    step_groups: tuple[tuple[int, ...], ...] = ()
-
-    def process_group(self):
-        """The ring's process group (created at first use from :attr:`step_groups`)."""
-        if self.group is None and self.step_groups:
-            for ranks in self.step_groups:
-                if ranks not in _GROUPS:
-                    timeout = group_timeout()
-                    kw = {} if timeout is None else {"timeout": timeout}
-                    _GROUPS[ranks] = dist.new_group(list(ranks), **kw)  # type: ignore[arg-type]
-            if self.degree > 1:
-                self.group = _GROUPS[self.ranks]
-            self.step_groups = ()
-        return self.group
-
-    def __repr__(self) -> str:
-        return (
-            f"CPShard(degree={self.degree}, group_rank={self.group_rank}, sequences={len(self.cu_seqlens) - 1}, "
-            f"tokens={self.tokens})"
-        )
-
-
-# ring groups named by ranks (CPShard.step_groups): created once per rank set, in the same order on
-# every rank (every rank's shards of a step list the same sets), reused afterwards
-_GROUPS: dict[tuple[int, ...], object] = {}
+__all__ = ["cp_attention", "refusal"]
 
 
 def _not_run(feature: str) -> NotImplementedError:
@@ -166,10 +95,6 @@ def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     ``fullgraph=True`` is refused by name), and the ring's collectives, its per-step plan and the
     shard's process group run eagerly (traced, they broke the graph dozens of times and hit
     dynamo's recompile limit in the first step)."""
-    if not isinstance(shard, CPShard):
-        raise TypeError(
-            f"{ATTENTION_NAME}: {CP_KEYWORD} must be a CPShard (from handle.shard), got {type(shard).__name__}"
-        )
     if MEDIA_KEYWORD in kwargs:  # the model's media pre-hook did not run: the features would be lost
         raise RuntimeError(
             f"{ATTENTION_NAME}: the shard's media ({MEDIA_KEYWORD}) reached the attention unresolved: call the model "
@@ -215,3 +140,6 @@ def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     if shard.anchor is not None:
         out = out + shard.anchor.to(device=out.device, dtype=out.dtype)
     return out, None
+
+
+register_shard_attention(CPShard, cp_attention)

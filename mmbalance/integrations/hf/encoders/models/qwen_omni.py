@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..encoder_adapter import Items, register_adapter
+from ..adapter import Items, register_adapter
 from .common import AudioAdapter, core, scatter_audio
 
 __all__ = ["QwenOmniAudioAdapter"]

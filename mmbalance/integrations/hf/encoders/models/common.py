@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..encoder_adapter import EncoderAdapter, Items
+from ..adapter import EncoderAdapter, Items
 
 _TOWERS = ("visual", "vision_tower", "audio_tower", "vision_model")
 

@@ -1,0 +1,90 @@
+"""What a rank of a dynamic context-parallel step holds: its :class:`CPShard`, which travels to
+the attention calls under the model keyword ``mmbalance_cp`` (the attention room's
+``CP_KEYWORD``); the keyword of the media a shard leaves to the model's forward; the stand-in of a
+rank with nothing to run.
+
+The shard travels with the call (not with global state), so gradient checkpointing's recompute
+and several models in one process see the right shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mmbalance.collectives.group import group_timeout
+
+__all__ = ["MEDIA_KEYWORD", "CPShard", "idle_shard"]
+
+#: the model keyword that carries a shard's pending media to the model's media pre-hook
+#: (:mod:`.media`); seen by an attention call only when that hook did not run
+MEDIA_KEYWORD = "mmbalance_media"
+
+
+@dataclass(eq=False)
+class CPShard:
+    """What the attention layers of one rank need to know about the shard it holds.
+
+    Attributes:
+        degree: ranks of this rank's CP group (1: whole sequences, plain varlen attention).
+        group_rank: this rank's index in the group (its zigzag chunks).
+        group: the group's process group (``None`` for degree 1).
+        cu_seqlens: int64 ``[B + 1]`` boundaries of the group's sequences, unsplit (the ring's
+            global view; for degree 1 the rank's own sequences).
+        tokens: tokens this rank holds (the query length every attention call must have).
+        local_cu_seqlens: int32 ``[B + 1]`` boundaries of the rank's local pieces (degree 1).
+        max_seqlen: longest local sequence (degree 1).
+        anchor: a zero scalar (or ``None``) that every attention call adds to its output: it
+            depends on the shard's encoder features and stand-in encodings, so every rank's
+            backward runs the collectives that send their gradients back, also a rank whose
+            shard holds no placeholder token (:mod:`.vlm_step`).
+    """
+
+    degree: int
+    group_rank: int
+    group: object
+    cu_seqlens: np.ndarray
+    tokens: int
+    local_cu_seqlens: Tensor | None = None
+    max_seqlen: int = 0
+    device_cu: dict = field(default_factory=dict, repr=False)
+    anchor: Tensor | None = field(default=None, repr=False)
+    #: global ranks of this rank's group, and every group of degree > 1 of the step (sorted): a
+    #: shard made where no process group can be made (a data-loader worker) names its group by
+    #: ranks; the first attention call creates the step's groups, in one order on every rank
+    ranks: tuple[int, ...] = ()
+    step_groups: tuple[tuple[int, ...], ...] = ()
+
+    def process_group(self):
+        """The ring's process group (created at first use from :attr:`step_groups`)."""
+        if self.group is None and self.step_groups:
+            for ranks in self.step_groups:
+                if ranks not in _GROUPS:
+                    timeout = group_timeout()
+                    kw = {} if timeout is None else {"timeout": timeout}
+                    _GROUPS[ranks] = dist.new_group(list(ranks), **kw)  # type: ignore[arg-type]
+            if self.degree > 1:
+                self.group = _GROUPS[self.ranks]
+            self.step_groups = ()
+        return self.group
+
+    def __repr__(self) -> str:
+        return (
+            f"CPShard(degree={self.degree}, group_rank={self.group_rank}, sequences={len(self.cu_seqlens) - 1}, "
+            f"tokens={self.tokens})"
+        )
+
+
+# ring groups named by ranks (CPShard.step_groups): created once per rank set, in the same order on
+# every rank (every rank's shards of a step list the same sets), reused afterwards
+_GROUPS: dict[tuple[int, ...], object] = {}
+
+
+def idle_shard() -> CPShard:
+    """The shard of a rank with nothing to run: one stand-in token (label ``-100``)."""
+    cu = np.array([0, 1], dtype=np.int64)
+    return CPShard(1, 0, None, cu, 1, torch.tensor([0, 1], dtype=torch.int32), 1)
