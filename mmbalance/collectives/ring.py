@@ -8,7 +8,14 @@ causal masks from absolute positions, so any shard pair is one launch) and merge
 ``(out, lse)`` into a running float32 result (``merge_attention_states``). The exchange for step
 ``i + 1`` is posted (``batch_isend_irecv``) before step ``i``'s block runs and waited after it, so
 communication overlaps computation. Steps whose keys no query can see (later shards under a causal
-mask, contiguous layout) are skipped; steps whose keys every query sees run without a mask.
+mask, contiguous layout; shards a sliding window cannot reach) are skipped; steps whose keys every
+query sees run without a mask.
+
+The block ops' features run in the ring as on whole sequences: a sliding window (in positions, so
+a shard's two zigzag runs are windowed by where they sit in their sequence), logit softcapping, and
+attention sinks, which join the softmax denominator once per query (in the first block a rank
+computes, which covers all its queries; every later block merges into that state) and get their
+gradient from the merged output (``sinks_backward``).
 
 Backward recomputes each block from the merged ``lse`` (``attention_block_bwd``) and circulates
 float32 ``dk``/``dv`` accumulators with the key/value shards: at step ``i`` rank ``r`` adds its
@@ -36,7 +43,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmbalance.pyops.attention_ops import attention_block, attention_block_backward, merge_attention_states
+from mmbalance.pyops.attention_checks import check_host_features
+from mmbalance.pyops.attention_ops import (
+    attention_block,
+    attention_block_backward,
+    merge_attention_states,
+    sinks_backward,
+)
 
 from .agreement import Entry
 from .group import world_of
@@ -140,6 +153,9 @@ class _Ring:
     runs: torch.Tensor  # [d, B, 3] int32: position runs of every rank
     next_peer: int = 0
     prev_peer: int = 0
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
 
     @property
     def degree(self) -> int:
@@ -149,17 +165,26 @@ class _Ring:
         """The rank whose keys/values this rank holds at ``step``."""
         return (self.rank - step) % self.degree
 
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
     def mask(self, src: int) -> str:
-        return self.plan.visibility(self.rank, src) if self.causal else "full"
+        if not (self.causal or self.windowed):
+            return "full"
+        return self.plan.visibility(
+            self.rank, src, causal=self.causal, window_left=self.window_left, window_right=self.window_right
+        )
 
     def block_args(self, src: int, mask: str) -> dict:
-        causal = mask == "partial"
+        masked = mask == "partial"
+        window = dict(window_left=self.window_left, window_right=self.window_right) if masked else {}
         return dict(
             cu_seqlens_q=self.cu[self.rank], cu_seqlens_k=self.cu[src],
             max_seqlen_q=self.plan.max_seqlen[self.rank], max_seqlen_k=self.plan.max_seqlen[src],
-            softmax_scale=self.softmax_scale, causal=causal,
-            q_runs=self.runs[self.rank] if causal else None, k_runs=self.runs[src] if causal else None,
-            backend=self.backend,
+            softmax_scale=self.softmax_scale, causal=self.causal and masked,
+            q_runs=self.runs[self.rank] if masked else None, k_runs=self.runs[src] if masked else None,
+            backend=self.backend, softcap=self.softcap, **window,
         )  # fmt: skip
 
     def exchange(
@@ -195,8 +220,8 @@ def _wait(reqs) -> None:
 
 
 def ring_forward(ring: _Ring, q, k, v, *, compute: bool = True, communicate: bool = True, kv_blocks=None,
-                 stats: dict | None = None):  # fmt: skip
-    """The forward ring loop; returns the merged float32 ``(out, lse)``.
+                 stats: dict | None = None, sinks=None):  # fmt: skip
+    """The forward ring loop; returns the merged float32 ``(out, lse)`` (``sinks`` included).
 
     ``compute=False`` only circulates k/v and ``communicate=False`` only computes, on the shards
     given in ``kv_blocks[src] = (k, v)``: the benchmark times the two parts apart to report how
@@ -220,7 +245,11 @@ def ring_forward(ring: _Ring, q, k, v, *, compute: bool = True, communicate: boo
         mask = ring.mask(src)
         if compute and mask != "none" and tokens[ring.rank] and tokens[src]:
             kb, vb = (k_cur, v_cur) if communicate else kv_blocks[src]
-            block_out, block_lse = attention_block(q, kb, vb, **ring.block_args(src, mask), out_dtype=acc)
+            # the first block covers every query of this rank: the sinks join each row once there
+            extra = {"sinks": sinks} if first and sinks is not None else {}
+            block_out, block_lse = attention_block(
+                q, kb, vb, **ring.block_args(src, mask), out_dtype=acc, **extra
+            )
             if first:
                 out, lse, first = block_out, block_lse, False
             else:
@@ -237,6 +266,8 @@ def ring_forward(ring: _Ring, q, k, v, *, compute: bool = True, communicate: boo
             stats["wait_s"] = stats.get("wait_s", 0.0) + time.perf_counter() - t0
         if communicate and step + 1 < ring.degree:
             k_cur, v_cur = k_next, v_next
+    if first and compute and sinks is not None:  # no block ran: no key reached any query here
+        out, lse = _sinks_only(q, lse, sinks)
     return out, lse
 
 
@@ -293,12 +324,21 @@ def ring_backward(ring: _Ring, dout, q, k, v, out, lse, dlse=None):
     return dq, dk_acc, dv_acc
 
 
+def _sinks_only(q, lse, sinks):
+    """``(out, lse)`` of queries that saw no key: ``out = 0``, ``lse = sinks[h]``."""
+    acc = lse.dtype
+    return torch.zeros(q.shape, dtype=acc, device=q.device), sinks.to(acc)[:, None].expand_as(
+        lse
+    ).contiguous()
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, anchor, ring: _Ring):
-        out32, lse = ring_forward(ring, q, k, v)
+    def forward(ctx, q, k, v, sinks, anchor, ring: _Ring):
+        sinks = sinks if sinks.numel() else None
+        out32, lse = ring_forward(ring, q, k, v, sinks=sinks)
         out = out32.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring = ring
         ctx.set_materialize_grads(False)
         return out, lse
@@ -307,19 +347,36 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         # Runs on every rank whenever any rank needs a gradient (the anchor makes every rank's
         # output require grad then), so the ring's backward exchanges always pair up.
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(q)
         dout = dout.to(q.dtype).contiguous()
         dlse = None if dlse is None else dlse.contiguous()
         dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, dlse)
         need = ctx.needs_input_grad
+        d_sinks = None
+        if sinks is not None and need[3]:
+            d_sinks = sinks_backward(sinks, out, lse, dout, dlse)
         return (dq.to(q.dtype) if need[0] else None, dk.to(k.dtype) if need[1] else None,
-                dv.to(v.dtype) if need[2] else None, None, None)  # fmt: skip
+                dv.to(v.dtype) if need[2] else None, d_sinks, None, None)  # fmt: skip
 
 
 def make_ring(
-    q, k, v, cu_seqlens, *, causal, softmax_scale, group, layout, backend, rank=None, degree=None
+    q,
+    k,
+    v,
+    cu_seqlens,
+    *,
+    causal,
+    softmax_scale,
+    group,
+    layout,
+    backend,
+    rank=None,
+    degree=None,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> _Ring:
     """Validate the ring inputs and build the per-call state (shared with the benchmark).
 
@@ -338,6 +395,7 @@ def make_ring(
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")  # fmt: skip
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    softcap = check_host_features(window_left, window_right, softcap)
     emulated = rank is not None
     rank, degree = _group_rank_size(group, rank, degree)
     plan = ring_plan(cu_seqlens, degree, layout)
@@ -350,7 +408,8 @@ def make_ring(
         softmax_scale = q.shape[-1] ** -0.5
     cu = torch.from_numpy(np.stack([plan.local_cu_seqlens(s) for s in range(degree)])).to(q.device)
     runs = torch.from_numpy(np.ascontiguousarray(plan.runs)).to(q.device)
-    ring = _Ring(plan, rank, group, bool(causal), float(softmax_scale), backend, cu, runs)
+    ring = _Ring(plan, rank, group, bool(causal), float(softmax_scale), backend, cu, runs,
+                 window_left=int(window_left), window_right=int(window_right), softcap=softcap)  # fmt: skip
     if degree > 1 and not emulated:
         ring.next_peer = (
             dist.get_global_rank(group, (rank + 1) % degree) if group is not None else (rank + 1) % degree
@@ -373,6 +432,10 @@ def ring_attention(
     layout: str = "zigzag",
     backend: str = "auto",
     return_lse: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over sequences sharded across the CP group ``group`` (ring attention).
 
@@ -388,11 +451,19 @@ def ring_attention(
         backend: block-op backend (``pyops/attention_ops.py``): ``"auto"``, ``"triton"``,
             ``"flash_attn"`` or ``"reference"``.
         return_lse: also return the LSE ``[H, T_r]`` float32 (differentiable).
+        window_left, window_right: a sliding window in global positions (the block ops' semantics:
+            key ``j`` allowed for query ``i`` only if ``pos_i - window_left <= pos_j <= pos_i +
+            window_right``, on top of ``causal``; ``-1``: unbounded). Key shards no window
+            reaches are skipped (no block call; on the kernels, no key tile outside it either).
+        softcap: logit softcapping (``softcap * tanh(scale * <q, k> / softcap)``; ``0``: off).
+        sinks: per-head sink logits ``[H]`` (float, on q's device): each query's softmax
+            denominator includes ``exp(sinks[h])`` once (gpt-oss); rows without keys then get
+            ``lse = sinks[h]``. Differentiable.
 
     Returns:
         ``out [T_r, H, D]`` in q's dtype, the rank's shard of attention over the full sequences
         (merged in float32, rounded once); rows that see no key are 0. With ``return_lse``,
-        ``(out, lse)``. Differentiable in ``q``, ``k``, ``v``.
+        ``(out, lse)``. Differentiable in ``q``, ``k``, ``v`` (and ``sinks``).
 
     Raises ValueError/TypeError naming the argument for bad shapes, layout or a shard size that
     does not match ``cu_seqlens``. Every rank of the group must make the same call.
@@ -402,7 +473,17 @@ def ring_attention(
         e.values = [0, 0]
         e.like = q if isinstance(q, torch.Tensor) else None
         ring = make_ring(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale, group=group,
-                         layout=layout, backend=backend)  # fmt: skip
+                         layout=layout, backend=backend, window_left=window_left, window_right=window_right,
+                         softcap=softcap)  # fmt: skip
+        if sinks is not None:
+            if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+                raise TypeError(
+                    f"sinks must be a floating torch.Tensor [H] or None, got {type(sinks).__name__}"
+                )
+            if tuple(sinks.shape) != (q.shape[1],) or sinks.device != q.device:
+                raise ValueError(
+                    f"sinks must have shape ({q.shape[1]},) on {q.device}, got {tuple(sinks.shape)} on {sinks.device}"
+                )
         e.fields = {
             "cu_seqlens": _lengths_key(ring.plan.lengths),
             "causal": ring.causal,
@@ -413,14 +494,18 @@ def ring_attention(
             "v": (v.dtype, tuple(v.shape[1:])),
             "backend": backend,
             "device": q.device.type,
+            "window": (ring.window_left, ring.window_right),
+            "softcap": ring.softcap,
+            "sinks": None if sinks is None else sinks.dtype,
         }
         e.values = [
-            sum(1 << j for j, t in enumerate((q, k, v)) if t.requires_grad),
+            sum(1 << j for j, t in enumerate((q, k, v, sinks)) if t is not None and t.requires_grad),
             int(torch.is_grad_enabled()),
         ]
     needed = e.grad_bits(e.agree(), 0)
     anchor = torch.empty(0, device=q.device, requires_grad=bool(needed))
-    out, lse = _RingAttention.apply(q, k, v, anchor, ring)
+    sinks_in = sinks if sinks is not None else torch.empty(0, device=q.device)
+    out, lse = _RingAttention.apply(q, k, v, sinks_in, anchor, ring)
     return (out, lse) if return_lse else out
 
 

@@ -78,34 +78,44 @@ class RingPlan:
         inverse[order] = np.arange(order.size)
         return inverse
 
-    def visibility(self, q_rank: int, k_rank: int) -> str:
-        """Causal relation of ``q_rank``'s queries to ``k_rank``'s keys over all sequences.
+    def visibility(self, q_rank: int, k_rank: int, *, causal: bool = True, window_left: int = -1,
+                   window_right: int = -1) -> str:  # fmt: skip
+        """Mask relation of ``q_rank``'s queries to ``k_rank``'s keys over all sequences.
 
-        ``"none"``: no query sees any key (the ring step can be skipped); ``"full"``: every query
-        sees every key of its sequence (no mask needed); ``"partial"``: a mask is needed.
+        Key ``j`` is allowed for query ``i`` of one sequence when ``pos_j <= pos_i`` (``causal``),
+        ``pos_j >= pos_i - window_left`` and ``pos_j <= pos_i + window_right`` (``-1``: unbounded).
+        ``"none"``: no query sees any key (the ring step can be skipped: a window far behind the
+        queries, or later keys under a causal mask); ``"full"``: every query sees every key of its
+        sequence (no mask needed); ``"partial"``: a mask is needed.
         """
-        q_len, k_len = self.local_lengths[q_rank], self.local_lengths[k_rank]
-        both = (q_len > 0) & (k_len > 0)
-        if not both.any():
+        lo = -np.inf if window_left < 0 else -float(window_left)  # allowed pos_j - pos_i
+        hi = np.inf if window_right < 0 else float(window_right)
+        if causal:
+            hi = min(hi, 0.0)
+        seen = masked = valid_any = False
+        for qa, qb in _chunks(self.runs[q_rank], self.local_lengths[q_rank]):
+            for ka, kb in _chunks(self.runs[k_rank], self.local_lengths[k_rank]):
+                valid = (qb > qa) & (kb > ka)
+                if not valid.any():
+                    continue
+                valid_any = True
+                # pos_j - pos_i over the pair of runs spans [ka - (qb - 1), (kb - 1) - qa]
+                dmin, dmax = (ka - (qb - 1))[valid], ((kb - 1) - qa)[valid]
+                seen = seen or bool(((dmax >= lo) & (dmin <= hi)).any())
+                masked = masked or not bool(((dmin >= lo) & (dmax <= hi)).all())
+        if not valid_any or not seen:
             return "none"
-        q_first, q_last = _first_last(self.runs[q_rank], q_len)
-        k_first, k_last = _first_last(self.runs[k_rank], k_len)
-        if not (k_first <= q_last)[both].any():
-            return "none"
-        if (k_last <= q_first)[both].all():
-            return "full"
-        return "partial"
+        return "partial" if masked else "full"
 
 
-def _first_last(runs: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _chunks(runs: np.ndarray, length: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """The position intervals ``[start, end)`` of a rank's two runs of every sequence."""
     start0, len0, start1 = (
         runs[:, 0].astype(np.int64),
         runs[:, 1].astype(np.int64),
         runs[:, 2].astype(np.int64),
     )
-    first = np.where(len0 > 0, start0, start1)
-    last = np.where(length > len0, start1 + (length - len0) - 1, start0 + len0 - 1)
-    return first, last
+    return (start0, start0 + len0), (start1, start1 + (length.astype(np.int64) - len0))
 
 
 def host_lengths(cu_seqlens) -> np.ndarray:

@@ -19,11 +19,22 @@ from tests.dist_utils import run_distributed
 from tests.tolerances import tol
 
 CASES = {
-    f"{layout}-{'causal' if causal else 'full'}-{dt}": (layout, causal, dt)
+    f"{layout}-{'causal' if causal else 'full'}-{dt}": (layout, causal, dt, {})
     for layout in ("zigzag", "contiguous")
     for causal in (True, False)
     for dt in ("f64", "f32")
 }
+# the block ops' features inside the ring: windows that skip shards, softcap, sinks (once per query)
+CASES.update({
+    "zigzag-causal-f64-window3": ("zigzag", True, "f64", {"window_left": 3}),
+    "zigzag-causal-f64-window11": ("zigzag", True, "f64", {"window_left": 11}),
+    "contiguous-causal-f64-window5": ("contiguous", True, "f64", {"window_left": 5}),
+    "zigzag-full-f64-window2-3": ("zigzag", False, "f64", {"window_left": 2, "window_right": 3}),
+    "zigzag-causal-f64-softcap": ("zigzag", True, "f64", {"softcap": 0.8}),
+    "zigzag-causal-f64-sinks": ("zigzag", True, "f64", {"sinks": True}),
+    "contiguous-causal-f64-sinks": ("contiguous", True, "f64", {"sinks": True}),
+    "zigzag-causal-f32-window-softcap-sinks": ("zigzag", True, "f32", {"window_left": 6, "softcap": 1.5, "sinks": True}),
+})  # fmt: skip
 
 
 def _lengths(world: int, seed: int) -> list[int]:
@@ -34,32 +45,44 @@ def _lengths(world: int, seed: int) -> list[int]:
 
 def _ring_worker(rank, world, cases, lengths):
     import torch
+    import torch.distributed as dist
 
     from mmbalance.collectives import cp_shard, cp_unshard, ring_attention
-    from tests.pyops.attention_expected import attention_f64
+    from tests.pyops.attention_dense import dense_attention
 
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     total = int(cu[-1])
     results = {}
-    for seed, (name, (layout, causal, dt)) in enumerate(cases.items()):
+    for seed, (name, (layout, causal, dt, feats)) in enumerate(cases.items()):
         dtype = torch.float64 if dt == "f64" else torch.float32
         g = torch.Generator().manual_seed(seed)  # the same tensors on every rank
         q, k, v, dout = (torch.randn(total, h, 8, generator=g, dtype=dtype) for h in (4, 2, 2, 4))
+        kw = {key: val for key, val in feats.items() if key != "sinks"}
+        sinks = torch.randn(4, generator=g, dtype=dtype).requires_grad_() if feats.get("sinks") else None
         shards = [cp_shard(t, cu, layout=layout).requires_grad_() for t in (q, k, v)]
         out_l, lse_l = ring_attention(
-            *shards, cu, causal=causal, layout=layout, softmax_scale=0.3, return_lse=True
+            *shards, cu, causal=causal, layout=layout, softmax_scale=0.3, return_lse=True, sinks=sinks, **kw
         )
         (out_l * cp_shard(dout, cu, layout=layout)).sum().backward()
         out = cp_unshard(out_l.detach(), cu, layout=layout)
         leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        ref_out, ref_lse = attention_f64(*leaves, cu, cu, 0.3, causal)
-        grads = torch.autograd.grad((ref_out * dout.double()).sum(), leaves)
+        ref_sinks = sinks.detach().double().requires_grad_() if sinks is not None else None
+        ref_out, ref_lse = dense_attention(*leaves, cu, cu, 0.3, causal=causal, sinks=ref_sinks, **kw)
+        grads = torch.autograd.grad(
+            (ref_out * dout.double()).sum(), leaves + ([ref_sinks] if ref_sinks is not None else [])
+        )
+        sink_error = 0.0
+        if sinks is not None:  # each rank's gradient covers its own queries: summed, the whole
+            d_sinks = sinks.grad.double().clone()
+            dist.all_reduce(d_sinks)
+            sink_error = (d_sinks - grads[3]).abs().max().item()
         lse_ref = cp_shard(ref_lse.T, cu, layout=layout).T
         finite = torch.isfinite(lse_ref)
         results[name] = {
             "out": (out.double() - ref_out).abs().max().item() if total else 0.0,
             "lse": (lse_l.double()[finite] - lse_ref[finite]).abs().max().item() if finite.any() else 0.0,
             "lse_inf_agree": bool(torch.equal(torch.isinf(lse_l), torch.isinf(lse_ref))),
+            "dsinks": sink_error,
             **{
                 f"d{n}": (t.grad.double() - cp_shard(ref, cu, layout=layout)).abs().max().item()
                 if t.numel()
@@ -100,7 +123,7 @@ def test_ring_matches_unsharded_attention(ring_results, case):
     for rank, results in enumerate(per_rank):
         errors = results[case]
         assert errors["lse_inf_agree"], f"rank {rank}: rows without keys must have lse = -inf"
-        for key in ("out", "lse", "dq", "dk", "dv"):
+        for key in ("out", "lse", "dq", "dk", "dv", "dsinks"):
             assert errors[key] <= atol, f"rank {rank} of {world}: {key} error {errors[key]:.3e} > {atol:.1e}"
 
 
@@ -141,6 +164,50 @@ def test_zigzag_balances_causal_work():
 
     assert imbalance("zigzag") <= 1.01
     assert imbalance("contiguous") >= 1.5
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_visibility_matches_the_positions(seed):
+    """The mask relation of every rank pair, windows included, against every (query, key) pair of
+    every sequence written out from the positions."""
+    rng = np.random.default_rng(seed)
+    degree = int(rng.integers(1, 5))
+    layout = ("zigzag", "contiguous")[seed % 2]
+    lengths = rng.integers(0, 30, size=int(rng.integers(1, 4)))
+    causal = bool(rng.integers(0, 4))  # mostly causal, as context parallelism runs it
+    wl = int(rng.choice([-1, 0, 1, 3, 9, 40]))
+    wr = -1 if causal else int(rng.choice([-1, 0, 2, 7]))
+    plan = ring_plan(np.concatenate([[0], np.cumsum(lengths)]), degree, layout)
+    for r in range(degree):
+        for s in range(degree):
+            qs, ks = plan.local_cu_seqlens(r), plan.local_cu_seqlens(s)
+            qp, kp = plan.positions(r), plan.positions(s)
+            pairs = []
+            for b in range(lengths.size):
+                a = qp[qs[b] : qs[b + 1]][:, None]
+                c = kp[ks[b] : ks[b + 1]][None, :]
+                ok = np.ones((a.size, c.size), dtype=bool)
+                if causal:
+                    ok &= c <= a
+                if wl >= 0:
+                    ok &= c >= a - wl
+                if wr >= 0:
+                    ok &= c <= a + wr
+                pairs.append(ok.reshape(-1))
+            ok = np.concatenate(pairs) if pairs else np.zeros(0, dtype=bool)
+            want = "none" if not ok.any() else ("full" if ok.all() else "partial")
+            got = plan.visibility(r, s, causal=causal, window_left=wl, window_right=wr)
+            assert got == want, (r, s, degree, layout, lengths.tolist(), causal, wl, wr)
+
+
+def test_a_window_skips_the_shards_it_cannot_reach():
+    """8 ranks of one 4096-token sequence (zigzag chunks of 256): a window of 100 reaches only a
+    rank's own chunks and their left neighbours, 22 of the 64 rank pairs; causal alone needs 64."""
+    plan = ring_plan([0, 4096], 8, "zigzag")
+    run = lambda **kw: sum(plan.visibility(r, s, **kw) != "none" for r in range(8) for s in range(8))
+    assert run() == 64
+    assert run(window_left=99) == 8 + 7 * 2
+    assert all(plan.visibility(r, r, window_left=99) == "partial" for r in range(8))
 
 
 def test_visibility_skips_and_unmasks_steps():

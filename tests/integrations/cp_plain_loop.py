@@ -5,7 +5,8 @@ Every rank draws its own examples; ``handle.shard`` post-balances them into CP g
 every parameter gradient, summed over ranks, must equal a one-process reference (each sequence
 alone through the stock eager attention, token-loss sum over the global count).
 
-argv: one or more ``family:form:scenario`` runs: family llama | qwen2, batch form packed | padded,
+argv: one or more ``family:form:scenario`` runs: family llama | qwen2, or one with attention
+features (sliding windows, softcap, sinks: see :func:`tiny_model`), batch form packed | padded,
 scenario long (one sequence over 2x the budget) | mixed (a schedule of degrees 3 and 1, forced by a
 cost with an expensive ring; the model wrapped in DDP, which averages the gradients) | fsdp2 (the
 data of long, the model under FSDP2: every decoder layer and the root ``fully_shard``-ed) | ckpt (the
@@ -39,14 +40,41 @@ VOCAB = 96
 
 
 def tiny_model(attn: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """The run's tiny model. Families with attention features: mistral16 (a window of 16 on every
+    layer, shorter than the zigzag chunks of the long sequence), mistral (its default window of
+    4096: plain causal attention here), gemma2 (window 16 on alternate layers, logit softcap 2),
+    gemma3 (a local layer of window 16 and a global one), gptoss (window 16 on alternate layers and
+    a sink per head), qwen2sw (Qwen2's use_sliding_window on its upper layer)."""
+    import transformers as tf
 
-    cls, cfg_cls = (LlamaForCausalLM, LlamaConfig) if FAMILY == "llama" else (Qwen2ForCausalLM, Qwen2Config)
-    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   pad_token_id=0, tie_word_embeddings=False)  # fmt: skip
+    families = {
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig, {}),
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config, {}),
+        "qwen2sw": (tf.Qwen2ForCausalLM, tf.Qwen2Config,
+                    {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
+        "mistral16": (tf.MistralForCausalLM, tf.MistralConfig, {"sliding_window": 16}),
+        "mistral": (tf.MistralForCausalLM, tf.MistralConfig, {}),
+        "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config,
+                   {"head_dim": 8, "sliding_window": 16, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 8}),
+        "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig,
+                   {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 8,
+                    "layer_types": ["sliding_attention", "full_attention"]}),
+        "gptoss": (tf.GptOssForCausalLM, tf.GptOssConfig,
+                   {"head_dim": 8, "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    }  # fmt: skip
+    cls, cfg_cls, extra = families[FAMILY]
+    cfg = cfg_cls(**common, **extra)
     torch.manual_seed(0)
-    return cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    model = cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    if FAMILY == "gptoss":  # sinks far from zero, so a sink counted twice or never would show
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, layer.self_attn.sinks.numel()))
+    return model
 
 
 def examples(world: int) -> list[list[dict]]:

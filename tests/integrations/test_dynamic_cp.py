@@ -49,6 +49,26 @@ def test_plain_loop_matches_one_process_reference_on_4_ranks():
         assert g["largest_shard"] <= 64 and g["loss_rel"] <= 1e-5 and g["grad_rel"] <= 1e-5, g
 
 
+FEATURE_RUNS = ["mistral16:packed:long", "mistral:padded:long", "gemma2:packed:long", "gemma3:padded:long",
+                "gptoss:packed:long", "qwen2sw:padded:long"]  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_windows_softcap_and_sinks_match_the_reference_on_4_ranks():
+    """Every attention feature under the ring, each run with one sequence split over 3 ranks:
+    Mistral with a window of 16 (shorter than the zigzag chunks, so the ring skips key shards) and
+    with its default window (4096: plain causal attention), Gemma 2 (window on alternate layers and
+    logit softcap), Gemma 3 (a local and a global layer), gpt-oss (window and a sink per head) and
+    Qwen2's use_sliding_window; loss and summed gradients against every sequence alone through the
+    stock eager attention."""
+    out = launch(SCRIPT, *FEATURE_RUNS, nproc=4, timeout=600)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["run"] for x in lines] == FEATURE_RUNS, out[-3000:]
+    for x in lines:
+        assert max(x["degrees"]) >= 3 and x["largest_shard"] <= 64, x
+        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5, x
+
+
 @pytest.mark.distributed
 def test_compiled_model_matches_the_reference_and_compiles_once():
     """``torch.compile`` (aot_eager) of a model whose shard splits a sequence over 2 ranks: loss and
@@ -214,7 +234,6 @@ def test_apply_refuses_bad_arguments_by_name():
 @pytest.mark.parametrize(
     ("extra", "call", "feature"),
     [
-        ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, {}, "sliding-window"),
         ({}, {"attention_mask": torch.tensor([[1] * 10 + [0] * 2])}, "padding masks"),
         ({}, {"cu_seq_lens_q": torch.tensor([0, 12], dtype=torch.int32)}, "cu_seq_lens"),
     ],
@@ -229,7 +248,7 @@ def test_features_the_ring_cannot_run_are_refused_by_name(extra, call, feature):
     handle.remove()
 
 
-def test_refusals_name_softcap_sinks_chunks_and_blocks():
+def test_refusals_name_chunks_blocks_and_cross_attention():
     from mmbalance.integrations.hf.attention import VarlenMask
     from mmbalance.integrations.hf.cp.attention import refusal
 
@@ -237,8 +256,13 @@ def test_refusals_name_softcap_sinks_chunks_and_blocks():
         is_causal = True
         config = None
 
-    for kwargs, word in (({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(4)}, "sinks")):
-        assert word in str(refusal(Layer(), None, kwargs))
+    # windows, softcap and sinks run under the ring
+    assert refusal(Layer(), None, {"sliding_window": 4, "softcap": 30.0, "s_aux": torch.zeros(4)}) is None
+    windowed = VarlenMask(batch_size=1, q_length=4, kv_length=4, causal=True)
+    windowed.window = (3, -1)
+    assert refusal(Layer(), windowed, {"sliding_window": 4}) is None
+    windowed.window = (3, 3)
+    assert "two-sided" in str(refusal(Layer(), windowed, {}))
     chunked = type("C", (), {"is_causal": True, "config": type("Cfg", (), {"attention_chunk_size": 8})()})()
     assert "chunked" in str(refusal(chunked, None, {}))
     blocks = VarlenMask(batch_size=1, q_length=4, kv_length=4, causal=True)
@@ -247,3 +271,50 @@ def test_refusals_name_softcap_sinks_chunks_and_blocks():
     assert "block masks" in str(refusal(Layer(), torch.ones(1, 1, 4, 4), {}))
     cross = type("X", (), {"is_causal": False, "config": None})()
     assert "cross-attention" in str(refusal(cross, None, {}))
+
+
+@pytest.mark.parametrize(
+    ("extra", "word"),
+    [({"attention_chunk_size": 8}, "chunked"), ({"use_bidirectional_attention": True}, "bidirectional")],
+    ids=["chunked", "bidirectional"],
+)
+def test_what_the_ring_cannot_run_is_refused_when_applied(extra, word):
+    """Refused by the model's config when the handle is made, before any token moves (not at the
+    first forward)."""
+    with pytest.raises(ValueError, match=word):
+        apply_dynamic_cp(_tiny(**extra), max_tokens_per_rank=64)
+
+
+@pytest.mark.parametrize("window", [3, 8, 40], ids=["w3", "w8", "w40-covers"])
+def test_one_process_window_softcap_and_sinks_match_the_stock_model(window):
+    """One process (degree 1): Qwen2's sliding window on both layers, and the window, softcap and
+    sinks of the block op, against every sequence alone through the stock eager attention."""
+    extra = {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0}
+    model, ref = _tiny(**extra), _tiny("eager", **extra)
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=64)
+    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(window))
+    pos = torch.tensor([list(range(20)) + list(range(10))])
+    inputs = handle.shard({"input_ids": ids, "position_ids": pos, "labels": ids})
+    loss = model(**inputs).loss
+    n = inputs["num_items_in_batch"]
+    want = sum(
+        ref(input_ids=ids[:, a:b], labels=ids[:, a:b], num_items_in_batch=n).loss
+        for a, b in ((0, 20), (20, 30))
+    )
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    handle.remove()
+
+
+def test_the_window_of_a_call_and_of_its_mask_must_agree():
+    from mmbalance.integrations.hf.attention import VarlenMask
+    from mmbalance.integrations.hf.cp.attention import features
+
+    mask = VarlenMask(batch_size=1, q_length=4, kv_length=4, causal=True)
+    mask.window = (7, -1)
+    assert features(mask, {"sliding_window": 8}, 4, 100) == {"window_left": 7}
+    assert features(mask, {}, 4, 100) == {"window_left": 7}
+    assert features(None, {"sliding_window": 8}, 4, 8) == {}  # covers every sequence: plain causal
+    with pytest.raises(ValueError, match="sliding_window=5"):
+        features(mask, {"sliding_window": 5}, 4, 100)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        features(None, {"s_aux": torch.zeros(3)}, 4, 100)

@@ -34,6 +34,7 @@ from .cp import (
     cost_model_of,
     install_media_hook,
     make_handle,
+    model_refusal,
     pad_id,
     vlm_family,
 )
@@ -240,6 +241,9 @@ def _warn_tokens(trainer) -> int:
 
 def _check_cp_model(trainer) -> None:
     vlm_family(trainer.model)  # a multimodal model the sharding does not support is refused by name
+    why = model_refusal(trainer.model)
+    if why is not None:
+        raise ValueError(f"trainer.model: dynamic context parallelism does not run {why}")
 
     impl = getattr(getattr(trainer.model, "config", None), "_attn_implementation", None)
     if impl != ATTENTION_NAME:

@@ -10,11 +10,17 @@ down to every attention call, so ``mmbalance_varlen`` finds the shard there and 
   layout) over the CP group of the shard: every sequence of the group is split over the group's
   ranks, and every rank of the group calls attention with the same layers in the same order.
 
-What the ring cannot run yet is refused by name (:func:`refusal`).
+Both run what the layer asks for on top of the causal mask: a sliding window (``sliding_window``
+or the mask's own window, per layer as Gemma 2/3 and gpt-oss mix them; the ring skips the shards
+a window cannot reach, and a window at least as long as every sequence of the step is plain causal
+attention), logit softcapping (``softcap``, Gemma 2) and attention sinks (``s_aux``, gpt-oss; once
+per query). What cannot run is refused by name: by the model's config when the handle is made
+(:func:`model_refusal`), and per call as a backstop (:func:`refusal`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,27 +28,34 @@ from mmbalance.collectives.ring import ring_attention
 from mmbalance.pyops.attention_ops import attention_block
 
 from ..attention import ATTENTION_NAME, VarlenMask, outside_graph, register_shard_attention
+from .inputs import text_config
 from .shard import MEDIA_KEYWORD, CPShard
 
-__all__ = ["cp_attention", "refusal"]
+__all__ = ["cp_attention", "model_refusal", "refusal"]
 
 
 def _not_run(feature: str) -> NotImplementedError:
     return NotImplementedError(
-        f"{ATTENTION_NAME} does not run {feature} under dynamic context parallelism (apply_dynamic_cp) yet"
+        f"{ATTENTION_NAME} does not run {feature} under dynamic context parallelism (apply_dynamic_cp)"
     )
+
+
+def model_refusal(model) -> str | None:
+    """What of ``model``'s attention (its text config) dynamic context parallelism cannot run, or
+    ``None``: read before anything moves, so every rank refuses alike at ``apply_dynamic_cp`` (and
+    ``balance_trainer``) instead of at the first forward."""
+    config = text_config(model)
+    if getattr(config, "attention_chunk_size", None):
+        return f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (use_bidirectional_attention=True)"
+    if getattr(config, "is_causal", True) is False:
+        return "bidirectional attention (config.is_causal=False)"
+    return None
 
 
 def refusal(module, attention_mask, kwargs: dict) -> NotImplementedError | None:
     """The error for a feature of this call that the ring cannot run, or ``None``."""
-    sliding = kwargs.get("sliding_window")
-    if sliding is not None and sliding > 0:
-        return _not_run(f"sliding-window attention (sliding_window={sliding})")
-    softcap = kwargs.get("softcap")
-    if softcap is not None and softcap > 0:
-        return _not_run(f"logit softcapping (softcap={softcap})")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        return _not_run("attention sinks (s_aux)")
     config = getattr(module, "config", None)
     if getattr(config, "attention_chunk_size", None):
         return _not_run("chunked attention (attention_chunk_size)")
@@ -53,8 +66,8 @@ def refusal(module, attention_mask, kwargs: dict) -> NotImplementedError | None:
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         return _not_run("explicit cu_seq_lens_q/k (the shard defines the sequences)")
     if isinstance(attention_mask, VarlenMask):
-        if attention_mask.window is not None:
-            return _not_run("sliding-window attention (a sliding-window mask)")
+        if attention_mask.window is not None and attention_mask.window[1] >= 0:
+            return _not_run(f"a two-sided sliding window (the mask's window {attention_mask.window})")
         if attention_mask.chunk is not None:
             return _not_run("chunked attention (a chunked mask)")
         if attention_mask.blocks is not None:
@@ -71,6 +84,42 @@ def refusal(module, attention_mask, kwargs: dict) -> NotImplementedError | None:
     elif attention_mask is not None:
         return _not_run(f"{type(attention_mask).__name__} attention masks (block masks)")
     return None
+
+
+def features(attention_mask, kwargs: dict, h: int, longest: int) -> dict:
+    """The block ops' feature keywords of a call: ``window_left`` (``sliding_window - 1``, from the
+    call or its mask; left out when the window covers every sequence: plain causal), ``softcap``
+    and ``sinks``. Raises ValueError when the call and its mask disagree on the window or the
+    sinks do not have one logit per query head."""
+    out: dict = {}
+    sliding = kwargs.get("sliding_window")
+    left = None
+    if sliding is not None and sliding > 0:
+        left = int(sliding) - 1  # transformers: key j allowed iff i - j < sliding_window
+    mask_window = attention_mask.window if isinstance(attention_mask, VarlenMask) else None
+    if mask_window is not None:
+        if left is not None and left != mask_window[0]:
+            raise ValueError(
+                f"{ATTENTION_NAME}: the layer asks for sliding_window={sliding} but its mask has the window "
+                f"{mask_window[0] + 1}"
+            )
+        left = mask_window[0]
+    if left is not None and left < longest - 1:  # else every key of every sequence is in the window
+        out["window_left"] = left
+    softcap = kwargs.get("softcap")
+    if softcap is not None and softcap > 0:
+        out["softcap"] = float(softcap)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or tuple(sinks.shape) != (h,):
+            raise ValueError(
+                f"{ATTENTION_NAME}: s_aux must be one logit per query head ({h}), got "
+                f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__}"
+            )
+        out["sinks"] = sinks
+    return out
 
 
 def _cast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -121,18 +170,22 @@ def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     if width != dv:
         v = torch.nn.functional.pad(v, (0, width - dv))
     scale = float(scaling) if scaling is not None else d**-0.5
+    longest = int(np.diff(shard.cu_seqlens).max(initial=0))
+    extra = features(attention_mask, kwargs, h, longest)
+    if "sinks" in extra:
+        extra["sinks"] = extra["sinks"].to(q.device)
     if shard.degree == 1:
         cu = shard.device_cu.get(q.device)
         if cu is None:
             assert shard.local_cu_seqlens is not None
             cu = shard.device_cu[q.device] = shard.local_cu_seqlens.to(q.device)
         out, _ = attention_block(
-            q, k, v, cu, cu, shard.max_seqlen, shard.max_seqlen, softmax_scale=scale, causal=True
+            q, k, v, cu, cu, shard.max_seqlen, shard.max_seqlen, softmax_scale=scale, causal=True, **extra
         )
     else:
         out = ring_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), shard.cu_seqlens, causal=True, softmax_scale=scale,
-            group=group, layout="zigzag",
+            group=group, layout="zigzag", **extra,
         )  # fmt: skip
     out = out.unsqueeze(0)
     if width != dv:

@@ -44,6 +44,7 @@ from mmbalance.collectives.teardown import release_at_exit
 
 from ..attention import ATTENTION_NAME
 from ..encoders import adapters_for
+from .attention import model_refusal
 from .families import vlm_family
 from .media import embed_streams, install_media_hook, remove_media_hook
 from .plan import cost_key, cost_model_of
@@ -197,9 +198,13 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
             feature rows sent straight to the shards of their placeholders).
             Any other multimodal model is refused by name. Under FSDP2 a multimodal model's
             shard leaves its encoders to the model's forward (where ``fully_shard`` gathers their
-            weights), with or without :func:`~mmbalance.integrations.hf.encoders.apply_encoder_balance` on it. What the
-            ring cannot run (sliding windows, softcap, sinks, chunked attention, block masks,
-            padding masks) raises ``NotImplementedError`` at the first forward.
+            weights), with or without
+            :func:`~mmbalance.integrations.hf.encoders.apply_encoder_balance` on it. Sliding
+            windows (per layer, as Gemma 2/3, Mistral, Qwen2 and gpt-oss set them), logit
+            softcapping and attention sinks run in the ring exactly as on whole sequences.
+            Chunked and bidirectional attention (the model's config) are refused here, by name;
+            what only a call can show (block masks, padding masks) raises
+            ``NotImplementedError`` at the first forward.
         max_tokens_per_rank: tokens one rank may hold in a forward (its LLM-phase activations;
             for a vision-language model the vision tokens count).
         cost: the planner's cost of a group of sequences on ``d`` ranks: ``"quadratic"`` (a dense
@@ -267,6 +272,9 @@ def make_handle(model, budget: int | None, cost, group, context_parallel: bool,
     """The handle behind :func:`apply_dynamic_cp` (``context_parallel=False``: degree 1
     everywhere, the streamed post-balancing of ``balance_trainer``; ``budget`` may be ``None``)."""
     family = vlm_family(model)
+    why = model_refusal(model)
+    if why is not None:
+        raise ValueError(f"model: dynamic context parallelism does not run {why}")
     costm = cost_model_of(model, cost)
     if family is not None and encoder_cost is not None and not isinstance(costm, CostModel):
         raise ValueError(
