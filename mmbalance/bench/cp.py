@@ -4,6 +4,7 @@
     python -m mmbalance.bench.cp [--quick | --full] [--json FILE] [--markdown FILE] [--plot FILE.png]
         [--ranks 8,64,512] [--budgets 8192,16384] [--datasets ...] [--steps N] [--fill 0.75]
         [--cost FILE] [--strict] [--real | --real-only] [--real-steps 8] [--real-budget 512]
+        [--window 4096] [--local-fraction 0.833]
 
 A step is one packed micro-batch of sequences drawn from a dataset until the next one would take
 it past ``fill`` (0.75) of the memory of all ranks (``ranks * memory_per_rank`` tokens). Datasets (:mod:`mmbalance.bench.cp_data`):
@@ -43,6 +44,11 @@ degrees it used. The run ends with the acceptance checks: ours at or below the b
 and both power-of-two hybrids at every step, at least 1.3x faster than the best static degree on
 long-tail data, plan time at most 5 ms at 512 ranks (``--strict``: exit 1 when one fails).
 
+On long-tail data a sliding-window model line follows (:mod:`mmbalance.bench.cp_window`; op
+``cp_window_step``; ``--window`` tokens, 4096 by default, on ``--local-fraction`` of the layers,
+Gemma 3's 5/6; ranks up to 64): static degrees against ours, with the ring skipping the key blocks
+no window reaches, and ours planned for full causal attention, all timed on the windowed model.
+
 ``--vlm`` runs vision-language data instead (long ActivityNet videos, a mixture with image
 documents): static CP degrees and NeMo-style pre-embedding against ours, with and without encoder
 balancing, modelled (:mod:`mmbalance.bench.cp_vlm`; op ``cp_vlm_step``).
@@ -66,7 +72,7 @@ import numpy as np
 
 from mmbalance.balancing import CostModel, cp_schedule
 
-from . import cp_schemes, cp_vlm
+from . import cp_schemes, cp_vlm, cp_window
 from .cp_data import DATASETS, FILL, epoch_longest, step_batches
 from .harness import Row, base_parser, device_name, ms_cell, ratio_plot, report
 
@@ -409,6 +415,14 @@ def main(argv=None) -> int:
     real.add_argument("--real-only", action="store_true", help="only the real steps")
     p.add_argument("--real-steps", type=int, default=8, help="measured steps per scheme of the real part")
     p.add_argument("--real-budget", type=int, default=512, help="tokens per rank in the real part")
+    p.add_argument(
+        "--window", type=int, default=cp_window.WINDOW,
+        help="the sliding-window model line's window in tokens (0: no such line); long-tail data, ranks <= 64",
+    )  # fmt: skip
+    p.add_argument(
+        "--local-fraction", type=float, default=cp_window.LOCAL_FRACTION,
+        help="the fraction of that model's layers that use the window (Gemma 3: 5/6; Mistral: 1)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     from .harness import check_output, require_matplotlib
 
@@ -439,6 +453,9 @@ def main(argv=None) -> int:
         cost = load_cost(args.cost)
     except (OSError, ValueError, TypeError) as exc:
         print(f"bench.cp: --cost {args.cost}: {exc}", file=sys.stderr)
+        return 2
+    if args.window < 0 or not 0.0 <= args.local_fraction <= 1.0:
+        print("bench.cp: --window must be >= 0 and --local-fraction in [0, 1]", file=sys.stderr)
         return 2
     if args.real_steps < 1 or args.real_budget < 1:
         print("bench.cp: --real-steps and --real-budget must be >= 1", file=sys.stderr)
@@ -488,6 +505,25 @@ def main(argv=None) -> int:
             "\n== summary: mean modelled step time (ms) per scheme; * the best static degree ==\n"
             + tables[-1]
         )
+        window_sets = [ds for ds in datasets if DATASETS[ds] > 0]
+        if args.window and window_sets:
+            model = cp_window.WindowModel(args.window, args.local_fraction)
+            print(f"\nsliding-window model: {model} (planned with the windowed cost) ...", flush=True)
+            window_results = []
+            for ds in window_sets:
+                for world in (w for w in ranks if w <= 64):
+                    for mem in budgets:
+                        res_w = cp_window.run_config(
+                            ds, world, mem, steps, cost, model, fill=args.fill, seed=args.seed
+                        )
+                        window_results.append(res_w)
+                        report(
+                            cp_window.rows_of(res_w),
+                            args.json,
+                            f"cp, {model}: {ds}, {world} ranks, {mem} tokens",
+                        )
+            tables.append(cp_window.summary_table(window_results))
+            print("\n== " + tables[-1])
         checks = acceptance(results)
         print("\n== acceptance ==")
         for what, ok, figures in checks:

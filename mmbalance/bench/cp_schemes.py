@@ -175,10 +175,13 @@ def static_cp(
     degree: int,
     cost: CostModel,
     encoder_seconds: np.ndarray | None = None,
+    squares=None,
 ) -> Schedule:
     """A fixed CP degree: ``world // degree`` groups balanced greedily (see the module docstring).
     ``encoder_seconds`` (per sequence): its media's encoder time, which a group's members share, so
-    the greedy balances ``cost`` plus ``encoder seconds / degree`` (``bench cp --vlm``)."""
+    the greedy balances ``cost`` plus ``encoder seconds / degree`` (``bench cp --vlm``).
+    ``squares``: each sequence's attention in ``l**2`` units (a sliding-window model's, ``bench cp``'s
+    window line), in place of ``l**2``."""
     name = f"static_cp{degree}"
     cap = degree * memory_per_rank
     if degree > world:
@@ -199,16 +202,19 @@ def static_cp(
         np.zeros(lengths.size) if encoder_seconds is None else np.asarray(encoder_seconds, dtype=np.float64)
     )
     group_of = np.empty(lengths.size, dtype=np.int64)
+    sq = (
+        lengths.astype(np.float64) ** 2 if squares is None else np.asarray(squares(lengths), dtype=np.float64)
+    )
     for i in _longest_first(lengths).tolist():
         l = int(lengths[i])
         room = tokens + l <= cap
         if not room.any():
             return Schedule(name, infeasible=f"its {g} groups of {cap} tokens cannot pack the step")
-        after = times_of(cost, s1 + l, s2 + float(l) * l, count + 1, deg) + (enc + extra[i]) / degree
+        after = times_of(cost, s1 + l, s2 + sq[i], count + 1, deg) + (enc + extra[i]) / degree
         k = int(np.argmin(np.where(room, after, np.inf)))
         enc[k] += extra[i]
         s1[k] += l
-        s2[k] += float(l) * l
+        s2[k] += sq[i]
         tokens[k] += l
         count[k] += 1
         group_of[i] = k

@@ -12,7 +12,7 @@ import pytest
 
 from mmbalance import cli
 from mmbalance.balancing import CostModel
-from mmbalance.bench import cp, cp_data, cp_schemes
+from mmbalance.bench import cp, cp_data, cp_schemes, cp_window
 
 COST = CostModel.transformer()
 OTHER = CostModel(linear=1.0, attention=2e-4, ring=0.2, ring_latency=50.0, fixed=10.0, mask="full")
@@ -214,9 +214,13 @@ def test_quick_run_through_the_command_line(tmp_path, capsys):
     table = tmp_path / "cp.md"
     assert cli.main(["bench", "cp", "--quick", "--json", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    window = [r for r in rows if r["op"] == "cp_window_step"]  # the sliding-window model line
+    rows = [r for r in rows if r["op"] != "cp_window_step"]
     shapes = {r["shape"] for r in rows}
     assert len(shapes) == len(cp.DATASETS) * 2 * len(cp.BUDGETS)  # 8 and 64 ranks with --quick
     assert len(rows) == len(cp.SCHEMES) * len(shapes)
+    long_tail = [d for d, share in cp.DATASETS.items() if share > 0]
+    assert len(window) == len(cp_window.SCHEMES) * len(long_tail) * 2 * len(cp.BUDGETS)
     common = {
         "op",
         "provider",
@@ -324,3 +328,34 @@ def test_summary_table_columns_line_up():
     res = cp.run_config("long_tail_1%", 8, 8192, 1, COST, plan_reps=1)
     lines = cp.summary_table([res]).splitlines()
     assert len({line.count("|") for line in lines}) == 1, lines
+
+
+def test_window_model_prices_what_a_window_reaches():
+    """Inside the window a sequence costs l**2 (the causal unit); beyond, 2 l W - W**2: twice the
+    pairs (query, key) with 0 <= q - k < W, as the causal unit counts l**2 for about l**2 / 2
+    pairs; layers without the window keep l**2."""
+    model = cp_window.WindowModel(window=100, local_fraction=1.0)
+    for length in (1, 50, 100, 101, 1000, 100_000):
+        pairs = sum(min(q + 1, 100) for q in range(length))  # keys each query sees
+        full = length * (length + 1) // 2
+        assert model.squares([length])[0] == pytest.approx(length**2 * pairs / full, rel=0.02 + 2 / length)
+    half = cp_window.WindowModel(window=100, local_fraction=0.5)
+    assert half.squares([1000])[0] == pytest.approx(0.5 * (2 * 1000 * 100 - 100**2) + 0.5 * 1000**2)
+    assert cp_window.WindowModel(window=100, local_fraction=0.0).squares([1000])[0] == 1000**2
+
+
+def test_window_line_times_every_scheme_on_the_windowed_model():
+    cost = CostModel.transformer()
+    res = cp_window.run_config("long_tail_1%", 8, 16384, 2, cost)
+    ours = res.step["mmbalance"]
+    assert np.isfinite(ours).all()
+    best = res.best_static()
+    assert best is not None and (ours <= res.step[best] * (1 + 1e-9)).all()
+    # the window-aware plan is at least as fast as the plan for causal attention, timed alike
+    assert (ours <= res.step["mmbalance_causal_plan"] * (1 + 1e-9)).all()
+    # windows make long sequences cheaper: every scheme's step is faster than on full attention
+    full = cp_window.run_config("long_tail_1%", 8, 16384, 2, cost, cp_window.WindowModel(local_fraction=0.0))
+    assert (ours < full.step["mmbalance"]).all()
+    rows = cp_window.rows_of(res)
+    assert [r.provider for r in rows] == list(cp_window.SCHEMES)
+    assert rows[-1].metrics["vs_best_static"] >= 1 - 1e-9
