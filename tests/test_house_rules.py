@@ -581,6 +581,7 @@ STAGES = {
         "collate": "plan",
         "stream": "plan",
         "step": "move",
+        "stream_step": "move",
         "vlm_step": "move",
         "attention": "hook",
         "media": "hook",

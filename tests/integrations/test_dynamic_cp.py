@@ -318,3 +318,47 @@ def test_the_window_of_a_call_and_of_its_mask_must_agree():
         features(mask, {"sliding_window": 5}, 4, 100)
     with pytest.raises(ValueError, match="one logit per query head"):
         features(None, {"s_aux": torch.zeros(3)}, 4, 100)
+
+
+def _empty_rank_without_labels(rank: int, world: int):
+    import torch.distributed as dist
+
+    model = _tiny()
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=16)  # the 30 tokens split over both ranks
+    ids = (torch.arange(30).reshape(1, 30) * 7) % 60 + 1
+    batch = (
+        {"input_ids": ids, "labels": ids}
+        if rank == 0
+        else {"input_ids": torch.zeros((1, 0), dtype=torch.int64)}
+    )
+    kw = handle.shard(batch)
+    loss = model(**kw).loss
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    degrees = handle.stats["degrees"]
+    handle.remove()
+    return float(total), "labels" in kw, degrees
+
+
+@pytest.mark.distributed
+def test_an_empty_rank_may_leave_labels_out():
+    """Rank 1 passes no sequence and no labels while rank 0 passes both: the step runs, both ranks
+    score (rank 1 holds half of rank 0's sequence), and the loss is the reference's."""
+    results = run_distributed(_empty_rank_without_labels, 2)
+    ids = (torch.arange(30).reshape(1, 30) * 7) % 60 + 1
+    want = float(_tiny("eager")(input_ids=ids, labels=ids).loss)
+    for total, has_labels, degrees in results:
+        assert has_labels and degrees == [2]
+        assert total == pytest.approx(want, rel=1e-5)
+
+
+def test_labels_of_reads_every_ranks_sequences():
+    from mmbalance.collectives import RankMismatchError
+    from mmbalance.integrations.hf.cp.plan import labels_of
+
+    assert labels_of(np.array([1, 1, 1]), np.array([0, 0, 2])) is True
+    assert labels_of(np.array([0, 0]), np.array([0, 1])) is False
+    assert labels_of(np.zeros(0), np.zeros(0)) is False and labels_of(np.zeros(0), np.zeros(0), True) is True
+    with pytest.raises(RankMismatchError, match=r"not by ranks \[1\]"):
+        labels_of(np.array([1, 0, 1]), np.array([0, 1, 2]))

@@ -36,6 +36,7 @@ from .cp import (
     make_handle,
     model_refusal,
     pad_id,
+    raw_rows,
     vlm_family,
 )
 
@@ -97,8 +98,12 @@ def balance_trainer(
             ``padding_free`` / ``packing`` (TRL), padded otherwise.
         context_parallel: dynamic context parallelism of any degree
             (:func:`~mmbalance.integrations.hf.apply_dynamic_cp`'s scheme; the model must use
-            ``attn_implementation="mmbalance_varlen"``). Each micro-batch slot of a step (the same
-            examples as without it) is scheduled into CP groups under ``max_tokens_per_rank``;
+            ``attn_implementation="mmbalance_varlen"``). Each optimizer step takes the same
+            examples as without it; its ``gradient_accumulation_steps`` micro-batch slots are
+            formed with ``max_tokens_per_rank`` as a hard limit first and balance second (the
+            balanced slots where they fit, else re-formed: a step is refused only when no split
+            of its examples fits, and the whole epoch is checked when it starts, the first one
+            here), and each slot is scheduled into CP groups under ``max_tokens_per_rank``;
             every rank loads only its group's examples and its collator cuts this rank's zigzag
             shard (no data exchange). Gradients are averaged over the whole world (DDP or FSDP2)
             and the loss normalized by Trainer (``average_tokens_across_devices``), so training
@@ -220,6 +225,10 @@ def balance_trainer(
     if context_parallel:
         assert max_tokens_per_rank is not None
         trainer._mmbalance_cp = (int(max_tokens_per_rank), cost_model_of(trainer.model, cost))
+        # the first epoch's slots now: a step that cannot fit the budget is refused here, not in
+        # the middle of an epoch (later epochs are checked when they start)
+        trainer.cp_sampler = CPBatchSampler(trainer.balanced_sampler, *trainer._mmbalance_cp)
+        trainer.cp_sampler.slots()
     trainer.get_train_dataloader = types.MethodType(_balanced_train_dataloader, trainer)
     return trainer
 
@@ -281,11 +290,13 @@ def _stream_train_dataloader(self):
     world = max(1, args.world_size)
     dataset, collator = _collator_of(self, self.train_dataset)
     part = RankSlice(dataset, args.process_index if world > 1 else 0, world)
+    # with a budget the steps are formed from raw examples before collating (the slots under it)
+    slotted = context_parallel and world > 1
     loader = DataLoader(
-        part, batch_size=self._train_batch_size, collate_fn=collator, num_workers=args.dataloader_num_workers,
-        pin_memory=args.dataloader_pin_memory, drop_last=False,
+        part, batch_size=self._train_batch_size, collate_fn=raw_rows if slotted else collator,
+        num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory, drop_last=False,
     )  # fmt: skip
-    return StreamLoader(loader, handle, part)
+    return StreamLoader(loader, handle, part, args.gradient_accumulation_steps, collator if slotted else None)
 
 
 _CALLBACK_CLASS: type | None = None
@@ -343,8 +354,10 @@ def _balanced_train_dataloader(self):
     batch_sampler: Any = sampler
     if self._mmbalance_cp is not None:
         budget, cost = self._mmbalance_cp
-        batch_sampler = CPBatchSampler(sampler, budget, cost)
-        self.cp_sampler = batch_sampler
+        batch_sampler = getattr(self, "cp_sampler", None)
+        if batch_sampler is None or batch_sampler.base is not sampler:
+            batch_sampler = CPBatchSampler(sampler, budget, cost)
+            self.cp_sampler = batch_sampler
         dataset = TaggedDataset(dataset)
         vlm = None
         if vlm_family(self.model) is not None:

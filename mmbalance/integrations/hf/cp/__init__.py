@@ -2,8 +2,8 @@
 
 Read in the order the data flows: ``inputs.py`` and ``shard.py`` (a batch read into sequences; what
 a rank holds), ``families.py`` (the multimodal models: media, positions, encoder cost), then the
-numpy planning (``plan.py``, ``vlm_plan.py``, and without communication ``vlm_cut.py``,
-``collate.py``, ``stream.py`` for Trainer's data side), the moves (``step.py``, ``vlm_step.py``),
+numpy planning (``plan.py``, ``slots.py``, ``vlm_plan.py``, and without communication ``vlm_cut.py``,
+``collate.py``, ``stream.py`` for Trainer's data side), the moves (``step.py``, ``vlm_step.py``, ``stream_step.py``),
 the hooks in the model (``attention.py``: a shard's ring; ``media.py``: the media the forward
 encodes), and on top the handle (``handle.py``).
 """
@@ -17,10 +17,11 @@ from .media import install_media_hook
 from .plan import cost_model_of, plan_layout
 from .shard import CPShard
 from .stream import RankSlice, StreamLoader
+from .stream_step import raw_rows
 from .vlm_cut import GroupCutter
 
 __all__ = [
     "SUPPORTED", "CPBatchSampler", "CPCollator", "CPShard", "DynamicCPHandle", "GroupCutter", "RankSlice",
     "SlotMeta", "StreamLoader", "TaggedDataset", "apply_dynamic_cp", "cost_model_of", "install_media_hook",
-    "make_handle", "model_refusal", "pad_id", "plan_layout", "split_sequences", "vlm_family",
+    "make_handle", "model_refusal", "pad_id", "plan_layout", "raw_rows", "split_sequences", "vlm_family",
 ]  # fmt: skip

@@ -3,9 +3,10 @@
 
 :class:`CPBatchSampler`: every rank computes the same epoch plan as
 :class:`~mmbalance.integrations.data.BalancedBatchSampler` (the same examples in every optimizer
-step, split into the same ``gradient_accumulation_steps`` micro-batch slots), then schedules each
-slot's examples with the dynamic-CP planner (:func:`~.plan.plan_layout`: CP groups of any degree
-under ``max_tokens_per_rank``). Every rank loads only its group's examples, whole, and its
+step, split into its ``gradient_accumulation_steps`` micro-batch slots: the sampler's balanced
+ones where each can be laid out under ``max_tokens_per_rank``, else re-formed under that limit,
+:func:`~.slots.plan_slots`), then schedules each slot's examples with the dynamic-CP planner
+(:func:`~.plan.plan_layout`: CP groups of any degree under ``max_tokens_per_rank``). Every rank loads only its group's examples, whole, and its
 collator cuts this rank's zigzag shard out of them (:class:`CPCollator`): nothing is exchanged,
 and the batch the model gets is already the shard, so Trainer counts the step's labelled tokens
 (``shift_labels``) on the shards, once each. For a vision-language model the collator also gives
@@ -31,6 +32,7 @@ from ..attention import CP_KEYWORD
 from .inputs import IGNORE, split_sequences
 from .plan import plan_layout
 from .shard import MEDIA_KEYWORD, CPShard
+from .slots import plan_slots
 
 __all__ = ["CPBatchSampler", "CPCollator", "SlotMeta", "TaggedDataset"]
 
@@ -75,24 +77,74 @@ class CPBatchSampler(Sampler[list]):
         return len(self.base)
 
     def slots(self) -> list[tuple]:
-        """Every slot of the epoch: ``(example indices in sampling order, layout)`` (all ranks)."""
+        """Every slot of the epoch: ``(example indices in sampling order, layout)`` (all ranks).
+
+        The whole epoch is planned at once when it starts (the seeded order is known then), so a
+        step that cannot fit is refused before the epoch's first step, never in its middle. Each
+        step keeps its examples; its micro-batch slots are the sampler's balanced ones where every
+        slot can be laid out under ``max_tokens_per_rank``, else re-formed under that limit
+        (:func:`~.slots.plan_slots`)."""
         if self._cache is not None and self._cache[0] == self.base.epoch:
             return self._cache[1]
         plan = self.base.plan_epoch()
-        world = self.base.num_replicas
         out = []
         for s in range(self.base.num_steps):
-            for k in range(self.base.grad_accum):
-                idx = plan.indices[s][plan.micro[s] == k]
-                lengths = self.base.table[idx, -1].astype(np.int64)
-                src = np.zeros(idx.size, dtype=np.int64)
-                try:
-                    lay = plan_layout(lengths, src, world, self.max_tokens_per_rank, self.cost)
-                except ValueError as exc:
-                    raise ValueError(f"step {s}, micro-batch {k} of epoch {self.base.epoch}: {exc}") from None
-                out.append((idx, lay))
+            out.extend(self._step_slots(s, plan.indices[s], plan.micro[s]))
         self._cache = (self.base.epoch, out)
         return out
+
+    def _step_slots(self, s: int, idx: np.ndarray, micro: np.ndarray) -> list[tuple]:
+        """The ``(indices, layout)`` of every slot of step ``s`` (``idx`` in sampling order)."""
+        base, world, budget = self.base, self.base.num_replicas, self.max_tokens_per_rank
+        tokens = base.table[idx, -1].astype(np.int64)
+        layouts: dict[tuple[int, ...], object] = {}
+
+        def fits(members: np.ndarray) -> bool:
+            try:
+                lay = plan_layout(
+                    tokens[members], np.zeros(members.size, dtype=np.int64), world, budget, self.cost
+                )
+            except ValueError:
+                return False
+            layouts[tuple(members.tolist())] = lay
+            return True
+
+        costs = base.alpha * tokens + base.beta * tokens.astype(np.float64) ** 2
+        found = plan_slots(tokens, costs, base.grad_accum, world * budget, fits, start=micro)
+        if found.slots is None:
+            raise ValueError(self._refusal(s, idx, tokens, found))
+        out = []
+        for k in range(base.grad_accum):
+            members = np.flatnonzero(found.slots == k)
+            key = tuple(members.tolist())
+            if key not in layouts:  # (fits was called on every slot of the split it returned)
+                fits(members)
+            out.append((idx[members], layouts[key]))
+        return out
+
+    def _refusal(self, s: int, idx: np.ndarray, tokens: np.ndarray, found) -> str:
+        base, world, budget = self.base, self.base.num_replicas, self.max_tokens_per_rank
+        cap = world * budget
+        where = f"step {s} of epoch {base.epoch}"
+        if tokens.size and int(tokens.max()) > cap:
+            j = int(np.argmax(tokens))
+            return (
+                f"{where}: example {int(idx[j])} holds {int(tokens[j])} tokens, more than the {world} ranks hold "
+                f"together ({world} x max_tokens_per_rank={budget} = {cap}); raise max_tokens_per_rank to at "
+                f"least {-(-int(tokens[j]) // world)} or leave the example out"
+            )
+        what = (
+            f"no split of its {idx.size} examples ({int(tokens.sum())} tokens, the longest {int(tokens.max())}) "
+            f"into gradient_accumulation_steps={base.grad_accum} micro-batches fits {world} x "
+            f"max_tokens_per_rank={budget} = {cap} tokens each (after zigzag rounding)"
+        )
+        if found.exhausted:
+            what = f"no split found in {found.nodes} tries ({what.replace('no split of', 'splitting')})"
+        return (
+            f"{where}: {what}; raise max_tokens_per_rank or gradient_accumulation_steps, or lower "
+            f"per_device_train_batch_size (a step draws {base.batch_size} x {world} ranks x "
+            f"{base.grad_accum} = {base.step_size} examples)"
+        )
 
     def __iter__(self) -> Iterator[list]:
         rank = self.base.rank

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from mmbalance.balancing import CostModel
 from mmbalance.collectives import GroupPool
 from mmbalance.collectives.agreement import Entry
-from mmbalance.collectives.group import comm_device, world_of
+from mmbalance.collectives.group import world_of
 from mmbalance.collectives.group_pool import own_group
-from mmbalance.collectives.inflight import mark_distributed_run, run
+from mmbalance.collectives.inflight import mark_distributed_run
 from mmbalance.collectives.teardown import release_at_exit
 
 from ..attention import ATTENTION_NAME
@@ -50,6 +50,7 @@ from .media import embed_streams, install_media_hook, remove_media_hook
 from .plan import cost_key, cost_model_of
 from .shard import MEDIA_KEYWORD
 from .step import RingGroups, shard_text
+from .stream_step import stream_steps
 from .vlm_step import shard_vlm
 
 __all__ = ["DynamicCPHandle", "apply_dynamic_cp", "make_handle"]
@@ -134,37 +135,26 @@ class DynamicCPHandle:
             self.media_hook = True  # the handle's to remove
         return kw
 
-    def batches(self, loader) -> Iterator[dict]:
+    def batches(self, loader, *, grad_accum: int = 1, collate=None) -> Iterator[dict]:
         """:meth:`shard` of every batch of this rank's ``loader`` (any iterable of batches), until
         every rank's loader has ended: a rank whose loader ends first takes part with empty
         batches, so no draw is lost and no rank waits for one that has stopped. One small
         all-reduce per batch agrees on the end. :attr:`stats` ``"drawn"`` counts the sequences
-        this rank has drawn so far."""
-        it = iter(loader)
-        drawn = 0
-        labels = True
-        while True:
-            batch = next(it, None)
-            if self.own is not None:
-                flag = torch.tensor(
-                    [0 if batch is None else 1], dtype=torch.int64, device=comm_device(self.own)
-                )
-                run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=self.own)
-                more = bool(flag.item())
-            else:
-                more = batch is not None
-            if not more:
-                return
-            if batch is None:
-                batch = {"input_ids": torch.zeros((1, 0), dtype=torch.int64)}
-                if labels:
-                    batch["labels"] = torch.zeros((1, 0), dtype=torch.int64)
-            else:
-                labels = batch.get("labels") is not None
-            kw = self.shard(batch)
-            drawn += int(self.stats.get("local_sequences", 0))
-            self.stats["drawn"] = drawn
-            yield kw
+        this rank has drawn so far.
+
+        ``grad_accum``: micro-batches per optimizer step. Every pass yields a multiple of it: a
+        last, partial step is completed with micro-batches in which every rank is idle (no
+        labelled token, so its gradient is that of a shorter final step). ``collate``: ``loader``
+        yields lists of raw examples; each step's ``grad_accum`` micro-batch slots are then
+        formed under ``max_tokens_per_rank`` from the gathered example lengths (the same on every
+        rank; :func:`~.slots.plan_slots`) and every rank collates its examples of each slot
+        with ``collate``, so a step is refused only when no split of its examples fits.
+        """
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+        if collate is not None and not callable(collate):
+            raise TypeError(f"collate must be callable or None, got {type(collate).__name__}")
+        return stream_steps(self, loader, grad_accum, collate)
 
     def remove(self) -> None:
         """Detach from the model: later :meth:`shard` calls raise; the model's attention runs as

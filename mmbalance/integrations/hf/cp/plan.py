@@ -17,12 +17,22 @@ import torch
 
 from mmbalance.balancing import CostModel, Plan, cp_schedule, imbalance, post_balance
 from mmbalance.balancing.cp_schedule import CPGroup
+from mmbalance.collectives import RankMismatchError
 from mmbalance.collectives.ring_plan import ring_plan
 
 from .inputs import text_config
 from .shard import CPShard
 
-__all__ = ["Layout", "cost_key", "cost_model_of", "pieces", "plan_layout", "shard_of", "step_stats"]
+__all__ = [
+    "Layout",
+    "cost_key",
+    "cost_model_of",
+    "labels_of",
+    "pieces",
+    "plan_layout",
+    "shard_of",
+    "step_stats",
+]
 
 
 # ------------------------------------------------------------------------------------ the cost
@@ -241,3 +251,22 @@ def step_stats(cost, lengths: np.ndarray, src: np.ndarray, labelled: np.ndarray,
         "sequences": int(lengths.size),
         "num_items_in_batch": int(labelled.sum()),
     }
+
+
+def labels_of(flags: np.ndarray, src: np.ndarray, default: bool = False) -> bool:
+    """Whether the step has labels, from every gathered sequence's flag (its rank passed
+    ``labels``); ``default`` (this rank's batch) when no rank has a sequence. A rank without
+    sequences has nothing to score and may leave them out; ranks with sequences must agree. Raises :class:`~mmbalance.collectives.RankMismatchError` (a
+    ValueError; on every rank alike: the table is the same) naming the ranks otherwise."""
+    flags = np.asarray(flags, dtype=bool)
+    if not flags.size:
+        return bool(default)
+    if flags.all() or not flags.any():
+        return bool(flags.all())
+    with_labels = sorted(set(np.asarray(src)[flags].tolist()))
+    without = sorted(set(np.asarray(src)[~flags].tolist()))
+    raise RankMismatchError(
+        f"apply_dynamic_cp.shard refused on every rank, nothing was moved: batch['labels'] is passed by ranks "
+        f"{with_labels} but not by ranks {without}, which pass sequences; every rank that passes sequences must "
+        "pass the same keys (a rank with none may leave labels out)"
+    )

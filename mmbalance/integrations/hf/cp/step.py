@@ -24,7 +24,7 @@ from mmbalance.collectives.inflight import gather_objects
 
 from ..attention import CP_KEYWORD
 from .inputs import IGNORE, Sequences, model_device, pad_id, positions, split_sequences
-from .plan import Layout, cost_key, plan_layout, shard_of, step_stats
+from .plan import Layout, cost_key, labels_of, plan_layout, shard_of, step_stats
 from .shard import CPShard, idle_shard
 
 __all__ = ["RingGroups", "model_kwargs", "shard_text"]
@@ -86,11 +86,14 @@ def shard_text(handle, batch: Mapping) -> dict:
     with Entry("apply_dynamic_cp.shard", handle.own) as e:
         e.fields = {"max_tokens_per_rank": handle.max_tokens_per_rank, "cost": cost_key(handle.cost)}
         seqs = split_sequences(batch)
-        e.fields["labels"] = seqs.has_labels
-    table_in = None if seqs is None else np.stack([seqs.lengths, seqs.labelled], axis=1)
+    table_in = None
+    if seqs is not None:
+        flag = np.full(seqs.lengths.size, int(seqs.has_labels), dtype=np.int64)
+        table_in = np.stack([seqs.lengths, seqs.labelled, flag], axis=1)
     table, src = gather_table(table_in, handle.own, entry=e)
     assert seqs is not None
     lengths, labelled = table[:, 0], table[:, 1]
+    has_labels = labels_of(table[:, 2], src, seqs.has_labels)
     layout = plan_layout(
         lengths, src, world, handle.max_tokens_per_rank, handle.cost, handle.context_parallel
     )
@@ -109,7 +112,7 @@ def shard_text(handle, batch: Mapping) -> dict:
         out = torch.tensor([[pad_id(handle.model), IGNORE, IGNORE, 0]], dtype=torch.int64)
     handle.stats = step_stats(handle.cost, lengths, src, labelled, layout, world, plan)
     handle.stats["local_sequences"] = int(seqs.lengths.size)
-    return model_kwargs(out, shard, int(labelled.sum()), seqs.has_labels, device)
+    return model_kwargs(out, shard, int(labelled.sum()), has_labels, device)
 
 
 def shard_alone(handle, seqs: Sequences, device) -> dict:

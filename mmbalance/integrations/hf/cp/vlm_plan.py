@@ -142,7 +142,7 @@ def local_table(local: LocalBatch, width: int) -> np.ndarray:
     seqs = local.seqs
     labelled = seqs.labelled
     for s, n in enumerate(seqs.lengths.tolist()):
-        rows.append([0, s, n, int(labelled[s])])
+        rows.append([0, s, n, int(labelled[s]), int(seqs.has_labels)])
     for a, got in enumerate(local.items):
         if got is None:
             continue
@@ -171,6 +171,7 @@ class GatheredStep:
 
     lengths: np.ndarray
     labelled: np.ndarray
+    has_labels: np.ndarray  # per sequence: its rank passed labels
     seq_src: np.ndarray
     run_seq: np.ndarray  # runs of placeholder kinds, per sequence in order
     run_kind: np.ndarray
@@ -200,6 +201,7 @@ def parse_table(
     return GatheredStep(
         lengths=table[is_seq, 2].copy(),
         labelled=table[is_seq, 3].copy(),
+        has_labels=table[is_seq, 4].copy(),
         seq_src=src[is_seq].copy(),
         run_seq=glob(is_run),
         run_kind=table[is_run, 2].copy(),

@@ -25,7 +25,7 @@ from ..attention import CP_KEYWORD
 from ..encoders import EncoderAdapter, ZeroLink, core, encoder_balance_of, encoder_plan, pooled
 from .families import VLMFamily, check_feature_rows, encoder_seconds
 from .inputs import IGNORE, model_device, pad_id, positions
-from .plan import cost_key, plan_layout, shard_of, step_stats
+from .plan import cost_key, labels_of, plan_layout, shard_of, step_stats
 from .shard import MEDIA_KEYWORD, idle_shard
 from .vlm_plan import (
     GatheredStep,
@@ -107,7 +107,6 @@ def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Ma
                 "give both the same group"
             )
         found = read_batch(handle, family, adapters, batch)
-        e.fields["labels"] = found.seqs.has_labels
         e.fields["encoder options"] = repr([sorted(o.items()) for o in found.options])
         table_in = local_table(found, table_width(adapters))
     table, src = gather_table(table_in, handle.own, entry=e)
@@ -256,6 +255,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     adapters = list(eh.adapters.values()) if eh is not None else handle.adapters
     local, step = _gather(handle, family, adapters, batch, eh, comm, defer)
     lengths, labelled = step.lengths, step.labelled
+    has_labels = labels_of(step.has_labels, step.seq_src, local.seqs.has_labels)  # before anything moves
 
     # ---- the plan: CP groups under the budget, with the encoder phase in the cost
     seconds = [
@@ -331,7 +331,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         kw["mm_encoder_outputs"] = mm
     if media.pending:  # the handle installs the media hook that resolves it
         kw[MEDIA_KEYWORD] = PendingMedia(media.pending, media.degree, family.streams(model), media.mover)
-    if seqs.has_labels:
+    if has_labels:
         kw["labels"] = out[:, 1].unsqueeze(0)
         kw["shift_labels"] = out[:, 2].unsqueeze(0)
         kw["num_items_in_batch"] = int(labelled.sum())

@@ -1,0 +1,157 @@
+"""A stream's micro-batches, post-balanced, in whole optimizer steps: what
+:meth:`~.handle.DynamicCPHandle.batches` runs.
+
+Every rank draws from its own loader; the ranks agree on the end of the stream with one small
+all-reduce per draw (a rank whose loader ends first takes part with empty batches), and every pass
+over the stream yields a multiple of ``grad_accum`` micro-batches: a last, partial step is filled
+with micro-batches in which every rank is idle (one stand-in token, no label), so its gradient is
+that of a shorter final step, as Trainer takes one at the end of a sized loader. A pass therefore
+always ends in an optimizer step; Trainer without a length would otherwise carry a partial step's
+gradients into the next pass, or never step at all on a stream shorter than one step.
+
+With a budget and context parallelism, and a loader of raw examples (``collate`` given), a step's
+micro-batch slots are formed under ``max_tokens_per_rank`` first (:func:`~.slots.plan_slots` on
+the gathered example lengths, the same on every rank), then each rank collates its examples of
+each slot: a step whose examples fit together is never refused for how the loader cut them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mmbalance.collectives.agreement import Entry
+from mmbalance.collectives.alltoall import gather_table
+from mmbalance.collectives.group import comm_device
+from mmbalance.collectives.inflight import run
+
+from .plan import plan_layout
+from .slots import plan_slots
+
+__all__ = ["example_tokens", "raw_rows", "stream_steps"]
+
+
+def raw_rows(rows: list) -> list:
+    """A ``DataLoader``'s ``collate_fn`` that keeps the drawn examples as they are (picklable)."""
+    return list(rows)
+
+
+def example_tokens(example, collate: Callable) -> int:
+    """An example's language-model tokens: ``len(input_ids)`` where it has them, else those of the
+    collator's batch of it alone (its attention mask, or every ``input_ids`` token)."""
+    if isinstance(example, Mapping) and example.get("input_ids") is not None:
+        return int(len(example["input_ids"]))
+    batch = collate([example])
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return int(torch.as_tensor(mask).sum())
+    return int(torch.as_tensor(batch["input_ids"]).numel())
+
+
+def _more(handle, local: bool) -> bool:
+    """Whether any rank still draws (one small all-reduce)."""
+    if handle.own is None:
+        return local
+    flag = torch.tensor([1 if local else 0], dtype=torch.int64, device=comm_device(handle.own))
+    run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=handle.own)
+    return bool(flag.item())
+
+
+def _empty(labels: bool) -> dict:
+    batch = {"input_ids": torch.zeros((1, 0), dtype=torch.int64)}
+    if labels:
+        batch["labels"] = torch.zeros((1, 0), dtype=torch.int64)
+    return batch
+
+
+def stream_steps(
+    handle, loader: Iterable, grad_accum: int = 1, collate: Callable | None = None
+) -> Iterator[dict]:
+    """``handle.shard`` of every micro-batch of ``loader``, ``grad_accum`` to an optimizer step, until
+    every rank's loader has ended (see the module docstring). ``collate``: ``loader`` yields lists
+    of raw examples, and each step's slots are formed under the budget before collating."""
+    if collate is not None and handle.own is not None and handle.context_parallel:
+        yield from _slotted(handle, loader, grad_accum, collate)
+        return
+    it = iter(loader)
+    drawn = count = 0
+    labels = True
+    while True:
+        batch = next(it, None)
+        if not _more(handle, batch is not None):
+            break
+        if batch is None:
+            batch = _empty(labels)
+        else:
+            labels = batch.get("labels") is not None
+        kw = handle.shard(batch)
+        drawn += int(handle.stats.get("local_sequences", 0))
+        handle.stats["drawn"] = drawn
+        count += 1
+        yield kw
+    for _ in range(-count % grad_accum):  # the last step, completed with idle micro-batches
+        kw = handle.shard(_empty(labels))
+        handle.stats["drawn"] = drawn
+        yield kw
+
+
+def _layout_fits(
+    tokens: np.ndarray, src: np.ndarray, world: int, budget: int, cost
+) -> Callable[[np.ndarray], bool]:
+    """Whether a slot of these examples can be laid out under the budget."""
+
+    def fits(members: np.ndarray) -> bool:
+        try:
+            plan_layout(tokens[members], src[members], world, budget, cost)
+        except ValueError:
+            return False
+        return True
+
+    return fits
+
+
+def _slotted(handle, loader: Iterable, grad_accum: int, collate: Callable) -> Iterator[dict]:
+    """Whole steps of raw examples, their slots formed under the budget."""
+    it = iter(loader)
+    world = dist.get_world_size(handle.own)
+    budget = handle.max_tokens_per_rank
+    drawn = step = 0
+    labels = True
+    while True:
+        rows: list = []
+        for _ in range(grad_accum):
+            got = next(it, None)
+            if got is None:
+                break
+            rows.extend(got)
+        if not _more(handle, bool(rows)):
+            return
+        with Entry("apply_dynamic_cp.batches", handle.own) as e:
+            e.fields = {"grad_accum": grad_accum, "max_tokens_per_rank": budget}
+            mine = np.asarray([[example_tokens(r, collate)] for r in rows], dtype=np.int64).reshape(-1, 1)
+        table, src = gather_table(mine, handle.own, entry=e)
+        tokens = table[:, 0]
+        fits = _layout_fits(tokens, src, world, budget, handle.cost)
+        found = plan_slots(tokens, tokens.astype(np.float64) ** 2, grad_accum, world * budget, fits)
+        if found.slots is None:
+            raise ValueError(
+                f"streamed step {step}: no split of its {tokens.size} examples ({int(tokens.sum())} tokens, the "
+                f"longest {int(tokens.max(initial=0))}) into {grad_accum} micro-batches fits {world} x "
+                f"max_tokens_per_rank={budget} = {world * budget} tokens each"
+                + (f" (the search stopped after {found.nodes} tries)" if found.exhausted else "")
+                + "; raise max_tokens_per_rank or gradient_accumulation_steps, or draw fewer examples per rank"
+            )
+        slot_of_mine = found.slots[src == dist.get_rank(handle.own)]
+        for k in range(grad_accum):
+            picked = [r for r, s in zip(rows, slot_of_mine.tolist()) if s == k]
+            batch = collate(picked) if picked else _empty(labels)
+            if picked:
+                labels = batch.get("labels") is not None
+            kw = handle.shard(batch)
+            drawn += len(picked)
+            handle.stats["drawn"] = drawn
+            yield kw
+        step += 1
