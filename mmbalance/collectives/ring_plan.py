@@ -44,6 +44,9 @@ class RingPlan:
     local_lengths: np.ndarray
     tokens: tuple[int, ...]
     max_seqlen: tuple[int, ...]
+    # visibility of (q_rank, k_rank, causal, window) pairs, computed once per plan (the plan is
+    # cached per batch, so every layer's ring and its backward reuse them)
+    _seen: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def local_cu_seqlens(self, rank: int) -> np.ndarray:
         """``cu_seqlens`` (int32, ``[B + 1]``) of the tokens held by ``rank``."""
@@ -88,6 +91,13 @@ class RingPlan:
         queries, or later keys under a causal mask); ``"full"``: every query sees every key of its
         sequence (no mask needed); ``"partial"``: a mask is needed.
         """
+        key = (q_rank, k_rank, bool(causal), int(window_left), int(window_right))
+        found = self._seen.get(key)
+        if found is None:
+            found = self._seen[key] = self._visibility(q_rank, k_rank, causal, window_left, window_right)
+        return found
+
+    def _visibility(self, q_rank: int, k_rank: int, causal: bool, window_left: int, window_right: int) -> str:
         lo = -np.inf if window_left < 0 else -float(window_left)  # allowed pos_j - pos_i
         hi = np.inf if window_right < 0 else float(window_right)
         if causal:

@@ -285,23 +285,54 @@ def test_what_the_ring_cannot_run_is_refused_when_applied(extra, word):
         apply_dynamic_cp(_tiny(**extra), max_tokens_per_rank=64)
 
 
-@pytest.mark.parametrize("window", [3, 8, 40], ids=["w3", "w8", "w40-covers"])
-def test_one_process_window_softcap_and_sinks_match_the_stock_model(window):
-    """One process (degree 1): Qwen2's sliding window on both layers, and the window, softcap and
-    sinks of the block op, against every sequence alone through the stock eager attention."""
-    extra = {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0}
-    model, ref = _tiny(**extra), _tiny("eager", **extra)
+def _feature_model(family: str, attn: str):
+    import transformers as tf
+
+    register_attention()
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)  # fmt: skip
+    if family.startswith("qwen2-w"):
+        window = int(family[len("qwen2-w") :])
+        cls, cfg = tf.Qwen2ForCausalLM, tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=window,
+                                                       max_window_layers=0)  # fmt: skip
+    elif family == "gemma2":
+        cls, cfg = tf.Gemma2ForCausalLM, tf.Gemma2Config(**common, head_dim=8, sliding_window=6,
+                                                         attn_logit_softcapping=1.5, query_pre_attn_scalar=8)  # fmt: skip
+    else:
+        cls, cfg = tf.GptOssForCausalLM, tf.GptOssConfig(**common, head_dim=8, sliding_window=6, num_local_experts=4,
+                                                         num_experts_per_tok=2,
+                                                         rope_parameters={"rope_type": "default", "rope_theta": 1e4})  # fmt: skip
+    torch.manual_seed(0)
+    model = cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    if family == "gptoss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen2-w3", "qwen2-w8", "qwen2-w40", "gemma2", "gptoss"])
+def test_one_process_window_softcap_and_sinks_match_the_stock_model(family):
+    """One process (degree 1): Qwen2's sliding window on both layers (3, 8, and 40, which covers
+    every sequence), Gemma 2 (window and softcap) and gpt-oss (window and sinks) against every
+    sequence alone through the stock eager attention."""
+    model, ref = _feature_model(family, "mmbalance_varlen"), _feature_model(family, "eager")
     handle = apply_dynamic_cp(model, max_tokens_per_rank=64)
-    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(window))
+    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(len(family)))
     pos = torch.tensor([list(range(20)) + list(range(10))])
     inputs = handle.shard({"input_ids": ids, "position_ids": pos, "labels": ids})
     loss = model(**inputs).loss
+    loss.backward()
     n = inputs["num_items_in_batch"]
     want = sum(
         ref(input_ids=ids[:, a:b], labels=ids[:, a:b], num_items_in_batch=n).loss
         for a, b in ((0, 20), (20, 30))
     )
+    want.backward()
     assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert float((p.grad - q.grad).norm()) <= 1e-5 * max(float(q.grad.norm()), 1e-6), name
     handle.remove()
 
 
@@ -362,3 +393,49 @@ def test_labels_of_reads_every_ranks_sequences():
     assert labels_of(np.zeros(0), np.zeros(0)) is False and labels_of(np.zeros(0), np.zeros(0), True) is True
     with pytest.raises(RankMismatchError, match=r"not by ranks \[1\]"):
         labels_of(np.array([1, 0, 1]), np.array([0, 1, 2]))
+
+
+def _a_collator_fails_on_one_rank(rank: int, world: int) -> str:
+    from transformers import DataCollatorWithFlattening
+
+    handle = apply_dynamic_cp(_tiny(), max_tokens_per_rank=64)
+    flat = DataCollatorWithFlattening(return_tensors="pt")
+
+    def collate(items):
+        if rank == 1:
+            raise KeyError("no such column")  # not a ValueError: still this rank's problem alone
+        return flat(items)
+
+    loader = [[{"input_ids": list(range(1, 9)), "labels": list(range(1, 9))}]]
+    try:
+        list(handle.batches(loader, grad_accum=2, collate=collate))
+    except ValueError as exc:  # RankMismatchError on the others
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        handle.remove()
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_collator_failing_on_one_rank_raises_on_every_rank():
+    """A streamed step's collator raising on rank 1 (a KeyError) is refused on both ranks, naming
+    rank 1, instead of leaving rank 0 in the next collective."""
+    for message in run_distributed(_a_collator_fails_on_one_rank, 2, timeout=120):
+        assert "collator failed" in message and "rank 1" in message and "no such column" in message, message
+
+
+def test_batches_collate_raw_examples_in_one_process():
+    """Without a group, ``batches(loader, collate=...)`` collates every draw, and a last partial
+    step is completed with idle micro-batches (no labelled token)."""
+    from transformers import DataCollatorWithFlattening
+
+    model = _tiny()
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=64)
+    loader = [[{"input_ids": list(range(1, 9)), "labels": list(range(1, 9))}] for _ in range(3)]
+    out = list(handle.batches(loader, grad_accum=2, collate=DataCollatorWithFlattening(return_tensors="pt")))
+    assert len(out) == 4  # 3 draws and one idle micro-batch: two whole steps
+    assert all("labels" in kw for kw in out)
+    assert int((out[-1]["shift_labels"] != -100).sum()) == 0 and out[0]["num_items_in_batch"] == 7
+    for kw in out:
+        model(**kw).loss.backward()
+    handle.remove()

@@ -35,6 +35,7 @@ CASES = [
     (20, 2, 1, 2, 12, False, 0),
     (20, 1, 2, 3, 4, True, 0),
     (13, 3, 1, 2, 5, False, 2),  # two loader workers, each reading its shards
+    (13, 2, 2, 2, 3, True, 2),  # and with context parallelism (the steps formed from raw examples)
     (0, 1, 2, 2, 3, False, 0),  # an empty stream: Trainer stops at once
 ]
 BUDGET = 48  # example 3 (70 tokens) is split over two ranks

@@ -65,7 +65,9 @@ def plan_slots(tokens, costs, count: int, capacity: int, fits: Callable[[np.ndar
         count: the step's micro-batch slots (``gradient_accumulation_steps``).
         capacity: tokens a slot may hold at most (``world * max_tokens_per_rank``); ``fits`` may be
             stricter (zigzag rounding), never looser.
-        fits: whether a slot of these examples can be laid out.
+        fits: whether a slot of these examples can be laid out. It must depend on the slot's
+            tokens alone (their multiset, not which examples hold them): the exhaustive search
+            tries slots of equal contents once. The layout planner's feasibility does.
         start: a preferred split (the balanced one), taken when every slot of it fits.
         max_nodes: the exhaustive search's budget; past it the answer is ``exhausted``.
     """
@@ -145,8 +147,15 @@ def _exhaustive(
             slots[i] = -1
         return False
 
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), n + 200))  # one frame an example
-    found = place(0)
+    depth, frame = 0, sys._getframe()
+    while frame is not None:  # the frames already on the stack, then one an example
+        depth, frame = depth + 1, frame.f_back
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, depth + n + 200))
+    try:
+        found = place(0)
+    finally:
+        sys.setrecursionlimit(limit)
     if found is None:
         return SlotSearch(None, exhausted=True, nodes=nodes)
     return SlotSearch(slots.copy() if found else None, nodes=nodes)

@@ -34,6 +34,17 @@ from .slots import plan_slots
 __all__ = ["example_tokens", "raw_rows", "stream_steps"]
 
 
+def _guarded(what: str, fn: Callable, *args):
+    """``fn(*args)``, with any exception of it as a ValueError naming ``what`` (inside an ``Entry``
+    it is then this rank's problem, raised on every rank, not an exception of this rank alone)."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a user's collator raises
+        raise ValueError(f"{what} failed: {exc!r}") from exc
+
+
 def raw_rows(rows: list) -> list:
     """A ``DataLoader``'s ``collate_fn`` that keeps the drawn examples as they are (picklable)."""
     return list(rows)
@@ -51,13 +62,15 @@ def example_tokens(example, collate: Callable) -> int:
     return int(torch.as_tensor(batch["input_ids"]).numel())
 
 
-def _more(handle, local: bool) -> bool:
-    """Whether any rank still draws (one small all-reduce)."""
+def _more(handle, local: bool, labels: bool) -> tuple[bool, bool]:
+    """Whether any rank still draws, and whether any rank's stream has labels (one small
+    all-reduce): every rank then builds its idle micro-batches with the same keys."""
     if handle.own is None:
-        return local
-    flag = torch.tensor([1 if local else 0], dtype=torch.int64, device=comm_device(handle.own))
+        return local, labels
+    flag = torch.tensor([int(local), int(labels)], dtype=torch.int64, device=comm_device(handle.own))
     run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=handle.own)
-    return bool(flag.item())
+    more, any_labels = flag.tolist()
+    return bool(more), bool(any_labels)
 
 
 def _empty(labels: bool) -> dict:
@@ -78,24 +91,42 @@ def stream_steps(
         return
     it = iter(loader)
     drawn = count = 0
-    labels = True
+    labels = False  # whether this rank's stream has labels (the last batch it drew)
     while True:
-        batch = next(it, None)
-        if not _more(handle, batch is not None):
+        got = next(it, None)
+        batch = None
+        if got is not None:
+            batch = _collated(got, collate)
+            labels = batch.get("labels") is not None
+        more, any_labels = _more(handle, batch is not None, labels)
+        if not more:
             break
         if batch is None:
-            batch = _empty(labels)
-        else:
-            labels = batch.get("labels") is not None
+            batch = _empty(any_labels)
         kw = handle.shard(batch)
         drawn += int(handle.stats.get("local_sequences", 0))
         handle.stats["drawn"] = drawn
         count += 1
         yield kw
     for _ in range(-count % grad_accum):  # the last step, completed with idle micro-batches
-        kw = handle.shard(_empty(labels))
+        kw = handle.shard(_empty(any_labels))
         handle.stats["drawn"] = drawn
         yield kw
+
+
+def _collated(got, collate: Callable | None) -> dict:
+    """A drawn batch, through ``collate`` where the loader yields raw examples."""
+    return got if collate is None else collate(got)
+
+
+def _tokens_of(rows: list, collate: Callable) -> np.ndarray:
+    """int64 ``[n, 1]``: every drawn example's tokens."""
+    return np.asarray([[example_tokens(r, collate)] for r in rows], dtype=np.int64).reshape(-1, 1)
+
+
+def _collate_slots(picked: list[list], collate: Callable) -> list:
+    """Each slot's examples collated (``None`` for a slot of none)."""
+    return [collate(m) if m else None for m in picked]
 
 
 def _layout_fits(
@@ -119,7 +150,7 @@ def _slotted(handle, loader: Iterable, grad_accum: int, collate: Callable) -> It
     world = dist.get_world_size(handle.own)
     budget = handle.max_tokens_per_rank
     drawn = step = 0
-    labels = True
+    labels = False
     while True:
         rows: list = []
         for _ in range(grad_accum):
@@ -127,11 +158,13 @@ def _slotted(handle, loader: Iterable, grad_accum: int, collate: Callable) -> It
             if got is None:
                 break
             rows.extend(got)
-        if not _more(handle, bool(rows)):
+        more, any_labels = _more(handle, bool(rows), labels)
+        if not more:
             return
+        mine: np.ndarray | None = None
         with Entry("apply_dynamic_cp.batches", handle.own) as e:
             e.fields = {"grad_accum": grad_accum, "max_tokens_per_rank": budget}
-            mine = np.asarray([[example_tokens(r, collate)] for r in rows], dtype=np.int64).reshape(-1, 1)
+            mine = _guarded("the stream's examples", _tokens_of, rows, collate)
         table, src = gather_table(mine, handle.own, entry=e)
         tokens = table[:, 0]
         fits = _layout_fits(tokens, src, world, budget, handle.cost)
@@ -145,13 +178,17 @@ def _slotted(handle, loader: Iterable, grad_accum: int, collate: Callable) -> It
                 + "; raise max_tokens_per_rank or gradient_accumulation_steps, or draw fewer examples per rank"
             )
         slot_of_mine = found.slots[src == dist.get_rank(handle.own)]
-        for k in range(grad_accum):
-            picked = [r for r, s in zip(rows, slot_of_mine.tolist()) if s == k]
-            batch = collate(picked) if picked else _empty(labels)
-            if picked:
-                labels = batch.get("labels") is not None
-            kw = handle.shard(batch)
-            drawn += len(picked)
+        picked = [[r for r, s in zip(rows, slot_of_mine.tolist()) if s == k] for k in range(grad_accum)]
+        batches: list[dict] = []
+        with Entry("apply_dynamic_cp.batches collate", handle.own) as e:  # one rank's failure on every rank
+            batches = _guarded("the collator", _collate_slots, picked, collate)
+            mine_labelled = [b.get("labels") is not None for b in batches if b is not None]
+            labels = mine_labelled[-1] if mine_labelled else labels
+            e.values = [int(labels)]
+        any_labels = any_labels or bool(e.agree().any(0))  # the keys of the idle slots, alike everywhere
+        for k, batch in enumerate(batches):
+            kw = handle.shard(batch if batch is not None else _empty(any_labels))
+            drawn += len(picked[k])
             handle.stats["drawn"] = drawn
             yield kw
         step += 1

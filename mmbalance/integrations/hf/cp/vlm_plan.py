@@ -9,7 +9,7 @@ nothing here communicates."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -171,7 +171,6 @@ class GatheredStep:
 
     lengths: np.ndarray
     labelled: np.ndarray
-    has_labels: np.ndarray  # per sequence: its rank passed labels
     seq_src: np.ndarray
     run_seq: np.ndarray  # runs of placeholder kinds, per sequence in order
     run_kind: np.ndarray
@@ -183,6 +182,8 @@ class GatheredStep:
     rows: list[np.ndarray]
     out_rows: list[np.ndarray]
     meta: list[np.ndarray]
+    #: per sequence: its rank passed labels
+    has_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def parse_table(

@@ -272,12 +272,16 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         # is its members' encoder share plus its LLM time: of the plans with that share in each
         # group's time and on the LLM cost alone, the faster under that sum
         shares = [enc_seq, None]
-    layouts = [
-        plan_layout(
-            lengths, step.seq_src, world, handle.max_tokens_per_rank, cost, handle.context_parallel, e
-        )
-        for e in shares
-    ]
+    layouts, refusals = [], []
+    for e in shares:  # the plans that fit (the encoder's share may leave none with it, one without)
+        try:
+            layouts.append(plan_layout(
+                lengths, step.seq_src, world, handle.max_tokens_per_rank, cost, handle.context_parallel, e
+            ))  # fmt: skip
+        except ValueError as exc:
+            refusals.append(exc)
+    if not layouts:
+        raise refusals[0]
     layout = layouts[0]
     if len(layouts) > 1:
         layout = min(
