@@ -18,6 +18,7 @@ from types import ModuleType
 from mmbalance.bench.harness import HelpFormatter, fresh_path, usage_error
 
 BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf", "sampler", "cp")
+DEVICE_BENCHES = ("varlen", "attention", "hf")  # the benchmarks that take --device
 
 
 def load_benchmark(name: str) -> ModuleType:
@@ -97,6 +98,8 @@ def _bench(args: argparse.Namespace) -> int:
             real = (["--real"] if args.real and name == "cp" else []) + (
                 ["--vlm"] if args.vlm and name == "cp" else []
             )
+            if args.device and name in DEVICE_BENCHES:
+                real += ["--device", args.device]
             load_benchmark(name).main(extra + real + ["--json", json_path])
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - one failing benchmark does not stop the rest
             if isinstance(exc, SystemExit) and not exc.code:
@@ -211,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         "--vlm",
         action="store_true",
         help="cp: vision-language data (long videos, image documents) against static CP and pre-embedding",
+    )
+    b.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="attention, varlen: the device to measure on; hf: one end-to-end training step on it",
     )
     b.set_defaults(func=_bench)
     args = p.parse_args(argv)

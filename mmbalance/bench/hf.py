@@ -1,6 +1,8 @@
-"""Encoder balancing of a Hugging Face model: its per-step overhead against the encoder's own time.
+"""Hugging Face models: encoder balancing's overhead against the encoder, or (``--device``) one
+end-to-end training step with ``mmbalance_varlen`` against the stock attention.
 
     python -m mmbalance.bench.hf [--world 2] [--steps 8] [--json FILE]
+    mmbalance bench hf --device cuda        # the end-to-end step (bench/hf_step.py)
 
 A Qwen2-VL (random weights, built from a config: no download) trains on ``--world`` ranks with a
 skewed batch (rank 0 several large images, the others one small image each), balanced with
@@ -21,6 +23,7 @@ import time
 
 import numpy as np
 
+from . import hf_step
 from .harness import Row, base_parser, device_name, report, spawn
 
 CONFIGS = {
@@ -156,16 +159,53 @@ def bench(world: int, steps: int, configs) -> list[Row]:
 def main(argv=None) -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, help="steps per case (default 8; with --device 5, --quick 2)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="run one end-to-end training step on this device instead (mmbalance_varlen against sdpa and "
+        "flash_attention_2; bench/hf_step.py)",
+    )
+    p.add_argument("--step-config", choices=sorted(hf_step.CONFIGS), help="with --device: the model (default: "
+                   "tiny on cpu, qwen2vl-2b on cuda)")  # fmt: skip
+    p.add_argument(
+        "--tokens", type=int, help="with --device: tokens per step (default 1024 on cpu, 16384 on cuda)"
+    )
+    p.add_argument(
+        "--max-length", type=int, help="with --device: the longest example (default 4096 on cuda, 256 on cpu)"
+    )
     args = p.parse_args(argv)
     try:
         import transformers  # noqa: F401
     except ImportError:
         print('mmbalance bench hf needs transformers (pip install "mmbalance[hf]"); skipped')
         return
+    if args.device is not None:
+        cuda = args.device == "cuda"
+        if cuda:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise SystemExit("bench.hf: --device cuda, but torch sees no CUDA device")
+        cfg = hf_step.StepConfig(
+            config=args.step_config or ("qwen2vl-2b" if cuda else "tiny"),
+            device=args.device,
+            tokens=args.tokens if args.tokens is not None else (16384 if cuda else 1024),
+            max_length=args.max_length if args.max_length is not None else (4096 if cuda else 256),
+            steps=args.steps if args.steps is not None else (2 if args.quick else 5),
+        )
+        if cfg.tokens < 1 or cfg.max_length < 8 or cfg.steps < 1:
+            raise SystemExit("bench.hf: --tokens and --steps must be >= 1 and --max-length >= 8")
+        report(
+            hf_step.bench(cfg),
+            args.json,
+            f"one training step on {args.device}: {cfg.config}, ~{cfg.tokens} tokens",
+        )
+        return
+    steps = args.steps or 8
     configs = ["tiny", "video"] if args.quick else ["tiny", "small", "video"]
     report(
-        bench(args.world, max(2, args.steps // 2) if args.quick else args.steps, configs),
+        bench(args.world, max(2, steps // 2) if args.quick else steps, configs),
         args.json,
         "encoder balancing of a Hugging Face Qwen2-VL: overhead (plan + two all-to-alls) vs the encoder",
     )

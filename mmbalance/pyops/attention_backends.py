@@ -2,10 +2,14 @@
 
 A call is described by one frozen dataclass, ``AttentionInputs`` for the block ops (shapes, dtype,
 device and the features the call uses) and ``MergeInputs`` for the merge, and every backend's
-``not_supported_reasons`` reads it (xformers' ``Inputs``). Three backends run the block ops, in
+``not_supported_reasons`` reads it (xformers' ``Inputs``). Four backends run the block ops, in
 ``"auto"``'s order of preference: flash-attn (CUDA, when installed and the call is one it supports:
-``flash_attn_unsupported_reasons`` says why not), the Triton kernels (CUDA, or CPU tensors under
-``TRITON_INTERPRET=1``; not float64) and the torch reference, which runs everything; the merge has
+``flash_attn_unsupported_reasons`` says why not), ``torch_flash`` (torch's own FlashAttention
+varlen kernels, which every CUDA wheel of torch ships: ``aten::_flash_attention_forward`` and
+``_backward``, FlashAttention-2 on sm_80 and newer, or FlashAttention-3/4 where torch has activated
+one: :func:`torch_flash_impl`), the Triton kernels (CUDA, or CPU tensors under
+``TRITON_INTERPRET=1``; not float64; they run what no FlashAttention can: softcap, sinks, LSE
+gradients, float32, position runs) and the torch reference, which runs everything; the merge has
 the last two. The choice goes through :func:`mmbalance.kernels.dispatch.select_backend`, so a forced
 backend that cannot run a call raises with the call and the reasons, a call no backend can run
 raises with every backend and its reasons, and ``MMBALANCE_ATTN_BACKEND`` forces one for a whole
@@ -28,6 +32,10 @@ __all__ = [
     "AttentionInputs",
     "MergeInputs",
     "flash_attn_unsupported_reasons",
+    "torch_flash_unsupported_reasons",
+    "torch_flash_impl",
+    "torch_flash_fwd",
+    "torch_flash_bwd",
     "triton_attention_reasons",
     "ATTENTION_BACKENDS",
     "MERGE_BACKENDS",
@@ -202,6 +210,86 @@ def flash_attn_unsupported_reasons(inputs: AttentionInputs) -> list[str]:
     return reasons
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_flash_ops() -> tuple | None:
+    """torch's FlashAttention forward and backward ops with a sliding window (torch >= 2.11), or
+    ``None``."""
+    try:
+        fwd = torch.ops.aten._flash_attention_forward.default
+        bwd = torch.ops.aten._flash_attention_backward.default
+    except (AttributeError, RuntimeError):  # pragma: no cover - torch without the ops
+        return None
+    names = {a.name for a in fwd._schema.arguments} & {a.name for a in bwd._schema.arguments}
+    if not {"window_size_left", "window_size_right", "scale"} <= names:
+        return None
+    return fwd, bwd
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``, ``None`` without a CUDA device (one place, so
+    tests can fake it)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _flash_built() -> bool:
+    """Whether this torch was built with its FlashAttention kernels (CUDA wheels are)."""
+    return bool(torch.backends.cuda.is_flash_attention_available())
+
+
+def torch_flash_impl() -> str:
+    """Which FlashAttention torch's kernels run: ``"FA2"`` (the one every CUDA wheel builds in), or
+    ``"FA3"``/``"FA4"`` where ``torch.nn.attention.activate_flash_attention_impl`` has installed
+    it."""
+    current = getattr(torch.nn.attention, "current_flash_attention_impl", None)
+    name = current() if callable(current) else None
+    return str(name) if name else "FA2"
+
+
+def torch_flash_unsupported_reasons(inputs: AttentionInputs) -> list[str]:
+    """Why torch's FlashAttention varlen kernels cannot run this block call (empty list: they can).
+
+    Like flash-attn they align causal masks and windows bottom-right per sequence, so masks need
+    identical query and key boundaries without offsets or position runs; and they have no softcap,
+    no sinks and no gradient of the LSE (the Triton kernels run those)."""
+    if inputs.device.type != "cuda":
+        return ["torch's FlashAttention kernels need CUDA tensors"]
+    reasons = []
+    if _torch_flash_ops() is None:
+        reasons.append(
+            f"torch {torch.__version__} has no varlen FlashAttention ops with a sliding window "
+            "(aten::_flash_attention_forward/backward with window_size_left/right: torch >= 2.11)"
+        )
+    elif not _flash_built():
+        reasons.append(f"torch {torch.__version__} was built without its FlashAttention kernels")
+    capability = _capability(inputs.device)
+    if capability is None:
+        reasons.append("no CUDA device is available")
+    elif capability[0] < 8:
+        reasons.append(
+            f"torch's FlashAttention needs sm_80 or newer, the device is sm_{capability[0]}{capability[1]}"
+        )
+    if inputs.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"torch's FlashAttention takes float16/bfloat16, not {inputs.dtype}")
+    if inputs.head_dim > 256 or inputs.head_dim % 8:
+        reasons.append(
+            f"torch's FlashAttention needs a head dim <= 256 and a multiple of 8, got {inputs.head_dim}"
+        )
+    masked = inputs.causal or inputs.windowed
+    if masked and (inputs.has_runs or inputs.causal_offset != 0 or not inputs.same_cu_seqlens):
+        reasons.append(
+            "torch's FlashAttention has no position runs / causal offset (needs identical cu_seqlens)"
+        )
+    if inputs.softcap > 0:
+        reasons.append("torch's FlashAttention has no softcap")
+    if inputs.has_sinks:
+        reasons.append("torch's FlashAttention has no attention sinks")
+    if inputs.has_dlse:
+        reasons.append("torch's FlashAttention backward takes no gradient of the LSE")
+    return reasons
+
+
 def triton_attention_reasons(inputs: AttentionInputs | MergeInputs) -> list[str]:
     """Why the Triton kernels cannot run this block or merge call (empty list: they can)."""
     reasons = triton_unsupported_reasons(inputs.device)
@@ -217,6 +305,7 @@ def _runs_everything(inputs: object) -> list[str]:
 
 ATTENTION_BACKENDS: tuple[Backend[AttentionInputs], ...] = (
     Backend("flash_attn", flash_attn_unsupported_reasons),
+    Backend("torch_flash", torch_flash_unsupported_reasons),
     Backend("triton", triton_attention_reasons),
     Backend("reference", _runs_everything),
 )
@@ -230,7 +319,8 @@ BACKENDS: tuple[str, ...] = ("auto", *(b.name for b in ATTENTION_BACKENDS))
 
 def select_attention_backend(backend: str, inputs: AttentionInputs) -> str:
     """The backend that runs this block call: ``backend`` when it is a name, otherwise
-    ``MMBALANCE_ATTN_BACKEND``'s, otherwise flash-attn, then Triton, then the reference."""
+    ``MMBALANCE_ATTN_BACKEND``'s, otherwise flash-attn, then torch's FlashAttention, then Triton,
+    then the reference."""
     return select_backend(
         "attention_block", ATTENTION_BACKENDS, backend, inputs, env="MMBALANCE_ATTN_BACKEND"
     )
@@ -289,4 +379,47 @@ def flash_bwd(
     # the private backward's signature changed across 2.x releases: pass what it names
     params = inspect.signature(fn).parameters
     fn(**{name: values[name] for name in params if name in values})
+    return dq.float(), dk.float(), dv.float()
+
+
+# ------------------------------------------------------------------ torch's own FlashAttention path
+def _window_args(window_left: int, window_right: int) -> dict:
+    if window_left < 0 and window_right < 0:
+        return {}
+    return {"window_size_left": int(window_left), "window_size_right": int(window_right)}
+
+
+def torch_flash_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float, causal: bool,
+    window_left: int = -1, window_right: int = -1,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The block forward on torch's FlashAttention varlen kernel: ``out`` in q's dtype and the
+    float32 ``lse [H, Tq]`` with ``-inf`` for rows without keys (this library's convention)."""
+    ops = _torch_flash_ops()
+    assert ops is not None  # selected only where they exist
+    out, lse, _, _, _ = ops[0](
+        q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), 0.0, bool(causal), False,
+        scale=float(scale), **_window_args(window_left, window_right),
+    )  # fmt: skip
+    # FlashAttention marks rows without keys with +inf; this library uses -inf
+    return out, torch.where(lse == math.inf, -math.inf, lse.float()).contiguous()
+
+
+def torch_flash_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+    max_k: int, scale: float, causal: bool, window_left: int = -1, window_right: int = -1,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The block backward on torch's FlashAttention varlen kernel, from any forward's ``out`` and
+    ``lse`` (the kernel recomputes the probabilities from them; a merged LSE, as the ring gives,
+    is right); float32 ``dq``, ``dk``, ``dv``."""
+    ops = _torch_flash_ops()
+    assert ops is not None
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is not read
+    unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = ops[1](
+        dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(),
+        torch.where(lse == -math.inf, math.inf, lse).float().contiguous(), cu_q.to(torch.int32),
+        cu_k.to(torch.int32), int(max_q), int(max_k), 0.0, bool(causal), rng, unused, scale=float(scale),
+        **_window_args(window_left, window_right),
+    )  # fmt: skip
     return dq.float(), dk.float(), dv.float()

@@ -71,6 +71,8 @@ from .attention_backends import (
     flash_fwd,
     select_attention_backend,
     select_merge_backend,
+    torch_flash_bwd,
+    torch_flash_fwd,
 )
 from .attention_checks import (
     check_block_args,
@@ -145,6 +147,10 @@ def _attention_block_fwd_op(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, **window
         )
         return out.to(out_dtype or q.dtype), lse
+    if chosen == "torch_flash":
+        out, lse = torch_flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                   causal, window_left, window_right)  # fmt: skip
+        return out.to(out_dtype or q.dtype), lse
     out = _new_output(q.shape, out_dtype or q.dtype, q.device)
     lse = _new_output((q.shape[1], q.shape[0]), torch.float32, q.device)
     sinks32 = None if sinks is None else sinks.to(torch.float32).contiguous()
@@ -209,6 +215,9 @@ def _attention_block_bwd_op(
     if chosen == "flash_attn":
         return flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, causal, **window)  # fmt: skip
+    if chosen == "torch_flash":
+        return torch_flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal, window_left, window_right)  # fmt: skip
     grads = (
         _new_output(q.shape, torch.float32, q.device),
         _new_output(k.shape, torch.float32, q.device),

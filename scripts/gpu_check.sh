@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Everything a GPU machine should run, in at most 8 minutes, with the machine's own torch and no
+# network access:
+#
+#   OUT=/some/folder scripts/gpu_check.sh        # from anywhere; JSON rows and logs to $OUT when set
+#
+# 1. install the checkout without touching torch: no dependencies, no build isolation (the core is
+#    compiled with the machine's pybind11 and setuptools); wheels found in .gpu_wheels/ first, also
+#    without dependencies (a transformers >= 5.18 where the machine's is older: fetch it here with
+#    `pip download --no-deps -d .gpu_wheels "transformers>=5.18"` and carry the folder);
+# 2. `pytest -m gpu tests` (kernels, ops, collectives and the Hugging Face integration);
+# 3. `mmbalance bench attention varlen --quick` on CUDA (TFLOP/s against SDPA and flash-attn,
+#    bandwidth against a copy);
+# 4. `mmbalance bench hf --device cuda`: one training step of Qwen2-VL-2B's language model,
+#    mmbalance_varlen against sdpa (and flash_attention_2 where installed).
+#
+# Every part runs under its own time limit and the script goes on after a failure, so one run
+# gives every figure it can; it exits 1 when any part failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-$(mktemp -d)}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+start=$(date +%s)
+failed=()
+part() { echo; echo "== $1 ($(($(date +%s) - start)) s)"; }
+
+part "install the checkout (torch untouched)"
+if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
+  "$py" -m pip install -q --no-deps --no-index .gpu_wheels/*.whl || failed+=("carried wheels")
+fi
+torch_before=$("$py" -c "import torch; print(torch.__version__)")
+if ! "$py" -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1; then
+  tail -20 "$out/install.log"
+  failed+=("install")
+fi
+torch_after=$("$py" -c "import torch; print(torch.__version__)")
+[ "$torch_before" = "$torch_after" ] || { echo "torch changed: $torch_before -> $torch_after"; failed+=("torch kept"); }
+"$py" - << 'EOF' | tee "$out/environment.txt"
+import torch, triton
+import mmbalance._core  # noqa: F401 - the compiled core built
+from mmbalance.pyops.attention_backends import torch_flash_impl
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}")
+print(f"device {torch.cuda.get_device_name(0)}, sm_{''.join(map(str, torch.cuda.get_device_capability(0)))}")
+print(f"torch's FlashAttention: {torch_flash_impl()}")
+try:
+    import transformers
+    print(f"transformers {transformers.__version__}")
+except ImportError:
+    print("transformers: not installed")
+try:
+    import flash_attn
+    print(f"flash-attn {flash_attn.__version__}")
+except ImportError:
+    print("flash-attn: not installed")
+EOF
+
+part "pytest -m gpu tests"
+timeout 200 "$py" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
+  > "$out/gpu-tests.log" 2>&1 || failed+=("pytest -m gpu")
+tail -15 "$out/gpu-tests.log"
+
+part "mmbalance bench attention varlen --quick --device cuda"
+timeout 130 "$py" -m mmbalance.cli bench attention varlen --quick --device cuda --json "$out/bench.jsonl" \
+  > "$out/bench-kernels.log" 2>&1 || failed+=("bench attention varlen")
+grep -E "^(attention|varlen|pack|unpack|segment)" "$out/bench-kernels.log" | head -60
+
+part "mmbalance bench hf --device cuda"
+timeout 90 "$py" -m mmbalance.cli bench hf --device cuda --json "$out/bench.jsonl" \
+  > "$out/bench-hf.log" 2>&1 || failed+=("bench hf")
+grep -E "hf_train_step" "$out/bench-hf.log"
+
+part "done"
+echo "rows: $out/bench.jsonl; logs: $out"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed: ${failed[*]}"
+  exit 1
+fi
