@@ -82,6 +82,26 @@ def time_cpu(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 10, min_time
     return times[len(times) // 2]
 
 
+def host_us(fn: Callable[[], Any], device: str = "cpu", calls: int = 200, warmup: int = 20) -> float:
+    """Host time per call in microseconds: ``calls`` calls back to back with no synchronization in
+    between (the device is synchronized before and after, not counted), so on a GPU with a tiny
+    input this is what launching costs the CPU, not the kernel's time. On a CPU it is the call."""
+    cuda = device.startswith("cuda")
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
 def time_fn(fn: Callable[[], Any], device: str = "cpu", **kw) -> float:
     """Median time in ms: ``triton.testing.do_bench`` on CUDA, a perf_counter loop on CPU."""
     if device.startswith("cuda"):

@@ -12,7 +12,8 @@ For every shape each op is timed with three kinds of provider:
 - ``copy``: ``clone`` of a buffer with the same number of bytes read plus written, the achievable
   device bandwidth in the same run.
 
-Reported per row: time, GB/s as (bytes read + bytes written) / time (CUDA only: on a CPU the working
+Reported per row: time, ``host_us`` (mmbalance rows: the host time of one eager call on a tiny
+input, what a call costs the CPU), GB/s as (bytes read + bytes written) / time (CUDA only: on a CPU the working
 sets fit in the last-level cache, so the figure would not be a memory bandwidth), and ``frac_of_copy``, the
 copy's time over the provider's time (the DESIGN.md floor; the target on an H100 is >= 0.9 for the
 mmbalance rows). Sequence lengths come from a named source (``LENGTH_SOURCES``); the default is a
@@ -28,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .harness import Row, base_parser, device_name, report, time_fn
+from .harness import Row, base_parser, device_name, host_us, report, time_fn
 
 # ---------------------------------------------------------------------------------------------
 # lengths sources: name -> f(n_seqs, mean_len, seed) -> int64 array of n_seqs lengths
@@ -189,7 +190,29 @@ def run_config(cfg: Config, device: str, lengths_source: str, seed: int = 0) -> 
         torch.empty(pack_bytes // 2, dtype=torch.uint8, device=device),
         rows,
     )
+    host = host_times(cfg, device)
+    for r in rows:
+        if r.provider == "mmbalance":
+            r.metrics["host_us"] = host[r.op]
     return rows
+
+
+def host_times(cfg: Config, device: str) -> dict[str, float]:
+    """Host time per eager call of each op on a tiny input (4 segments of a few tokens, hidden 64):
+    on a GPU what a call costs the CPU (dispatch, checks, the launch), the kernel's own time being
+    negligible there."""
+    import mmbalance.pyops as P
+
+    seqlens = torch.tensor([3, 8, 0, 5], device=device)
+    cu = P.cu_seqlens_from_lengths(seqlens)
+    packed = torch.randn(16, 64, device=device).to(cfg.dtype)
+    padded = P.unpack(packed, cu, 8)
+    order = torch.tensor([2, 0, 3, 1], device=device)
+    return {
+        "pack": host_us(lambda: P.pack(padded, seqlens, 16), device),
+        "unpack": host_us(lambda: P.unpack(packed, cu, 8), device),
+        "segment_gather": host_us(lambda: P.segment_gather(packed, cu, order, 16), device),
+    }
 
 
 def plot(rows: list[Row], path: str) -> None:

@@ -36,7 +36,7 @@ from mmbalance.kernels import varlen as _kernels
 from mmbalance.kernels.dispatch import use_triton
 
 from . import varlen_ref as _ref
-from .checks import value_checks_enabled
+from .checks import debug_enabled, value_checks_enabled
 
 __all__ = [
     "pack",
@@ -59,11 +59,48 @@ def _new_output(like: Tensor, shape: tuple) -> Tensor:
 def _rows(x: Tensor, lead: int) -> Tensor:
     """``x`` as ``[*x.shape[:lead], row_elems]`` with last stride 1 (copies only when the trailing
     dims cannot be flattened or the last one is strided); bool viewed as uint8 for the kernel."""
-    row_elems = math.prod(x.shape[lead:])
-    y = x.reshape(*x.shape[:lead], row_elems)
-    if row_elems > 1 and y.stride(-1) != 1:
-        y = y.contiguous()
+    if x.dim() == lead + 1 and (x.stride(-1) == 1 or x.shape[-1] <= 1):
+        y = x  # already rows (the usual case): no reshape to pay for
+    else:
+        row_elems = math.prod(x.shape[lead:])
+        y = x.reshape(*x.shape[:lead], row_elems)
+        if row_elems > 1 and y.stride(-1) != 1:
+            y = y.contiguous()
     return y.view(torch.uint8) if y.dtype == torch.bool else y
+
+
+# Eager calls on plain CUDA tensors run their kernel straight, through :class:`_Direct` for
+# autograd, instead of through ``torch.ops`` dispatch: the dispatch of a Python custom op costs tens
+# of microseconds of host time, several times these kernels' own time on small inputs. The custom
+# ops stay what ``torch.compile``, fake tensors, tensor subclasses and ``MMBALANCE_DEBUG`` (its
+# value checks) go through; both run the same implementation and the same checks.
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _direct(x) -> bool:
+    """Whether a call on ``x`` runs its kernel straight (see above)."""
+    return type(x) in _PLAIN and x.is_cuda and not torch.compiler.is_compiling() and not debug_enabled()
+
+
+class _Direct(torch.autograd.Function):
+    """Autograd of a direct call: the op's implementation forward, its registered backward."""
+
+    @staticmethod
+    def forward(ctx, impl, setup, backward, *args):
+        out = impl(*args)
+        setup(ctx, args, out)
+        ctx.backward_fn = backward
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, None, *ctx.backward_fn(ctx, grad))
+
+
+def _call_direct(impl, setup, backward, *args):
+    if torch.is_grad_enabled() and args[0].requires_grad:
+        return _Direct.apply(impl, setup, backward, *args)
+    return impl(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,8 +117,7 @@ def _check_pack(padded, seqlens, total_tokens) -> None:
     _ref.check_size("total_tokens", total_tokens)
 
 
-@torch.library.custom_op("mmbalance::pack", mutates_args=())
-def _pack_op(padded: Tensor, seqlens: Tensor, total_tokens: int) -> Tensor:
+def _pack_impl(padded: Tensor, seqlens: Tensor, total_tokens: int) -> Tensor:
     _check_pack(padded, seqlens, total_tokens)
     if value_checks_enabled(padded):
         _ref.check_lengths_values("seqlens", seqlens)
@@ -100,6 +136,11 @@ def _pack_op(padded: Tensor, seqlens: Tensor, total_tokens: int) -> Tensor:
     return out
 
 
+@torch.library.custom_op("mmbalance::pack", mutates_args=())
+def _pack_op(padded: Tensor, seqlens: Tensor, total_tokens: int) -> Tensor:
+    return _pack_impl(padded, seqlens, total_tokens)
+
+
 @_pack_op.register_fake
 def _pack_fake(padded, seqlens, total_tokens):
     _check_pack(padded, seqlens, total_tokens)
@@ -115,7 +156,7 @@ def _pack_setup(ctx, inputs, output):
 def _pack_backward(ctx, grad):
     (seqlens,) = ctx.saved_tensors
     cu = _ref.exclusive_cumsum(seqlens, seqlens.dtype)
-    return torch.ops.mmbalance.unpack(grad, cu, ctx.max_len, 0.0), None, None
+    return unpack(grad, cu, ctx.max_len, 0.0), None, None
 
 
 torch.library.register_autograd("mmbalance::pack", _pack_backward, setup_context=_pack_setup)
@@ -138,6 +179,8 @@ def pack(padded: Tensor, seqlens: Tensor, total_tokens: int) -> Tensor:
     run on CPU always and on CUDA with ``MMBALANCE_DEBUG=1``. Backward: ``unpack`` of the gradient.
     """
     _ref.check_size("total_tokens", total_tokens)
+    if _direct(padded):
+        return _call_direct(_pack_impl, _pack_setup, _pack_backward, padded, seqlens, total_tokens)
     return torch.ops.mmbalance.pack(padded, seqlens, total_tokens)
 
 
@@ -152,8 +195,7 @@ def _check_unpack(packed, cu_seqlens, max_seqlen, pad_value) -> None:
     _ref.check_pad_value(pad_value, packed.dtype)
 
 
-@torch.library.custom_op("mmbalance::unpack", mutates_args=())
-def _unpack_op(packed: Tensor, cu_seqlens: Tensor, max_seqlen: int, pad_value: float = 0.0) -> Tensor:
+def _unpack_impl(packed: Tensor, cu_seqlens: Tensor, max_seqlen: int, pad_value: float = 0.0) -> Tensor:
     _check_unpack(packed, cu_seqlens, max_seqlen, pad_value)
     if value_checks_enabled(packed):
         _ref.check_cu_seqlens_values("cu_seqlens", cu_seqlens, packed.shape[0], "packed.shape[0]")
@@ -170,6 +212,11 @@ def _unpack_op(packed: Tensor, cu_seqlens: Tensor, max_seqlen: int, pad_value: f
     return out
 
 
+@torch.library.custom_op("mmbalance::unpack", mutates_args=())
+def _unpack_op(packed: Tensor, cu_seqlens: Tensor, max_seqlen: int, pad_value: float = 0.0) -> Tensor:
+    return _unpack_impl(packed, cu_seqlens, max_seqlen, pad_value)
+
+
 @_unpack_op.register_fake
 def _unpack_fake(packed, cu_seqlens, max_seqlen, pad_value=0.0):
     _check_unpack(packed, cu_seqlens, max_seqlen, pad_value)
@@ -184,7 +231,7 @@ def _unpack_setup(ctx, inputs, output):
 
 def _unpack_backward(ctx, grad):
     (cu,) = ctx.saved_tensors
-    return torch.ops.mmbalance.pack(grad, cu[1:] - cu[:-1], ctx.total), None, None, None
+    return pack(grad, cu[1:] - cu[:-1], ctx.total), None, None, None
 
 
 torch.library.register_autograd("mmbalance::unpack", _unpack_backward, setup_context=_unpack_setup)
@@ -210,6 +257,9 @@ def unpack(packed: Tensor, cu_seqlens: Tensor, max_seqlen: int, pad_value: float
     _ref.check_size("max_seqlen", max_seqlen)
     if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
         raise TypeError(f"pad_value must be a float, got {type(pad_value).__name__}")
+    if _direct(packed):
+        return _call_direct(_unpack_impl, _unpack_setup, _unpack_backward, packed, cu_seqlens, max_seqlen,
+                            float(pad_value))  # fmt: skip
     return torch.ops.mmbalance.unpack(packed, cu_seqlens, max_seqlen, float(pad_value))
 
 
@@ -230,8 +280,7 @@ def _check_segment_values(cu_seqlens, order, packed_tokens, packed_name, out_tok
     _ref.check_order_total(order, cu_seqlens, out_tokens, out_name)
 
 
-@torch.library.custom_op("mmbalance::segment_gather", mutates_args=())
-def _segment_gather_op(packed: Tensor, cu_seqlens: Tensor, order: Tensor, out_tokens: int) -> Tensor:
+def _segment_gather_impl(packed: Tensor, cu_seqlens: Tensor, order: Tensor, out_tokens: int) -> Tensor:
     _check_segments(packed, "packed", cu_seqlens, order, out_tokens, "out_tokens")
     if value_checks_enabled(packed):
         _check_segment_values(cu_seqlens, order, packed.shape[0], "packed.shape[0]", out_tokens, "out_tokens")
@@ -239,9 +288,14 @@ def _segment_gather_op(packed: Tensor, cu_seqlens: Tensor, order: Tensor, out_to
         return _ref.segment_gather_ref(packed, cu_seqlens, order, out_tokens)
     out = _new_output(packed, (out_tokens, *packed.shape[1:]))
     cu = cu_seqlens.contiguous()
-    dst_cu = _ref.exclusive_cumsum((cu[1:] - cu[:-1])[order.long()], cu.dtype)
+    dst_cu = _ref.exclusive_cumsum(cu.diff().index_select(0, order), cu.dtype)
     _kernels.segment_gather_fwd(_rows(packed, 1), cu, dst_cu, order.contiguous(), _rows(out, 1))
     return out
+
+
+@torch.library.custom_op("mmbalance::segment_gather", mutates_args=())
+def _segment_gather_op(packed: Tensor, cu_seqlens: Tensor, order: Tensor, out_tokens: int) -> Tensor:
+    return _segment_gather_impl(packed, cu_seqlens, order, out_tokens)
 
 
 @_segment_gather_op.register_fake
@@ -250,8 +304,7 @@ def _segment_gather_fake(packed, cu_seqlens, order, out_tokens):
     return packed.new_empty((out_tokens, *packed.shape[1:]))
 
 
-@torch.library.custom_op("mmbalance::segment_scatter", mutates_args=())
-def _segment_scatter_op(src: Tensor, cu_seqlens: Tensor, order: Tensor, total_tokens: int) -> Tensor:
+def _segment_scatter_impl(src: Tensor, cu_seqlens: Tensor, order: Tensor, total_tokens: int) -> Tensor:
     _check_segments(src, "src", cu_seqlens, order, total_tokens, "total_tokens")
     if value_checks_enabled(src):
         _check_segment_values(cu_seqlens, order, total_tokens, "total_tokens", src.shape[0], "src.shape[0]")
@@ -259,10 +312,15 @@ def _segment_scatter_op(src: Tensor, cu_seqlens: Tensor, order: Tensor, total_to
         return _ref.segment_scatter_ref(src, cu_seqlens, order, total_tokens)
     out = _new_output(src, (total_tokens, *src.shape[1:]))
     cu = cu_seqlens.contiguous()
-    src_cu = _ref.exclusive_cumsum((cu[1:] - cu[:-1])[order.long()], cu.dtype)
+    src_cu = _ref.exclusive_cumsum(cu.diff().index_select(0, order), cu.dtype)
     where = _inverse(order, cu.shape[0] - 1)
     _kernels.segment_gather_fwd(_rows(src, 1), src_cu, cu, where, _rows(out, 1))
     return out
+
+
+@torch.library.custom_op("mmbalance::segment_scatter", mutates_args=())
+def _segment_scatter_op(src: Tensor, cu_seqlens: Tensor, order: Tensor, total_tokens: int) -> Tensor:
+    return _segment_scatter_impl(src, cu_seqlens, order, total_tokens)
 
 
 @_segment_scatter_op.register_fake
@@ -279,12 +337,12 @@ def _segments_setup(ctx, inputs, output):
 
 def _segment_gather_backward(ctx, grad):
     cu, order = ctx.saved_tensors
-    return torch.ops.mmbalance.segment_scatter(grad, cu, order, ctx.in_tokens), None, None, None
+    return segment_scatter(grad, cu, order, ctx.in_tokens), None, None, None
 
 
 def _segment_scatter_backward(ctx, grad):
     cu, order = ctx.saved_tensors
-    return torch.ops.mmbalance.segment_gather(grad, cu, order, ctx.in_tokens), None, None, None
+    return segment_gather(grad, cu, order, ctx.in_tokens), None, None, None
 
 
 torch.library.register_autograd(
@@ -314,6 +372,9 @@ def segment_gather(packed: Tensor, cu_seqlens: Tensor, order: Tensor, out_tokens
     always and on CUDA with ``MMBALANCE_DEBUG=1``. Backward: :func:`segment_scatter`.
     """
     _ref.check_size("out_tokens", out_tokens)
+    if _direct(packed):
+        return _call_direct(_segment_gather_impl, _segments_setup, _segment_gather_backward, packed, cu_seqlens,
+                            order, out_tokens)  # fmt: skip
     return torch.ops.mmbalance.segment_gather(packed, cu_seqlens, order, out_tokens)
 
 
@@ -330,6 +391,9 @@ def segment_scatter(src: Tensor, cu_seqlens: Tensor, order: Tensor, total_tokens
         ``[total_tokens, *]``; segments not in ``order`` are zero (the gather's adjoint).
     """
     _ref.check_size("total_tokens", total_tokens)
+    if _direct(src):
+        return _call_direct(_segment_scatter_impl, _segments_setup, _segment_scatter_backward, src, cu_seqlens,
+                            order, total_tokens)  # fmt: skip
     return torch.ops.mmbalance.segment_scatter(src, cu_seqlens, order, total_tokens)
 
 

@@ -129,9 +129,8 @@ def check_order_total(order: Tensor, cu: Tensor, out_tokens: int, out_name: str)
 
 
 def exclusive_cumsum(lengths: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[0, l0, l0 + l1, ...]`` (``n + 1`` entries) in ``dtype``."""
-    zero = torch.zeros(1, dtype=dtype, device=lengths.device)
-    return torch.cat([zero, torch.cumsum(lengths, 0, dtype=dtype)])
+    """``[0, l0, l0 + l1, ...]`` (``n + 1`` entries) in ``dtype`` (two kernels on a GPU)."""
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=dtype), (1, 0))
 
 
 def segment_ids(lengths: Tensor, total: int) -> Tensor:

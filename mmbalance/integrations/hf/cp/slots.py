@@ -19,6 +19,7 @@ happens here.
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -147,7 +148,8 @@ def _exhaustive(
             slots[i] = -1
         return False
 
-    depth, frame = 0, sys._getframe()
+    depth = 0
+    frame: types.FrameType | None = sys._getframe()
     while frame is not None:  # the frames already on the stack, then one an example
         depth, frame = depth + 1, frame.f_back
     limit = sys.getrecursionlimit()
