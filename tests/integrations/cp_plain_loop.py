@@ -43,8 +43,9 @@ def tiny_model(attn: str):
     """The run's tiny model. Families with attention features: mistral16 (a window of 16 on every
     layer, shorter than the zigzag chunks of the long sequence), mistral (its default window of
     4096: plain causal attention here), gemma2 (window 16 on alternate layers, logit softcap 2),
-    gemma3 (a local layer of window 16 and a global one), gptoss (window 16 on alternate layers and
-    a sink per head), qwen2sw (Qwen2's use_sliding_window on its upper layer)."""
+    gemma3 (a local layer of window 16 and a global one), cohere2 (the same mix; RoPE on the local
+    layer only), gptoss (window 16 on alternate layers and a sink per head), qwen2sw (Qwen2's
+    use_sliding_window on its upper layer)."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -62,6 +63,8 @@ def tiny_model(attn: str):
         "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig,
                    {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 8,
                     "layer_types": ["sliding_attention", "full_attention"]}),
+        "cohere2": (tf.Cohere2ForCausalLM, tf.Cohere2Config,
+                    {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}),
         "gptoss": (tf.GptOssForCausalLM, tf.GptOssConfig,
                    {"head_dim": 8, "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),

@@ -50,7 +50,7 @@ def test_plain_loop_matches_one_process_reference_on_4_ranks():
 
 
 FEATURE_RUNS = ["mistral16:packed:long", "mistral:padded:long", "gemma2:packed:long", "gemma3:padded:long",
-                "gptoss:packed:long", "qwen2sw:padded:long"]  # fmt: skip
+                "cohere2:packed:long", "gptoss:packed:long", "qwen2sw:padded:long"]  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -58,8 +58,8 @@ def test_windows_softcap_and_sinks_match_the_reference_on_4_ranks():
     """Every attention feature under the ring, each run with one sequence split over 3 ranks:
     Mistral with a window of 16 (shorter than the zigzag chunks, so the ring skips key shards) and
     with its default window (4096: plain causal attention), Gemma 2 (window on alternate layers and
-    logit softcap), Gemma 3 (a local and a global layer), gpt-oss (window and a sink per head) and
-    Qwen2's use_sliding_window; loss and summed gradients against every sequence alone through the
+    logit softcap), Gemma 3 and Cohere2 (a local and a global layer), gpt-oss (window and a sink per
+    head) and Qwen2's use_sliding_window; loss and summed gradients against every sequence alone through the
     stock eager attention."""
     out = launch(SCRIPT, *FEATURE_RUNS, nproc=4, timeout=600)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
