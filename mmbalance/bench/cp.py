@@ -342,9 +342,7 @@ def summary_table(results: list[ConfigResult]) -> str:
     for r in results:
         mean = {s: float(r.step[s].mean()) if r.feasible(s) else math.nan for s in SCHEMES}
         best = r.best_static()
-        cells = " | ".join(
-            ms_cell(mean[s]) + (" *" if s == best else "") for s in SCHEMES[: len(STATIC_DEGREES)]
-        )
+        cells = cp_schemes.static_cells(mean, best, STATIC_DEGREES)
         ours = mean["mmbalance"]
         vs_s = f"{mean[best] / ours:.2f}x" if best else "-"
         hyb = [mean[h] for h in HYBRIDS if math.isfinite(mean[h])]

@@ -314,3 +314,12 @@ def ours(
     group_of = plan.group_of(lengths.size)
     degree = np.array([grp.degree for grp in plan], dtype=np.int64)
     return Schedule("mmbalance", (Round(degree, group_of),)), plan
+
+
+def static_cells(mean: dict[str, float], best: str | None, degrees) -> str:
+    """The summary tables' cells of the static degrees: each one's mean step (ms; ``-`` where it
+    cannot run), the best one starred."""
+    from .harness import ms_cell
+
+    names = [f"static_cp{c}" for c in degrees]
+    return " | ".join(ms_cell(mean[s]) + (" *" if s == best else "") for s in names)

@@ -176,9 +176,7 @@ def summary_table(results: list[WindowResult]) -> str:
     for r in results:
         mean = {s: float(r.step[s].mean()) if r.feasible(s) else math.nan for s in SCHEMES}
         best = r.best_static()
-        cells = " | ".join(
-            ms_cell(mean[s]) + (" *" if s == best else "") for s in SCHEMES[: len(STATIC_DEGREES)]
-        )
+        cells = cp_schemes.static_cells(mean, best, STATIC_DEGREES)
         vs = f"{mean[best] / mean['mmbalance']:.2f}x" if best else "-"
         lines.append(
             f"| {r.dataset} | {r.world} | {r.memory_per_rank} | {cells} | {ms_cell(mean['mmbalance_causal_plan'])} "

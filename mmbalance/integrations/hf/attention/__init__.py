@@ -8,6 +8,7 @@ registration, and the keyword through which a context-parallel shard runs a call
 
 from .backend import (
     CP_KEYWORD,
+    logit_features,
     register_attention,
     register_shard_attention,
     varlen_attention,
@@ -20,6 +21,7 @@ __all__ = [
     "CP_KEYWORD",
     "FullgraphUnsupported",
     "VarlenMask",
+    "logit_features",
     "outside_graph",
     "register_attention",
     "register_shard_attention",

@@ -57,6 +57,7 @@ from .plan import BlockPlan, plan_with_mask, plan_without_mask, refuse, rows_pla
 __all__ = [
     "ATTENTION_NAME",
     "CP_KEYWORD",
+    "logit_features",
     "register_attention",
     "register_shard_attention",
     "varlen_attention",
@@ -69,6 +70,26 @@ __all__ = [
 #: (:func:`register_shard_attention`; dynamic context parallelism registers its shard's ring)
 CP_KEYWORD = "mmbalance_cp"
 _SHARD_RUNNERS: dict[type, Callable[..., tuple[Tensor, None]]] = {}
+
+
+def logit_features(kwargs: dict, heads: int) -> dict:
+    """The block ops' ``softcap`` and ``sinks`` keywords of a call (Gemma 2's ``softcap``, gpt-oss'
+    ``s_aux``); a ValueError names the backend when the sinks are not one logit per query head."""
+    out: dict[str, Any] = {}
+    softcap = kwargs.get("softcap")
+    if softcap is not None and softcap > 0:
+        out["softcap"] = float(softcap)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or tuple(sinks.shape) != (heads,):
+            got = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+            raise ValueError(
+                f"{ATTENTION_NAME}: s_aux must have one logit per query head ({heads}), got {got}"
+            )
+        out["sinks"] = sinks
+    return out
 
 
 def register_shard_attention(kind: type, run: Callable[..., tuple[Tensor, None]]) -> None:
@@ -209,21 +230,9 @@ def varlen_attention(
             "own mask function from register_attention()"
         )
 
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = logit_features(kwargs, h)
     if plan.window != (-1, -1):
         extra.update(window_left=plan.window[0], window_right=plan.window[1])
-    softcap = kwargs.get("softcap")
-    if softcap is not None and softcap > 0:
-        extra["softcap"] = float(softcap)
-    sinks = kwargs.get("s_aux")
-    if sinks is None:
-        sinks = kwargs.get("sinks")
-    if sinks is not None:
-        if sinks.shape != (h,):
-            raise ValueError(
-                f"{ATTENTION_NAME}: s_aux must have one logit per query head ({h}), got {tuple(sinks.shape)}"
-            )
-        extra["sinks"] = sinks
 
     width = max(d, dv)  # MLA: value head dim != query head dim -> pad to one width, crop after
     q = query.transpose(1, 2).reshape(b * lq, h, d)

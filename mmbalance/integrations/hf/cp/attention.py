@@ -27,7 +27,7 @@ from torch import Tensor
 from mmbalance.collectives.ring import ring_attention
 from mmbalance.pyops.attention_ops import attention_block
 
-from ..attention import ATTENTION_NAME, VarlenMask, outside_graph, register_shard_attention
+from ..attention import ATTENTION_NAME, VarlenMask, logit_features, outside_graph, register_shard_attention
 from .inputs import text_config
 from .shard import MEDIA_KEYWORD, CPShard
 
@@ -91,7 +91,7 @@ def features(attention_mask, kwargs: dict, h: int, longest: int) -> dict:
     call or its mask; left out when the window covers every sequence: plain causal), ``softcap``
     and ``sinks``. Raises ValueError when the call and its mask disagree on the window or the
     sinks do not have one logit per query head."""
-    out: dict = {}
+    out = logit_features(kwargs, h)
     sliding = kwargs.get("sliding_window")
     left = None
     if sliding is not None and sliding > 0:
@@ -106,19 +106,6 @@ def features(attention_mask, kwargs: dict, h: int, longest: int) -> dict:
         left = mask_window[0]
     if left is not None and left < longest - 1:  # else every key of every sequence is in the window
         out["window_left"] = left
-    softcap = kwargs.get("softcap")
-    if softcap is not None and softcap > 0:
-        out["softcap"] = float(softcap)
-    sinks = kwargs.get("s_aux")
-    if sinks is None:
-        sinks = kwargs.get("sinks")
-    if sinks is not None:
-        if not isinstance(sinks, Tensor) or tuple(sinks.shape) != (h,):
-            raise ValueError(
-                f"{ATTENTION_NAME}: s_aux must be one logit per query head ({h}), got "
-                f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__}"
-            )
-        out["sinks"] = sinks
     return out
 
 
