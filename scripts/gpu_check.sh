@@ -11,12 +11,13 @@
 # 2. `pytest -m gpu tests` (kernels, ops, collectives and the Hugging Face integration);
 # 3. `mmbalance bench attention varlen --quick` on CUDA (TFLOP/s against SDPA and flash-attn,
 #    bandwidth against a copy);
-# 4. `mmbalance bench hf --device cuda`: one training step of Qwen2-VL-2B's language model,
-#    mmbalance_varlen against sdpa (and flash_attention_2 where installed).
+# 4. `mmbalance bench hf --device cuda`: one training step of Qwen2-VL-2B's language model on 8k
+#    tokens, mmbalance_varlen against sdpa (and flash_attention_2 where installed).
 #
 # Every part runs under its own time limit and the script goes on after a failure, so one run
 # gives every figure it can; it exits 1 when any part failed.
 set -uo pipefail
+export PYTHONUNBUFFERED=1  # a part cut off by its time limit keeps what it printed
 cd "$(dirname "$0")/.."
 out="${OUT:-$(mktemp -d)}"
 mkdir -p "$out"
@@ -30,7 +31,7 @@ if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
   "$py" -m pip install -q --no-deps --no-index .gpu_wheels/*.whl || failed+=("carried wheels")
 fi
 torch_before=$("$py" -c "import torch; print(torch.__version__)")
-if ! "$py" -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1; then
+if ! timeout 150 "$py" -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1; then
   tail -20 "$out/install.log"
   failed+=("install")
 fi
@@ -56,7 +57,7 @@ except ImportError:
 EOF
 
 part "pytest -m gpu tests"
-timeout 200 "$py" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
+timeout -s INT -k 20 200 "$py" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
   > "$out/gpu-tests.log" 2>&1 || failed+=("pytest -m gpu")
 tail -15 "$out/gpu-tests.log"
 

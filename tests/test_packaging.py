@@ -65,6 +65,11 @@ def dry_run(python: Path, target: Path, report: Path) -> list[str]:
         [str(python), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report), str(target)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    if done.returncode and any(
+        words in done.stderr
+        for words in ("No matching distribution found", "Could not fetch", "NewConnectionError")
+    ):  # the build's own requirements (setuptools, wheel, pybind11) come from the package index
+        pytest.skip(f"the package index is out of reach: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]]
 

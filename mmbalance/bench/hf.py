@@ -169,10 +169,10 @@ def main(argv=None) -> None:
     p.add_argument("--step-config", choices=sorted(hf_step.CONFIGS), help="with --device: the model (default: "
                    "tiny on cpu, qwen2vl-2b on cuda)")  # fmt: skip
     p.add_argument(
-        "--tokens", type=int, help="with --device: tokens per step (default 1024 on cpu, 16384 on cuda)"
+        "--tokens", type=int, help="with --device: tokens per step (default 1024 on cpu, 8192 on cuda)"
     )
     p.add_argument(
-        "--max-length", type=int, help="with --device: the longest example (default 4096 on cuda, 256 on cpu)"
+        "--max-length", type=int, help="with --device: the longest example (default 2048 on cuda, 256 on cpu)"
     )
     args = p.parse_args(argv)
     try:
@@ -190,8 +190,8 @@ def main(argv=None) -> None:
         cfg = hf_step.StepConfig(
             config=args.step_config or ("qwen2vl-2b" if cuda else "tiny"),
             device=args.device,
-            tokens=args.tokens if args.tokens is not None else (16384 if cuda else 1024),
-            max_length=args.max_length if args.max_length is not None else (4096 if cuda else 256),
+            tokens=args.tokens if args.tokens is not None else (8192 if cuda else 1024),
+            max_length=args.max_length if args.max_length is not None else (2048 if cuda else 256),
             steps=args.steps if args.steps is not None else (2 if args.quick else 5),
         )
         if cfg.tokens < 1 or cfg.max_length < 8 or cfg.steps < 1:

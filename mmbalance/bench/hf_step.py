@@ -2,7 +2,7 @@
 examples padded) and ``flash_attention_2`` (packed, where flash-attn is installed).
 
     mmbalance bench hf --device cuda [--quick] [--json FILE]
-    python -m mmbalance.bench.hf --device cuda [--step-config qwen2vl-2b] [--tokens 16384] [--steps 6]
+    python -m mmbalance.bench.hf --device cuda [--step-config qwen2vl-2b] [--tokens 8192] [--steps 5]
 
 The model is the language model of Qwen2-VL-2B (a Qwen2 decoder: hidden 1536, 28 layers, 12 heads
 with 2 key/value heads, MLP 8960, vocabulary 151936: 1.5 B parameters), built from its config with
@@ -10,7 +10,8 @@ random weights in bfloat16 (no download); ``tiny`` (hidden 64, 2 layers, float32
 smoke size. A step is forward, backward and an AdamW step on about ``--tokens`` tokens of
 sequences drawn from the shipped multimodal length distribution (``mmbalance/data/mm_sizes.npz``:
 images, videos and speech, the media's LLM tokens counted as tokens; no pixels: this measures the
-language model's step, where the attention runs), cut at ``--max-length``. Every provider trains
+language model's step, where the attention runs), cut at ``--max-length`` (8192 tokens a step and 2048 a sequence by default on a GPU: about 45 GiB
+packed and 65 GiB padded of an H100's 80, with the 150k-word vocabulary's logits). Every provider trains
 the same examples from the same weights: ``mmbalance_varlen`` and ``flash_attention_2`` on one
 packed row (``DataCollatorWithFlattening``), ``sdpa`` on the examples padded to the longest.
 
@@ -172,7 +173,7 @@ def bench(cfg: StepConfig) -> list[Row]:
 
     register_attention()
     model = _model(cfg)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}  # not on the GPU
     packed, padded, lengths = _batches(cfg, CONFIGS[cfg.config][5])
     tokens, padded_tokens = sum(lengths), len(lengths) * max(lengths)
     results: dict[str, dict] = {}
@@ -183,7 +184,12 @@ def bench(cfg: StepConfig) -> list[Row]:
             skipped[provider] = why
             continue
         batch = padded if provider == "sdpa" else packed
-        results[provider] = run_provider(model, state, provider, batch, cfg)
+        try:
+            results[provider] = run_provider(model, state, provider, batch, cfg)
+        except torch.cuda.OutOfMemoryError:
+            skipped[provider] = f"out of memory at {batch['input_ids'].numel()} tokens a step"
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
     dtype = CONFIGS[cfg.config][6]
     shape = f"{cfg.config}/T{tokens}/S{len(lengths)}"
     dev = device_name(cfg.device)

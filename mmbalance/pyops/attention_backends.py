@@ -210,10 +210,20 @@ def flash_attn_unsupported_reasons(inputs: AttentionInputs) -> list[str]:
     return reasons
 
 
+TORCH_FLASH_MIN = (2, 11)  # the oldest torch whose varlen FlashAttention this backend is written for
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
 @functools.lru_cache(maxsize=1)
 def _torch_flash_ops() -> tuple | None:
-    """torch's FlashAttention forward and backward ops with a sliding window (torch >= 2.11), or
-    ``None``."""
+    """torch's FlashAttention forward and backward ops (torch >= 2.11, the release whose varlen
+    attention takes windows, with the keywords used here), or ``None``."""
+    if _torch_version() < TORCH_FLASH_MIN:
+        return None
     try:
         fwd = torch.ops.aten._flash_attention_forward.default
         bwd = torch.ops.aten._flash_attention_backward.default
@@ -225,10 +235,11 @@ def _torch_flash_ops() -> tuple | None:
     return fwd, bwd
 
 
+@functools.lru_cache(maxsize=16)
 def _capability(device: torch.device) -> tuple[int, int] | None:
-    """The CUDA compute capability of ``device``, ``None`` without a CUDA device (one place, so
-    tests can fake it)."""
-    if not torch.cuda.is_available():
+    """The CUDA compute capability of ``device``, ``None`` without a CUDA device or on ROCm (one
+    place, cached: the reasons are read at every call; tests fake it)."""
+    if not torch.cuda.is_available() or torch.version.hip:
         return None
     return torch.cuda.get_device_capability(device)
 
@@ -258,17 +269,22 @@ def torch_flash_unsupported_reasons(inputs: AttentionInputs) -> list[str]:
     reasons = []
     if _torch_flash_ops() is None:
         reasons.append(
-            f"torch {torch.__version__} has no varlen FlashAttention ops with a sliding window "
-            "(aten::_flash_attention_forward/backward with window_size_left/right: torch >= 2.11)"
+            f"torch {torch.__version__} is older than the varlen FlashAttention this backend is written for "
+            "(aten::_flash_attention_forward/backward with windows: torch >= 2.11)"
         )
     elif not _flash_built():
         reasons.append(f"torch {torch.__version__} was built without its FlashAttention kernels")
     capability = _capability(inputs.device)
     if capability is None:
-        reasons.append("no CUDA device is available")
+        reasons.append("no CUDA device is available (or a ROCm build, whose kernels are not checked here)")
     elif capability[0] < 8:
         reasons.append(
             f"torch's FlashAttention needs sm_80 or newer, the device is sm_{capability[0]}{capability[1]}"
+        )
+    elif inputs.backward and inputs.head_dim > 192 and tuple(capability) in ((8, 6), (8, 9), (12, 0)):
+        # as SDPA refuses it: these cards lack the shared memory of the backward's larger tiles
+        reasons.append(
+            f"torch's FlashAttention backward on sm_{capability[0]}{capability[1]} takes head dims <= 192"
         )
     if inputs.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"torch's FlashAttention takes float16/bfloat16, not {inputs.dtype}")
@@ -383,10 +399,19 @@ def flash_bwd(
 
 
 # ------------------------------------------------------------------ torch's own FlashAttention path
-def _window_args(window_left: int, window_right: int) -> dict:
+def _window_args(window_left: int, window_right: int, causal: bool) -> dict:
     if window_left < 0 and window_right < 0:
         return {}
-    return {"window_size_left": int(window_left), "window_size_right": int(window_right)}
+    # causal and windowed: right = 0, said (FlashAttention-2 sets it for causal calls; FA3/FA4 read it)
+    return {"window_size_left": int(window_left), "window_size_right": 0 if causal else int(window_right)}
+
+
+def _launch_sizes(max_q: int, max_k: int) -> tuple[int, int]:
+    """The longest query and key lengths as the kernels are told them: at least 2 queries (one
+    query a sequence sends FlashAttention-2's grouped-query path through a reshape that needs no
+    empty sequence) and one key (a grid of no key blocks is no launch). Upper bounds are safe:
+    the kernels' blocks past a sequence's end do nothing."""
+    return max(int(max_q), 2), max(int(max_k), 1)
 
 
 def torch_flash_fwd(
@@ -397,12 +422,15 @@ def torch_flash_fwd(
     float32 ``lse [H, Tq]`` with ``-inf`` for rows without keys (this library's convention)."""
     ops = _torch_flash_ops()
     assert ops is not None  # selected only where they exist
+    if q.shape[0] == 0 or cu_q.shape[0] < 2:  # nothing to attend (FlashAttention wants a batch)
+        return q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
     out, lse, _, _, _ = ops[0](
-        q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), 0.0, bool(causal), False,
-        scale=float(scale), **_window_args(window_left, window_right),
+        q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), *_launch_sizes(max_q, max_k), 0.0, bool(causal), False,
+        scale=float(scale), **_window_args(window_left, window_right, causal),
     )  # fmt: skip
-    # FlashAttention marks rows without keys with +inf; this library uses -inf
-    return out, torch.where(lse == math.inf, -math.inf, lse.float()).contiguous()
+    # FlashAttention marks rows without keys with +inf; this library uses -inf. Its outputs keep
+    # q's strides: contiguous, as the op's fake says
+    return out.contiguous(), torch.where(lse == math.inf, -math.inf, lse.float()).contiguous()
 
 
 def torch_flash_bwd(
@@ -414,12 +442,15 @@ def torch_flash_bwd(
     is right); float32 ``dq``, ``dk``, ``dv``."""
     ops = _torch_flash_ops()
     assert ops is not None
+    if q.shape[0] == 0 or cu_q.shape[0] < 2:  # no query: no gradient
+        return (q.new_zeros(q.shape, dtype=torch.float32), k.new_zeros(k.shape, dtype=torch.float32),
+                v.new_zeros(v.shape, dtype=torch.float32))  # fmt: skip
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is not read
     unused = torch.zeros((), dtype=torch.uint64, device=q.device)
     dq, dk, dv = ops[1](
         dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(),
         torch.where(lse == -math.inf, math.inf, lse).float().contiguous(), cu_q.to(torch.int32),
-        cu_k.to(torch.int32), int(max_q), int(max_k), 0.0, bool(causal), rng, unused, scale=float(scale),
-        **_window_args(window_left, window_right),
+        cu_k.to(torch.int32), *_launch_sizes(max_q, max_k), 0.0, bool(causal), rng, unused, scale=float(scale),
+        **_window_args(window_left, window_right, causal),
     )  # fmt: skip
-    return dq.float(), dk.float(), dv.float()
+    return dq.float().contiguous(), dk.float().contiguous(), dv.float().contiguous()

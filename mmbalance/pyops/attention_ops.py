@@ -269,7 +269,11 @@ def _fwd_setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, offset, q_runs, k_runs, _, backend = inputs[:14]
     window_left, window_right, softcap, sinks = inputs[14:]
     out, lse = output
-    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, q_runs, k_runs, sinks)
+    # one boundary tensor for queries and keys stays one in the backward (a saved-tensor hook that
+    # copies each slot, such as offloading, would otherwise make them two and lose the kernels that
+    # need identical boundaries)
+    ctx.same_cu = cu_q is cu_k
+    ctx.save_for_backward(q, k, v, cu_q, None if ctx.same_cu else cu_k, out, lse, q_runs, k_runs, sinks)
     ctx.args = (max_q, max_k, scale, causal, offset)
     ctx.features = (window_left, window_right, softcap)
     ctx.backend = backend
@@ -278,12 +282,15 @@ def _fwd_setup(ctx, inputs, output):
 
 def _fwd_backward(ctx, dout, dlse):
     q, k, v, cu_q, cu_k, out, lse, q_runs, k_runs, sinks = ctx.saved_tensors
+    if ctx.same_cu:
+        cu_k = cu_q
     d_sinks = None
     if sinks is not None and ctx.needs_input_grad[17]:
         d_sinks = sinks_backward(sinks, out, lse, dout, dlse)
     if dout is None:
         dout = torch.zeros_like(q)
-    backend = ctx.backend if dlse is None else ("triton" if ctx.backend == "flash_attn" else ctx.backend)
+    # a gradient of the LSE: no FlashAttention backward takes one, the Triton kernels do
+    backend = ctx.backend if dlse is None or ctx.backend not in ("flash_attn", "torch_flash") else "triton"
     # incoming gradients may be expanded views (e.g. of a sum); the kernels need a unit last stride
     dout = dout.to(q.dtype).contiguous()
     dlse = None if dlse is None else dlse.contiguous()

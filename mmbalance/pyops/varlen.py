@@ -78,8 +78,16 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _direct(x) -> bool:
-    """Whether a call on ``x`` runs its kernel straight (see above)."""
-    return type(x) in _PLAIN and x.is_cuda and not torch.compiler.is_compiling() and not debug_enabled()
+    """Whether a call on ``x`` runs its kernel straight (see above): not while a dispatch or torch
+    function mode is active (``make_fx``, ``FlopCounterMode``, debug modes must see the op)."""
+    return (
+        type(x) in _PLAIN
+        and x.is_cuda
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
+        and not debug_enabled()
+    )
 
 
 class _Direct(torch.autograd.Function):

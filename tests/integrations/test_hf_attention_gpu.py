@@ -3,8 +3,8 @@
 A tiny Qwen2 in bfloat16 on CUDA, packed through ``mmbalance_varlen`` against the stock ``sdpa`` on
 the same examples padded: the loss, the logits of every real token and the gradients agree to
 bfloat16's precision, and the block ops ran on torch's own FlashAttention (``torch_flash``) where it
-can (flash-attn not installed). Gemma 2's softcap, which no FlashAttention runs, goes to the Triton
-kernels and matches eager attention.
+can (flash-attn not installed). Gemma 2's softcap (in bfloat16), which no FlashAttention runs, goes to
+the Triton kernels and matches eager attention.
 """
 
 from __future__ import annotations
@@ -119,10 +119,9 @@ def test_softcap_runs_on_the_triton_kernels_and_matches_eager(monkeypatch):
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=48,
                        attn_logit_softcapping=5.0, query_pre_attn_scalar=32)  # fmt: skip
     torch.manual_seed(0)
-    ours = Gemma2ForCausalLM._from_config(
-        cfg, attn_implementation="mmbalance_varlen", dtype=torch.float32
-    ).cuda()
-    ref = Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager", dtype=torch.float32).cuda()
+    ours = Gemma2ForCausalLM._from_config(cfg, attn_implementation="mmbalance_varlen", dtype=torch.bfloat16)
+    ref = Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager", dtype=torch.bfloat16)
+    ours, ref = ours.cuda(), ref.cuda()
     ref.load_state_dict(ours.state_dict())
     rows = _examples([70, 9, 120], 256, seed=1)
     chosen = _spy(monkeypatch)
@@ -130,5 +129,6 @@ def test_softcap_runs_on_the_triton_kernels_and_matches_eager(monkeypatch):
     want = sum(ref(input_ids=r[None].cuda(), labels=r[None].cuda()).loss * (len(r) - 1) for r in rows) / sum(
         len(r) - 1 for r in rows
     )
-    assert abs(float(a) - float(want)) < 1e-4 * float(want)
+    assert abs(float(a) - float(want)) < 2e-2 * float(want)  # bfloat16 against eager's bfloat16
+    # bfloat16, so it is the softcap that keeps it from torch's FlashAttention
     assert "triton" in chosen and "torch_flash" not in chosen, chosen

@@ -378,3 +378,22 @@ def test_bad_backward_and_merge_inputs_raise_naming_them():
         ops.merge_attention_states(out, lse, out[:2], lse)
     with pytest.raises(TypeError, match="lse_b"):
         ops.merge_attention_states(out, lse, out, lse.half())
+
+
+def test_one_boundary_tensor_stays_one_through_saved_tensor_hooks(monkeypatch):
+    """A hook that copies every saved tensor (offloading does) must not turn the queries' and keys'
+    one boundary tensor into two in the backward (the FlashAttention kernels need one)."""
+    seen: list[bool] = []
+    real = ops.select_attention_backend
+
+    def spy(backend, inputs):
+        seen.append(inputs.same_cu_seqlens)
+        return real(backend, inputs)
+
+    monkeypatch.setattr(ops, "select_attention_backend", spy)
+    q, k, v, cu, _ = varlen_batch([5, 3], [5, 3], 4, 2, 8, torch.float64, seed=1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out, _ = ops.attention_block(*leaves, cu, cu, 5, 5, causal=True)
+    out.sum().backward()
+    assert seen == [True, True], seen

@@ -186,10 +186,8 @@ def test_the_wrappers_map_arguments_and_conventions(monkeypatch, window):
     q, dout = (torch.randn(14, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(14, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
     out, lse = B.torch_flash_fwd(q, k, v, cu, cu, max(lengths), max(lengths), 0.3, True, *window)
-    assert fake.calls[-1] == dict(causal=True, scale=0.3, left=window[0], right=window[1]) or window == (
-        -1,
-        -1,
-    )
+    # causal and windowed: the right edge is said (0); no window: no window keywords
+    assert fake.calls[-1] == dict(causal=True, scale=0.3, left=window[0], right=0 if window[0] >= 0 else -1)
     ref, ref_lse = dense_attention(q, k, v, cu, cu, 0.3, causal=True, window_left=window[0])
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse.float())
@@ -254,3 +252,35 @@ def test_torch_flash_against_the_reference_on_cuda(dtype, window):
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-2, rtol=1e-3)
     for got, want in zip(grads, ref_grads):
         assert (got.double().cpu() - want).abs().max() < 5e-2 * max(1.0, float(want.abs().max()))
+
+
+def test_launch_sizes_and_empty_batches(monkeypatch):
+    """One query a sequence (FlashAttention-2's grouped-query reshape) and no key are never what the
+    kernels are told; no query or no sequence returns without a launch."""
+    assert B._launch_sizes(1, 0) == (2, 1) and B._launch_sizes(37, 9) == (37, 9)
+    fake = FlashLike()
+    monkeypatch.setattr(B, "_torch_flash_ops", lambda: (fake.fwd, fake.bwd))
+    q = torch.zeros(0, 4, 8, dtype=torch.float64)
+    out, lse = B.torch_flash_fwd(q, q[:, :2], q[:, :2], torch.tensor([0]), torch.tensor([0]), 0, 0, 0.5, True)
+    assert out.shape == (0, 4, 8) and lse.shape == (4, 0) and not fake.calls
+    grads = B.torch_flash_bwd(q, q, q[:, :2], q[:, :2], out, lse, torch.tensor([0]), torch.tensor([0]), 0, 0, 0.5,
+                              True)  # fmt: skip
+    assert [tuple(g.shape) for g in grads] == [(0, 4, 8), (0, 2, 8), (0, 2, 8)] and not fake.calls
+
+
+def test_older_torch_and_large_backward_heads_are_refused(monkeypatch):
+    monkeypatch.setattr(B, "_torch_version", lambda: (2, 10))
+    B._torch_flash_ops.cache_clear()
+    try:
+        assert B._torch_flash_ops() is None
+    finally:
+        monkeypatch.undo()
+        B._torch_flash_ops.cache_clear()
+    monkeypatch.setattr(B, "_capability", lambda device: (8, 6))
+    monkeypatch.setattr(B, "_flash_built", lambda: True)
+    monkeypatch.setattr(B, "_torch_flash_ops", lambda: ("fwd", "bwd"))
+    big = dict(q_shape=(10, 4, 256), k_shape=(10, 2, 256))
+    assert torch_flash_unsupported_reasons(_cuda_call(**big)) == []  # the forward runs
+    assert any(
+        "head dims <= 192" in r for r in torch_flash_unsupported_reasons(_cuda_call(**big, backward=True))
+    )

@@ -101,3 +101,19 @@ def test_who_takes_the_direct_path(monkeypatch):
     assert V._direct(fake)
     monkeypatch.setenv("MMBALANCE_DEBUG", "1")  # the value checks run in the dispatched op
     assert not V._direct(fake)
+
+
+def test_dispatch_modes_see_the_op(monkeypatch):
+    """Under a dispatch mode (make_fx, FlopCounterMode, debug modes) calls take the registered op,
+    which the mode then sees."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class FakeCuda(torch.Tensor):
+        pass
+
+    monkeypatch.setattr(V, "_PLAIN", (torch.Tensor, torch.nn.Parameter, FakeCuda))
+    monkeypatch.setattr(FakeCuda, "is_cuda", property(lambda self: True))
+    fake = torch.zeros(2).as_subclass(FakeCuda)
+    assert V._direct(fake)
+    with FlopCounterMode(display=False):
+        assert not V._direct(fake)
