@@ -284,3 +284,28 @@ def test_older_torch_and_large_backward_heads_are_refused(monkeypatch):
     assert any(
         "head dims <= 192" in r for r in torch_flash_unsupported_reasons(_cuda_call(**big, backward=True))
     )
+
+
+@pytest.mark.gpu
+def test_one_query_sequences_with_gqa_on_cuda():
+    """Sequences of one query and an empty one, grouped-query, causal: FlashAttention-2's one-query
+    path would reshape through the empty sequence; told at least 2 queries, it does not."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    inputs = AttentionInputs(
+        q_shape=(2, 8, 64), k_shape=(2, 2, 64), dtype=torch.bfloat16, device=CUDA, causal=True
+    )
+    if torch_flash_unsupported_reasons(inputs):
+        pytest.skip(f"torch_flash cannot run here: {torch_flash_unsupported_reasons(inputs)}")
+    g = torch.Generator().manual_seed(2)
+    cu = torch.tensor([0, 0, 1, 2], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 8, 64, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(2, 2, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    out, lse = ops.attention_block(
+        q, k, v, cu, cu, 1, 1, causal=True, softmax_scale=0.125, backend="torch_flash"
+    )
+    ref, ref_lse = dense_attention(
+        *(t.double().cpu() for t in (q, k, v)), cu.cpu(), cu.cpu(), 0.125, causal=True
+    )
+    assert (out.double().cpu() - ref).abs().max() < 2e-2
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-2, rtol=1e-3)
