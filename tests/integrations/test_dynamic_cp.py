@@ -372,14 +372,27 @@ def _empty_rank_without_labels(rank: int, world: int):
     return float(total), "labels" in kw, degrees
 
 
+def _two_rank_cases(rank: int, world: int) -> dict:
+    """The 2-rank cases of this module in one spawn: an empty rank without labels, then a collator
+    failing on rank 1 (each on its own handle)."""
+    return {
+        "labels": _empty_rank_without_labels(rank, world),
+        "collator": _a_collator_fails_on_one_rank(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_distributed(_two_rank_cases, 2, timeout=180)
+
+
 @pytest.mark.distributed
-def test_an_empty_rank_may_leave_labels_out():
+def test_an_empty_rank_may_leave_labels_out(two_ranks):
     """Rank 1 passes no sequence and no labels while rank 0 passes both: the step runs, both ranks
     score (rank 1 holds half of rank 0's sequence), and the loss is the reference's."""
-    results = run_distributed(_empty_rank_without_labels, 2)
     ids = (torch.arange(30).reshape(1, 30) * 7) % 60 + 1
     want = float(_tiny("eager")(input_ids=ids, labels=ids).loss)
-    for total, has_labels, degrees in results:
+    for total, has_labels, degrees in (r["labels"] for r in two_ranks):
         assert has_labels and degrees == [2]
         assert total == pytest.approx(want, rel=1e-5)
 
@@ -417,10 +430,10 @@ def _a_collator_fails_on_one_rank(rank: int, world: int) -> str:
 
 
 @pytest.mark.distributed
-def test_a_collator_failing_on_one_rank_raises_on_every_rank():
+def test_a_collator_failing_on_one_rank_raises_on_every_rank(two_ranks):
     """A streamed step's collator raising on rank 1 (a KeyError) is refused on both ranks, naming
     rank 1, instead of leaving rank 0 in the next collective."""
-    for message in run_distributed(_a_collator_fails_on_one_rank, 2, timeout=120):
+    for message in (r["collator"] for r in two_ranks):
         assert "collator failed" in message and "rank 1" in message and "no such column" in message, message
 
 

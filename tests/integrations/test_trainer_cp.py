@@ -128,7 +128,9 @@ def test_every_stream_ends_and_trains_each_draw_once(world):
     with tempfile.TemporaryDirectory() as tmp:
         launch(Path(E.__file__), nproc=world, timeout=420, env={"MMB_TMP": tmp})
         runs = [json.loads((Path(tmp) / f"stream-end-rank{r}.json").read_text()) for r in range(world)]
-    for k, case in enumerate(E.CASES):
+    cases = E.CASES if world <= 2 else E.CASES[::2]  # as the script runs them
+    assert len(runs[0]) == len(cases)
+    for k, case in enumerate(cases):
         n, shards, batch, accum, max_steps, cp, workers = case
         per_rank = [runs[r][k] for r in range(world)]
         assert all(x["case"] == list(case) for x in per_rank)

@@ -136,7 +136,9 @@ def run_case(case, tmp: str) -> dict:
 def main() -> None:
     tmp = os.environ["MMB_TMP"]
     rank = int(os.environ["RANK"])
-    out = [run_case(case, tmp) for case in CASES]
+    # on 4 ranks (2 cores here) every other shape: each range is still covered there
+    cases = CASES if int(os.environ["WORLD_SIZE"]) <= 2 else CASES[::2]
+    out = [run_case(case, tmp) for case in cases]
     with open(os.path.join(tmp, f"stream-end-rank{rank}.json"), "w") as f:
         json.dump(out, f)
     import torch.distributed as dist
