@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything a GPU machine should run, in at most 8 minutes, with the machine's own torch and no
-# network access:
+# Everything a GPU machine should run, in about 10 minutes (the time bounds below add up to 9.8),
+# with the machine's own torch and no network access:
 #
 #   OUT=/some/folder scripts/gpu_check.sh        # from anywhere; JSON rows and logs to $OUT when set
 #

@@ -119,31 +119,44 @@ def floors_of(graph: dict[str, set[str]]) -> dict[str, int]:
     return floors
 
 
+def room_problems(room: str, graph: dict[str, set[str]]) -> list[str]:
+    """What breaks the room's rules in ``graph`` (its modules and their imports inside it): more
+    than ``MAX_FLOORS`` floors, or an import of a module further along the flow."""
+    problems = []
+    floors = floors_of(graph)
+    deepest = max(floors.values(), default=0)
+    if deepest > MAX_FLOORS:
+        top = max(graph, key=floors.__getitem__)
+        problems.append(f"the room {room} is {deepest} floors deep (at most {MAX_FLOORS}), at {top}")
+    for m in graph:
+        here = stage_of(m)
+        if here is None:
+            continue
+        for n in graph[m]:
+            there = stage_of(n)
+            if there is not None and FLOW.index(there) > FLOW.index(here):
+                problems.append(f"{m} ({here}) imports {n}, further along the flow ({there})")
+    return problems
+
+
 def test_hf_rooms_flow_one_way_and_stay_shallow():
     problems = []
     for room in ROOMS:
         mods = set(room_modules(room))
-        graph = {m: edges(m) & mods for m in mods}
-        floors = floors_of(graph)
-        deepest = max(floors.values(), default=0)
-        if deepest > MAX_FLOORS:
-            top = max(mods, key=floors.__getitem__)
-            problems.append(f"the room {room} is {deepest} floors deep (at most {MAX_FLOORS}), at {top}")
-        for m in mods:
-            here = stage_of(m)
-            if here is None:
-                continue
-            for n in graph[m]:
-                there = stage_of(n)
-                if there is not None and FLOW.index(there) > FLOW.index(here):
-                    problems.append(f"{m} ({here}) imports {n}, further along the flow ({there})")
+        problems += room_problems(room, {m: edges(m) & mods for m in mods})
     assert not problems, "\n".join(problems)
 
 
 def test_the_room_checks_find_a_deep_room_and_a_backward_import():
     assert floors_of({"a": {"b"}, "b": {"c"}, "c": set()}) == {"a": 3, "b": 2, "c": 1}
-    assert stage_of(f"{HF}.cp.step") == "move" and stage_of(f"{HF}.cp.plan") == "plan"
-    assert FLOW.index(stage_of(f"{HF}.cp.media")) > FLOW.index(stage_of(f"{HF}.cp.vlm_step"))
+    plan, step, media = (f"{HF}.cp.{m}" for m in ("plan", "step", "media"))
+    assert room_problems("cp", {plan: set(), step: {plan}, media: {step}}) == []
+    (backward,) = room_problems("cp", {plan: {step}, step: set()})
+    assert backward.startswith(f"{plan} (plan) imports {step}")
+    chain = [f"{HF}.cp.{m}" for m in ("handle", "attention", "media", "step", "stream_step", "plan", "slots")]
+    deep = {m: {n} for m, n in zip(chain, chain[1:])} | {chain[-1]: set()}  # 7 floors, one way
+    (too_deep,) = room_problems("cp", deep)
+    assert too_deep == f"the room cp is 7 floors deep (at most {MAX_FLOORS}), at {chain[0]}"
 
 
 if __name__ == "__main__":

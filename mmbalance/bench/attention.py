@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from .harness import Row, base_parser, device_name, host_us, report, spawn, time_fn
+from .hf_step import draw_lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,20 +95,6 @@ class BlockConfig:
         return 4.0 * pairs * self.heads * self.head_dim
 
 
-def shipped_lengths(tokens: int, longest: int, seed: int = 0) -> tuple[int, ...]:
-    """Sequence lengths of the shipped multimodal mixture (``mmbalance/data/mm_sizes.npz``), cut at
-    ``longest``, until ``tokens``."""
-    from mmbalance.balancing.datasets import mixture
-
-    rng = np.random.default_rng(seed)
-    out: list[int] = []
-    for n in np.minimum(np.maximum(mixture(4 * tokens // 64 + 64, rng).llm, 8), longest).tolist():
-        if sum(out) + n > tokens:
-            break
-        out.append(int(n))
-    return tuple(out)
-
-
 def block_configs(full: bool, device: str) -> list[BlockConfig]:
     if device == "cpu":
         dtype = torch.float32
@@ -126,7 +113,7 @@ def block_configs(full: bool, device: str) -> list[BlockConfig]:
     base.append(BlockConfig(32, 512, 16, 4, 64, True, dtype))  # head dim 64 on short sequences
     # a window of 512 over 32k tokens, and full causal attention of the same length
     base += [BlockConfig(1, 32768, 32, 8, 128, True, dtype, window=w) for w in (511, -1)]
-    ship = shipped_lengths(16384, 4096)
+    ship = tuple(draw_lengths(16384, 4096, seed=0))  # the shipped mixture, as bench hf draws it
     base.append(BlockConfig(len(ship), max(ship), 16, 4, 128, True, dtype, lengths=ship))
     if full:
         base += [BlockConfig(b, n, h, h // 4, d, True, dtype) for b, n, h, d in
@@ -161,38 +148,27 @@ def _sdpa(cfg: BlockConfig, device: str):
             allowed &= pos[None, :] >= pos[:, None] - cfg.window
         keys = pos[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, n]
         mask = (allowed[None] & keys[:, None, :])[:, None]  # [B, 1, n, n]
+    masking: dict = {"is_causal": cfg.causal} if mask is None else {"attn_mask": mask}
     index = torch.cat([torch.arange(length, device=device) + i * n for i, length in enumerate(lengths)])
 
     def run(q, k, v, cu):
         if uniform:  # equal lengths are a batch already: views, nothing copied
             qb, kb, vb = (t.view(b, n, t.shape[1], cfg.head_dim).transpose(1, 2) for t in (q, k, v))
-            if mask is None:
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    qb, kb, vb, is_causal=cfg.causal, enable_gqa=True
-                )
-            else:
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    qb, kb, vb, attn_mask=mask, enable_gqa=True
-                )
+            out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, **masking, enable_gqa=True)
             return out.transpose(1, 2).reshape(q.shape)
         padded = []
         for t in (q, k, v):
             x = t.new_zeros((b * n, *t.shape[1:]))
             x = x.index_copy(0, index, t)
             padded.append(x.view(b, n, t.shape[1], cfg.head_dim).transpose(1, 2))
-        if mask is None:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                *padded, is_causal=cfg.causal, enable_gqa=True
-            )
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(*padded, attn_mask=mask, enable_gqa=True)
+        out = torch.nn.functional.scaled_dot_product_attention(*padded, **masking, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * n, cfg.heads, cfg.head_dim).index_select(0, index)
 
     return run
 
 
 def _providers(cfg: BlockConfig, device: str) -> dict:
-    from mmbalance.pyops.attention_backends import torch_flash_impl
+    from mmbalance.pyops.attention_backends import torch_flash_impl, torch_flash_unsupported_reasons
     from mmbalance.pyops.attention_ops import attention_block
 
     longest = cfg.seqlen
@@ -209,7 +185,7 @@ def _providers(cfg: BlockConfig, device: str) -> dict:
     providers = {"mmbalance": ours("auto"), "torch_sdpa": _sdpa(cfg, device)}
     if device.startswith("cuda"):
         providers["mmbalance_triton"] = ours("triton")
-        if not _backend_reasons(cfg, device, "torch_flash"):
+        if not torch_flash_unsupported_reasons(_describe(cfg, device)):
             providers[f"mmbalance_torch_flash_{torch_flash_impl()}"] = ours("torch_flash")
         try:
             from flash_attn import flash_attn_varlen_func
@@ -234,13 +210,6 @@ def _describe(cfg: BlockConfig, device: str, backward: bool = False):
                            window_left=cfg.window, backward=backward)  # fmt: skip
 
 
-def _backend_reasons(cfg: BlockConfig, device: str, name: str) -> list[str]:
-    from mmbalance.pyops.attention_backends import ATTENTION_BACKENDS
-
-    backend = next(b for b in ATTENTION_BACKENDS if b.name == name)
-    return backend.not_supported_reasons(_describe(cfg, device))
-
-
 def _auto_backend(cfg: BlockConfig, device: str) -> str:
     """What ``backend="auto"`` runs for this configuration, forward / backward."""
     from mmbalance.pyops.attention_backends import select_attention_backend, torch_flash_impl
@@ -255,9 +224,9 @@ def _auto_backend(cfg: BlockConfig, device: str) -> str:
     return " / ".join(names)
 
 
-def _host_us(provider: str, fn, cfg: BlockConfig, device: str) -> float:
+def _host_us(fn, cfg: BlockConfig, device: str) -> float:
     """Host time of one forward call on a tiny input (16 tokens) of this configuration's heads."""
-    tiny = dataclasses.replace(cfg, n_seqs=1, seqlen=16, lengths=None, window=min(cfg.window, 7))
+    tiny = dataclasses.replace(cfg, n_seqs=1, seqlen=16)
     (q, k, v), cu = _inputs(tiny, device, requires_grad=False)
     with torch.no_grad():
         return host_us(lambda: fn(q, k, v, cu), device, calls=50 if device == "cpu" else 200)
@@ -267,8 +236,6 @@ def bench_blocks(full: bool, device: str, reps: int) -> list[Row]:
     rows = []
     dev_name = device_name(device)
     for cfg in block_configs(full, device):
-        if device == "cpu" and cfg.window >= 0 and cfg.seqlen > 4096:
-            continue
         auto = _auto_backend(cfg, device)
         for name, fn in _providers(cfg, device).items():
             (q, k, v), cu = _inputs(cfg, device, requires_grad=True)
@@ -284,7 +251,7 @@ def bench_blocks(full: bool, device: str, reps: int) -> list[Row]:
 
             extra: dict = {"backend": auto} if name == "mmbalance" else {}
             if name.startswith("mmbalance") and cfg.lengths is None and cfg.window < 0:
-                extra["host_us"] = _host_us(name, fn, cfg, device)
+                extra["host_us"] = _host_us(fn, cfg, device)
             for op, call, flops in (
                 ("attention_fwd", fwd, cfg.flops_fwd()),
                 ("attention_fwd_bwd", fwd_bwd, 3.5 * cfg.flops_fwd()),

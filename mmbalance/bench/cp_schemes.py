@@ -69,14 +69,17 @@ class Schedule:
         return self.infeasible is None
 
 
-def group_times(cost: CostModel, lengths: np.ndarray, rnd: Round) -> np.ndarray:
-    """Modelled time of each group of ``rnd`` (float64 ``[g]``), the formula of :class:`CostModel`."""
+def group_times(
+    cost: CostModel, lengths: np.ndarray, rnd: Round, squares: np.ndarray | None = None
+) -> np.ndarray:
+    """Modelled time of each group of ``rnd`` (float64 ``[g]``), the formula of :class:`CostModel`.
+    ``squares``: each sequence's attention in ``l**2`` units (float64 ``[n]``; default ``l**2``)."""
     g = rnd.degree.size
     inside = rnd.group_of >= 0
     key = rnd.group_of[inside]
     x = lengths[inside].astype(np.float64)
     s1 = np.bincount(key, weights=x, minlength=g)
-    s2 = np.bincount(key, weights=x * x, minlength=g)
+    s2 = np.bincount(key, weights=x * x if squares is None else squares[inside], minlength=g)
     count = np.bincount(key, minlength=g)
     return times_of(cost, s1, s2, count, rnd.degree)
 
@@ -93,11 +96,14 @@ def times_of(cost: CostModel, s1, s2, count, degree) -> np.ndarray:
     return np.where(np.asarray(count) > 0, cost.fixed + cost.linear * s1 / d + both, 0.0)
 
 
-def step_time(schedule: Schedule, lengths: np.ndarray, cost: CostModel) -> float:
-    """Sum over rounds of the slowest group's modelled time; ``nan`` for an infeasible schedule."""
+def step_time(
+    schedule: Schedule, lengths: np.ndarray, cost: CostModel, squares: np.ndarray | None = None
+) -> float:
+    """Sum over rounds of the slowest group's modelled time; ``nan`` for an infeasible schedule.
+    ``squares`` as :func:`group_times` takes them."""
     if not schedule.feasible:
         return math.nan
-    return float(sum(group_times(cost, lengths, r).max(initial=0.0) for r in schedule.rounds))
+    return float(sum(group_times(cost, lengths, r, squares).max(initial=0.0) for r in schedule.rounds))
 
 
 def zigzag_tokens(lengths: np.ndarray, degree: int) -> np.ndarray:

@@ -74,25 +74,6 @@ def group_time(cost: CostModel, model: WindowModel):
     return time
 
 
-def step_time(
-    schedule: cp_schemes.Schedule, lengths: np.ndarray, cost: CostModel, model: WindowModel
-) -> float:
-    """Sum over rounds of the slowest group's windowed time; ``nan`` for an infeasible schedule."""
-    if not schedule.feasible:
-        return math.nan
-    total = 0.0
-    sq = model.squares(lengths)
-    for rnd in schedule.rounds:
-        g = rnd.degree.size
-        inside = rnd.group_of >= 0
-        key = rnd.group_of[inside]
-        s1 = np.bincount(key, weights=lengths[inside].astype(np.float64), minlength=g)
-        s2 = np.bincount(key, weights=sq[inside], minlength=g)
-        count = np.bincount(key, minlength=g)
-        total += float(cp_schemes.times_of(cost, s1, s2, count, rnd.degree).max(initial=0.0))
-    return total
-
-
 @dataclasses.dataclass
 class WindowResult:
     dataset: str
@@ -139,7 +120,7 @@ def run_config(dataset: str, world: int, memory_per_rank: int, steps: int, cost:
             if not sched.feasible:
                 reason.setdefault(sched.scheme, str(sched.infeasible))
                 continue
-            step[sched.scheme][t] = step_time(sched, lengths, cost, model)
+            step[sched.scheme][t] = cp_schemes.step_time(sched, lengths, cost, model.squares(lengths))
     return WindowResult(dataset, world, memory_per_rank, model, step, reason)
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .group import group_timeout, world_of
 from .inflight import gather_objects
 
-__all__ = ["GroupPool", "own_group"]
+__all__ = ["GroupPool", "own_group", "ranks_group"]
 
 
 class GroupPool:
@@ -97,3 +97,20 @@ def own_group(base):
         if me in ranks:
             own = g
     return own
+
+
+# groups named by their ranks (ranks_group): created once per rank set and process, then reused
+_NAMED: dict[tuple[int, ...], object] = {}
+
+
+def ranks_group(ranks: tuple[int, ...]):
+    """The process group of the global ``ranks``, created at the first call with the world's
+    timeout and reused afterwards; a group of its own also for the whole world (never
+    ``WORLD``, whose collectives a trainer's DDP or FSDP may share). ``new_group`` is collective
+    over the world: every rank must ask for the same rank sets in the same order."""
+    group = _NAMED.get(ranks)
+    if group is None:
+        timeout = group_timeout()
+        kw = {} if timeout is None else {"timeout": timeout}
+        group = _NAMED[ranks] = dist.new_group(list(ranks), **kw)  # type: ignore[arg-type]
+    return group

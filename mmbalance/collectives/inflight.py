@@ -35,7 +35,9 @@ import torch.distributed as dist
 
 from .group import comm_device
 
-__all__ = ["Inflight", "distributed_seen", "gather_objects", "mark_distributed_run", "release_parked", "run"]
+__all__ = [
+    "Inflight", "any_rank", "distributed_seen", "gather_objects", "mark_distributed_run", "release_parked", "run",
+]  # fmt: skip
 
 # How long a release may take before the aliases are parked (kept alive, released at exit) instead
 # of waited for: a worker this late is stuck elsewhere, and the caller must not hang on it.
@@ -183,3 +185,11 @@ def gather_objects(obj, group=None) -> list:
     run(dist.all_gather_single, out, buf, group=group)
     raw = out.cpu().numpy().tobytes()
     return [pickle.loads(raw[r * width : r * width + int(n)]) for r, n in enumerate(sizes.tolist())]
+
+
+def any_rank(flags: list[bool], group=None) -> list[bool]:
+    """Each of ``flags`` or-ed over the ranks of ``group`` (one small all-reduce, through
+    :func:`run`); every rank passes as many flags."""
+    flag = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int64, device=comm_device(group))
+    run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=group)
+    return [bool(f) for f in flag.tolist()]

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmbalance.pyops.attention_checks import check_host_features
+from mmbalance.pyops.attention_checks import check_features, check_host_features
 from mmbalance.pyops.attention_ops import (
     attention_block,
     attention_block_backward,
@@ -448,8 +448,8 @@ def ring_attention(
         softmax_scale: default ``D ** -0.5``.
         group: the CP process group (default: the world); any size, uneven shards allowed.
         layout: ``"zigzag"`` (balanced causal work) or ``"contiguous"``; as used by ``cp_shard``.
-        backend: block-op backend (``pyops/attention_ops.py``): ``"auto"``, ``"triton"``,
-            ``"flash_attn"`` or ``"reference"``.
+        backend: block-op backend (``pyops/attention_ops.py``): ``"auto"``, ``"flash_attn"``,
+            ``"torch_flash"``, ``"triton"`` or ``"reference"``.
         return_lse: also return the LSE ``[H, T_r]`` float32 (differentiable).
         window_left, window_right: a sliding window in global positions (the block ops' semantics:
             key ``j`` allowed for query ``i`` only if ``pos_i - window_left <= pos_j <= pos_i +
@@ -475,15 +475,7 @@ def ring_attention(
         ring = make_ring(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale, group=group,
                          layout=layout, backend=backend, window_left=window_left, window_right=window_right,
                          softcap=softcap)  # fmt: skip
-        if sinks is not None:
-            if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-                raise TypeError(
-                    f"sinks must be a floating torch.Tensor [H] or None, got {type(sinks).__name__}"
-                )
-            if tuple(sinks.shape) != (q.shape[1],) or sinks.device != q.device:
-                raise ValueError(
-                    f"sinks must have shape ({q.shape[1]},) on {q.device}, got {tuple(sinks.shape)} on {sinks.device}"
-                )
+        check_features(q, window_left, window_right, softcap, sinks)
         e.fields = {
             "cu_seqlens": _lengths_key(ring.plan.lengths),
             "causal": ring.causal,

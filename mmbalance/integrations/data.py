@@ -25,7 +25,7 @@ from mmbalance.balancing.plan import DEFAULT_BETA
 from mmbalance.balancing.post_balance import check_cost_range
 from mmbalance.balancing.validate import as_coefficient, as_count, as_lengths
 
-__all__ = ["BalancedBatchSampler", "EpochPlan", "epoch_order", "sampler_policy", "step_stats"]
+__all__ = ["BalancedBatchSampler", "EpochPlan"]
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
             rank = dist.get_rank() if rank is None else rank
         self.num_replicas = as_count(num_replicas, "num_replicas")
         self.rank = as_count(rank, "rank", minimum=0, maximum=self.num_replicas - 1)
-        self.policy, self.alpha, self.beta = sampler_policy(cost, alpha, beta, bool(padding))
+        self.policy, self.alpha, self.beta = _sampler_policy(cost, alpha, beta, bool(padding))
         self.padding = self.policy in ("padded", "padded_quadratic")
         check_cost_range(self.table[:, -1], self.policy, self.alpha, self.beta)
         self.shuffle = bool(shuffle)
@@ -196,7 +196,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         """The plan of every rank for the current epoch (computed once per epoch, then cached)."""
         if self._cache is not None and self._cache[0] == self.epoch:
             return self._cache[1]
-        order = epoch_order(self.table.shape[0], self.total_size, self.shuffle, self.seed, self.epoch)
+        order = _epoch_order(self.table.shape[0], self.total_size, self.shuffle, self.seed, self.epoch)
         steps, n = self.num_steps, self.step_size
         rank, micro, costs = plan_micro_batches(
             self.table[order, -1], steps, n, self.num_replicas, self.grad_accum, self.policy, self.alpha,
@@ -232,7 +232,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         pick = np.argsort(keys, kind="stable")
         flat = plan.indices.reshape(-1)[mine][pick].tolist()
         bounds = np.concatenate(([0], np.cumsum(np.bincount(keys, minlength=steps * g)))).tolist()
-        stats = step_stats(plan, self.table, self.columns, self.num_replicas)
+        stats = _step_stats(plan, self.table, self.columns, self.num_replicas)
         for s in range(steps):
             self.stats = stats[s]
             for k in range(s * g, (s + 1) * g):
@@ -246,7 +246,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         )
 
 
-def sampler_policy(cost, alpha, beta, padding: bool) -> tuple[str, float, float]:
+def _sampler_policy(cost, alpha, beta, padding: bool) -> tuple[str, float, float]:
     """The planner's policy and coefficients ``(policy, alpha, beta)`` of the sampler's ``cost``
     (``"sum"``, ``"quadratic"`` or a :class:`~mmbalance.balancing.CostModel`) and ``padding``."""
     if isinstance(cost, CostModel):
@@ -261,7 +261,7 @@ def sampler_policy(cost, alpha, beta, padding: bool) -> tuple[str, float, float]
     raise ValueError(f"cost must be 'sum', 'quadratic' or a CostModel, got {cost!r}")
 
 
-def epoch_order(n: int, total: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+def _epoch_order(n: int, total: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
     """The ``total`` dataset indices an epoch draws, in order (int64): the permutation seeded by
     ``(seed, epoch)`` (or ``0..n-1``), cut to ``total`` or padded with its own start."""
     order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
@@ -272,7 +272,7 @@ def epoch_order(n: int, total: int, shuffle: bool, seed: int, epoch: int) -> np.
     return np.concatenate([order, np.tile(order, reps)[: total - n]])
 
 
-def step_stats(plan: EpochPlan, table: np.ndarray, columns: list[str], world: int) -> list[dict[str, float]]:
+def _step_stats(plan: EpochPlan, table: np.ndarray, columns: list[str], world: int) -> list[dict[str, float]]:
     """:attr:`BalancedBatchSampler.stats` of every step of ``plan``, computed for the whole epoch
     at once: max/mean over ranks of each column's tokens and of the step's cost, and the largest
     max/mean over the step's micro-batch slots (``"micro_cost"``)."""

@@ -34,10 +34,11 @@ it recomputes the probabilities from the ``lse`` that includes them; their gradi
 
 Backends (``backend=``, chosen in ``attention_backends.py`` from an ``AttentionInputs`` that
 describes the call): ``"auto"`` picks flash-attn on CUDA when it is installed and supports the call
-(see ``flash_attn_unsupported_reasons``), the Triton kernels on other CUDA calls and on CPU under
-``TRITON_INTERPRET=1``, and the torch reference (``attention_ref.py``) otherwise and for float64.
-``"triton"``, ``"flash_attn"`` and ``"reference"`` force one and raise ValueError with the call and
-the reasons when it cannot run. ``MMBALANCE_ATTN_BACKEND`` sets what ``"auto"`` means for a run.
+(see ``flash_attn_unsupported_reasons``), then ``torch_flash`` (torch's own FlashAttention varlen
+kernels, ``torch_flash_unsupported_reasons``), the Triton kernels on other CUDA calls and on CPU
+under ``TRITON_INTERPRET=1``, and the torch reference (``attention_ref.py``) otherwise and for
+float64. ``"flash_attn"``, ``"torch_flash"``, ``"triton"`` and ``"reference"`` force one and raise
+ValueError with the call and the reasons when it cannot run. ``MMBALANCE_ATTN_BACKEND`` sets what ``"auto"`` means for a run.
 
 Autocast: under ``torch.autocast`` (CPU or CUDA) both block ops cast their float16/bfloat16/float32
 ``q``, ``k``, ``v`` (and ``dout``) to the autocast dtype before they run, as torch's own attention
@@ -404,7 +405,8 @@ def attention_block(
             ``(start0, len0, start1)``: token ``t`` at ``start0 + t`` if ``t < len0`` else
             ``start1 + t - len0``, ``start1 >= start0 + len0``) are given.
         out_dtype: dtype of ``out`` (default q's; float32 keeps partial results unrounded).
-        backend: ``"auto"``, ``"triton"``, ``"flash_attn"`` or ``"reference"`` (module docstring).
+        backend: ``"auto"``, ``"flash_attn"``, ``"torch_flash"``, ``"triton"`` or ``"reference"``
+            (module docstring).
         window_left, window_right: sliding window in positions (flash-attn's semantics): key ``j``
             is allowed for query ``i`` only if ``pos_k(j) >= pos_q(i) - window_left`` (when
             ``window_left >= 0``) and ``pos_k(j) <= pos_q(i) + window_right`` (when

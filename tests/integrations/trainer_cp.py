@@ -34,15 +34,16 @@ from tests.integrations.trainer_balanced_batches import (  # noqa: E402 - after 
 BUDGET = 52
 
 
-def build_model():
+def build_model(vocab: int = VOCAB, layers: int = 2, max_positions: int = 128):
+    """A tiny Llama (seed 0) on the ``mmbalance_varlen`` attention (the CP trainer scripts share it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from mmbalance.integrations.hf import register_attention
 
     register_attention()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     return LlamaForCausalLM._from_config(cfg, attn_implementation="mmbalance_varlen")
 

@@ -5,7 +5,7 @@ slots of some steps must be re-formed (96 short texts and 3 of 173 tokens, 4 ran
 (``MMB_BATCHES``; accumulation 2 and 4), Trainer trains one epoch without and with ``context_parallel=True``; rank 0
 saves the initial and final weights and every step's slots (as planned, and as the sampler's
 balanced split would have had them) to ``$MMB_TMP``. Then TRL's SFTTrainer (bfloat16,
-padding-free), as the refused run was started, trains two steps with context parallelism.
+padding-free), as the refused run was started, trains three steps with context parallelism.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from tests.integrations import trainer_cp  # noqa: E402 - after the path
+
 VOCAB, BUDGET, LR = 96, 64, 0.5
-ACCUM = {2: 2, 4: 4}  # per batch size: a step of 16 or 64 examples (574 of them hold too many tokens
-# for two slots of 256)
+ACCUM = {2: 2, 4: 4}  # accumulation per batch size: a step of 16 or 64 examples
 
 
 def lengths() -> list[int]:
@@ -39,16 +40,7 @@ def example(i: int, n: int) -> dict:
 
 
 def build_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from mmbalance.integrations.hf import register_attention
-
-    register_attention()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    return LlamaForCausalLM._from_config(cfg, attn_implementation="mmbalance_varlen")
+    return trainer_cp.build_model(vocab=VOCAB, max_positions=256)
 
 
 def train(name: str, batch: int, cp: bool) -> None:
@@ -60,8 +52,7 @@ def train(name: str, batch: int, cp: bool) -> None:
     data = [example(i, n) for i, n in enumerate(lengths())]
     model = build_model()
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    seen: list[int] = []
-    model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
+    seen = trainer_cp.watch(model)
     args = TrainingArguments(
         output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=batch, gradient_accumulation_steps=ACCUM[batch],
         num_train_epochs=1, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,

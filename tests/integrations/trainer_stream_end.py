@@ -18,6 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from tests.integrations import trainer_cp  # noqa: E402 - after the path
+
 VOCAB, MARK = 160, 100  # example i starts with the token MARK + i; the rest lie in [3, MARK)
 # (n, shards, batch, accumulation, max_steps, context parallel, loader workers)
 CASES = [
@@ -81,26 +83,13 @@ def collate_with(drawn: list):
     return collate
 
 
-def build_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from mmbalance.integrations.hf import register_attention
-
-    register_attention()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    return LlamaForCausalLM._from_config(cfg, attn_implementation="mmbalance_varlen")
-
-
 def run_case(case, tmp: str) -> dict:
     from transformers import Trainer, TrainingArguments
 
     from mmbalance.integrations.hf import balance_trainer
 
     n, shards, batch, accum, max_steps, cp, workers = case
-    model = build_model()
+    model = trainer_cp.build_model(vocab=VOCAB, layers=1)
     seen: list[int] = []
 
     def embed_hook(module, inputs, output):

@@ -124,8 +124,12 @@ def balance_trainer(
     ``rank, rank + world, ...``), batches ``per_device_train_batch_size`` of them with the
     trainer's collator, and each micro-batch is post-balanced over the ranks by one all-to-all
     (:meth:`~mmbalance.integrations.hf.cp.DynamicCPHandle.batches`): degree 1 everywhere
-    (OrchMLLM's LLM-phase post-balancing) unless ``context_parallel``. Every drawn example is
-    trained once; the loader has no length, so set ``max_steps``.
+    (OrchMLLM's LLM-phase post-balancing) unless ``context_parallel``. With
+    ``context_parallel`` on more than one rank the loader yields the raw examples instead: each
+    optimizer step's micro-batch slots are formed under ``max_tokens_per_rank`` from the gathered
+    example lengths, then the collator runs once per slot. Either way a last, partial step is
+    filled with idle micro-batches, so every pass ends in an optimizer step. Every drawn example
+    is trained once; the loader has no length, so set ``max_steps``.
 
     The sampler takes ``per_device_train_batch_size * world_size * gradient_accumulation_steps``
     examples per optimizer step (seeded by ``args.data_seed`` or ``args.seed``, a new order each

@@ -321,8 +321,8 @@ def _mask_and_plan(
     return spec
 
 
-# the planner of a mask's op calls: it lives with the attention function (plan.py), which
-# hands it over when it is imported (this module does not import that one: no circle)
+# the planner of a mask's op calls: it lives in plan.py, which hands it over when it is imported
+# (this module does not import that one: no circle)
 _PLANNER: list = []
 
 

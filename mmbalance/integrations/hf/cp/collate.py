@@ -30,7 +30,7 @@ from mmbalance.integrations.data import BalancedBatchSampler
 
 from ..attention import CP_KEYWORD
 from .inputs import IGNORE, split_sequences
-from .plan import plan_layout
+from .plan import layout_fits
 from .shard import MEDIA_KEYWORD, CPShard
 from .slots import plan_slots
 
@@ -98,17 +98,7 @@ class CPBatchSampler(Sampler[list]):
         base, world, budget = self.base, self.base.num_replicas, self.max_tokens_per_rank
         tokens = base.table[idx, -1].astype(np.int64)
         layouts: dict[tuple[int, ...], object] = {}
-
-        def fits(members: np.ndarray) -> bool:
-            try:
-                lay = plan_layout(
-                    tokens[members], np.zeros(members.size, dtype=np.int64), world, budget, self.cost
-                )
-            except ValueError:
-                return False
-            layouts[tuple(members.tolist())] = lay
-            return True
-
+        fits = layout_fits(tokens, np.zeros(tokens.size, dtype=np.int64), world, budget, self.cost, layouts)
         costs = base.alpha * tokens + base.beta * tokens.astype(np.float64) ** 2
         found = plan_slots(tokens, costs, base.grad_accum, world * budget, fits, start=micro)
         if found.slots is None:

@@ -28,13 +28,13 @@ transformers' Trainer does with ``average_tokens_across_devices``).
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from mmbalance.balancing import CostModel
+from mmbalance.balancing.validate import as_count
 from mmbalance.collectives import GroupPool
 from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.group import world_of
@@ -237,10 +237,7 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, numbers.Integral):
-        raise TypeError(f"max_tokens_per_rank must be an int, got {type(max_tokens_per_rank).__name__}")
-    if max_tokens_per_rank < 1:
-        raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
+    max_tokens_per_rank = as_count(max_tokens_per_rank, "max_tokens_per_rank")
     vlm_family(model)  # an unsupported multimodal model is refused by name before anything else
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)

@@ -2,7 +2,7 @@
 vision-language step (``vlm_step.py``, ``vlm_plan.py``) and the Trainer's data side
 (``collate.py``): the planner's cost for a model (:func:`cost_model_of`), one step's plan
 (:func:`plan_layout`: CP groups under the token budget, each sequence cut into the zigzag chunks of
-its group's ranks), a rank's shard of a plan (:func:`shard_of`) and the step's statistics
+its group's ranks; :func:`layout_fits`, whether a slot of examples has one), a rank's shard of a plan (:func:`shard_of`) and the step's statistics
 (:func:`step_stats`). No communication happens here.
 """
 
@@ -28,6 +28,7 @@ __all__ = [
     "cost_key",
     "cost_model_of",
     "labels_of",
+    "layout_fits",
     "pieces",
     "plan_layout",
     "shard_of",
@@ -173,6 +174,25 @@ def plan_layout(lengths: np.ndarray, src: np.ndarray, world: int, budget: int | 
             f"would hold {budget + over} tokens)"
         )
     return _finish(list(schedule), lengths, src, world, t0, (plen, psrc, pdst, tokens))
+
+
+def layout_fits(tokens: np.ndarray, src: np.ndarray, world: int, budget: int, cost,
+                keep: dict | None = None) -> Callable[[np.ndarray], bool]:  # fmt: skip
+    """A slot predicate for :func:`~.slots.plan_slots`: whether the examples ``members`` (indices
+    into ``tokens``/``src``) can be laid out by :func:`plan_layout` under ``budget`` tokens per
+    rank. ``keep``: a dict that receives each fitting slot's :class:`Layout` under
+    ``tuple(members)``."""
+
+    def fits(members: np.ndarray) -> bool:
+        try:
+            lay = plan_layout(tokens[members], src[members], world, budget, cost)
+        except ValueError:
+            return False
+        if keep is not None:
+            keep[tuple(members.tolist())] = lay
+        return True
+
+    return fits
 
 
 def _finish(schedule: list, lengths, src, world: int, t0: float, cut=None) -> Layout:

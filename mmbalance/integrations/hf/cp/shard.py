@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from mmbalance.collectives.group import group_timeout
+from mmbalance.collectives.group_pool import ranks_group
 
 __all__ = ["MEDIA_KEYWORD", "CPShard", "idle_shard"]
 
@@ -62,13 +61,11 @@ class CPShard:
     def process_group(self):
         """The ring's process group (created at first use from :attr:`step_groups`)."""
         if self.group is None and self.step_groups:
+            # created in one order on every rank (every rank's shards of a step list the same sets)
             for ranks in self.step_groups:
-                if ranks not in _GROUPS:
-                    timeout = group_timeout()
-                    kw = {} if timeout is None else {"timeout": timeout}
-                    _GROUPS[ranks] = dist.new_group(list(ranks), **kw)  # type: ignore[arg-type]
+                ranks_group(ranks)
             if self.degree > 1:
-                self.group = _GROUPS[self.ranks]
+                self.group = ranks_group(self.ranks)
             self.step_groups = ()
         return self.group
 
@@ -77,11 +74,6 @@ class CPShard:
             f"CPShard(degree={self.degree}, group_rank={self.group_rank}, sequences={len(self.cu_seqlens) - 1}, "
             f"tokens={self.tokens})"
         )
-
-
-# ring groups named by ranks (CPShard.step_groups): created once per rank set, in the same order on
-# every rank (every rank's shards of a step list the same sets), reused afterwards
-_GROUPS: dict[tuple[int, ...], object] = {}
 
 
 def idle_shard() -> CPShard:

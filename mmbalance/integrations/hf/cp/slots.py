@@ -19,7 +19,6 @@ happens here.
 from __future__ import annotations
 
 import sys
-import types
 from collections.abc import Callable
 
 import numpy as np
@@ -148,12 +147,8 @@ def _exhaustive(
             slots[i] = -1
         return False
 
-    depth = 0
-    frame: types.FrameType | None = sys._getframe()
-    while frame is not None:  # the frames already on the stack, then one an example
-        depth, frame = depth + 1, frame.f_back
     limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, depth + n + 200))
+    sys.setrecursionlimit(limit + n + 200)  # the stack is below the limit; one frame an example
     try:
         found = place(0)
     finally:

@@ -25,10 +25,9 @@ import torch.distributed as dist
 
 from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.alltoall import gather_table
-from mmbalance.collectives.group import comm_device
-from mmbalance.collectives.inflight import run
+from mmbalance.collectives.inflight import any_rank
 
-from .plan import plan_layout
+from .plan import layout_fits
 from .slots import plan_slots
 
 __all__ = ["example_tokens", "raw_rows", "stream_steps"]
@@ -67,10 +66,8 @@ def _more(handle, local: bool, labels: bool) -> tuple[bool, bool]:
     all-reduce): every rank then builds its idle micro-batches with the same keys."""
     if handle.own is None:
         return local, labels
-    flag = torch.tensor([int(local), int(labels)], dtype=torch.int64, device=comm_device(handle.own))
-    run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=handle.own)
-    more, any_labels = flag.tolist()
-    return bool(more), bool(any_labels)
+    more, any_labels = any_rank([local, labels], handle.own)
+    return more, any_labels
 
 
 def _empty(labels: bool) -> dict:
@@ -129,21 +126,6 @@ def _collate_slots(picked: list[list], collate: Callable) -> list:
     return [collate(m) if m else None for m in picked]
 
 
-def _layout_fits(
-    tokens: np.ndarray, src: np.ndarray, world: int, budget: int, cost
-) -> Callable[[np.ndarray], bool]:
-    """Whether a slot of these examples can be laid out under the budget."""
-
-    def fits(members: np.ndarray) -> bool:
-        try:
-            plan_layout(tokens[members], src[members], world, budget, cost)
-        except ValueError:
-            return False
-        return True
-
-    return fits
-
-
 def _slotted(handle, loader: Iterable, grad_accum: int, collate: Callable) -> Iterator[dict]:
     """Whole steps of raw examples, their slots formed under the budget."""
     it = iter(loader)
@@ -167,7 +149,7 @@ def _slotted(handle, loader: Iterable, grad_accum: int, collate: Callable) -> It
             mine = _guarded("the stream's examples", _tokens_of, rows, collate)
         table, src = gather_table(mine, handle.own, entry=e)
         tokens = table[:, 0]
-        fits = _layout_fits(tokens, src, world, budget, handle.cost)
+        fits = layout_fits(tokens, src, world, budget, handle.cost)
         found = plan_slots(tokens, tokens.astype(np.float64) ** 2, grad_accum, world * budget, fits)
         if found.slots is None:
             raise ValueError(

@@ -71,7 +71,7 @@ class GroupCutter:
             empty = adapter.empty_payload(self.model)
             if not n_items or got is None:
                 entries.append(PendingEntry(adapter, empty, np.zeros((0, len(adapter.meta_columns)), np.int64),
-                                             local.options[k], np.zeros(0, np.int64), None, {}, 0))  # fmt: skip
+                                             local.options[k], np.zeros(0, np.int64), None, {}))  # fmt: skip
                 continue
             seconds = encoder_seconds(self, self.family, adapter, step.meta[k], step.rows[k])
             enc = spread_items(step, k, layout, seconds, load)
@@ -89,8 +89,7 @@ class GroupCutter:
             recv = plan.recv_order(group_rank)
             index = placeholder_order(seg, recv, streams, step.stream[k])
             entries.append(PendingEntry(adapter, payload, step.meta[k][mine], local.options[k],
-                                         seg["len"][seg["src"] == group_rank], plan, index,
-                                         int(step.rows[k][mine].sum())))  # fmt: skip
+                                         seg["len"][seg["src"] == group_rank], plan, index))  # fmt: skip
         return local.seqs, local.positions, PendingMedia(entries, int(degree), streams)
 
 

@@ -365,7 +365,6 @@ class PendingEntry:
     segments: np.ndarray  # rows of this rank's outputs per segment it sends, in order
     plan: Plan | None  # the feature move (over the group's ranks; the world's under encoder balancing)
     index: dict[str, Tensor]  # stream -> rows of the received buffer, in the shard's placeholder order
-    rows: int  # input rows this rank encodes
 
 
 @dataclass(eq=False)
@@ -374,7 +373,7 @@ class PendingMedia:
     collator leaves for the forward (the collator cuts shards without communication): every rank
     encodes its share of its CP group's items (a stand-in where it has none), and one all-to-all
     over the group sends the feature rows to the members holding their placeholders. The forward
-    pre-hook :func:`resolve_media` runs it. A plain loop's ``shard`` under FSDP2 leaves one too,
+    pre-hook :func:`~.media.resolve_media` runs it. A plain loop's ``shard`` under FSDP2 leaves one too,
     with the communicator of its feature move (``mover``: the CP group's, or the world's under
     encoder balancing)."""
 

@@ -203,7 +203,7 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
         res.encoded_rows += int(rows[recv].sum())
         if defer:  # encode and move the rows in the model's forward (FSDP2 gathers the towers there)
             res.pending.append(PendingEntry(adapter, list(moved), step.meta[k][recv], opts, seg["len"][mine],
-                                             feat_plan, index, int(rows[recv].sum())))  # fmt: skip
+                                             feat_plan, index))  # fmt: skip
         else:
             if recv.size:
                 tower = model_device(core(model))
