@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench lint typecheck audit clean peers wheel-check
+.PHONY: run test test-matrix bench lint typecheck audit clean peers wheel-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,12 +40,41 @@ $(PEERS):
 
 peers: $(PEERS)
 
+# The Hugging Face integration's test matrix: the transformers releases the trainers people run
+# resolve to (llamafactory 0.9.5: 5.6.0, the floor; verl 0.9.1: 5.10.4; axolotl 0.19.0: 5.16.1;
+# ms-swift 4.6.0: 5.19.0); .venv holds the newest. Each release gets an environment of its own, built
+# once and reused: torch 2.13.0 first, then the package's test requirements (scripts/requirements.py
+# reads them from pyproject.toml) with that transformers. The tests import the package from the
+# checkout, whose compiled core .venv has built (no second build per environment).
+TF_MATRIX := 5.6.0 5.10.4 5.16.1 5.19.0
+TF_STAMPS := $(TF_MATRIX:%=.venv-tf%/.installed)
+
+.venv-tf%/.installed: pyproject.toml scripts/requirements.py | $(STAMP)
+	@echo "setting up .venv-tf$*: transformers $* for the test matrix (log: .venv-tf$*/install.log)"
+	@$(PYTHON) -m venv .venv-tf$*
+	@( set -e; \
+	  .venv-tf$*/bin/pip install -q torch==2.13.0; \
+	  $(PYTHON) scripts/requirements.py test > .venv-tf$*/requirements.txt; \
+	  .venv-tf$*/bin/pip install -q -r .venv-tf$*/requirements.txt "transformers==$*"; \
+	) > .venv-tf$*/install.log 2>&1 || { tail -n 20 .venv-tf$*/install.log; echo "setting up .venv-tf$* failed"; exit 1; }
+	@.venv-tf$*/bin/python -c "import transformers, sys; sys.exit(transformers.__version__ != '$*')" \
+	  || { echo ".venv-tf$* does not hold transformers $*"; exit 1; }
+	@touch $@
+
+# tests/integrations, distributed ones included, on every release of the matrix
+test-matrix: $(STAMP) $(TF_STAMPS)
+	@for v in $(TF_MATRIX); do \
+	  echo "== tests/integrations on transformers $$v"; \
+	  PYTHONPATH=$(CURDIR) .venv-tf$$v/bin/python -m pytest -q -p no:cacheprovider tests/integrations || exit 1; \
+	done
+
 run: $(STAMP) $(PEERS)
 	$(VENV)/bin/mmbalance bench planners
 	$(VENV)/bin/mmbalance demo --json results/demo.json --plot results/demo.png
 
-test: $(STAMP)
+test: $(STAMP) $(TF_STAMPS)
 	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-matrix
 	$(VENV)/bin/mypy
 	$(PY) -m mmbalance.bench.kernel_audit --arch sm_90
 	$(PY) -m mmbalance.bench.kernel_audit --arch sm_80
@@ -66,4 +95,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info mmbalance/_core*.so
+	rm -rf $(VENV) $(PEERS_VENV) .venv-tf* build *.egg-info mmbalance/_core*.so

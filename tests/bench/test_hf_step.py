@@ -10,7 +10,7 @@ import pytest
 from mmbalance import cli
 from mmbalance.bench import hf_step
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 
 
 def test_lengths_come_from_the_shipped_mixture_within_the_step():

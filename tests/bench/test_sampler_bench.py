@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 
 from mmbalance import cli  # noqa: E402
 from mmbalance.balancing import DEFAULT_BETA  # noqa: E402

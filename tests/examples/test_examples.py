@@ -25,7 +25,7 @@ def _launch(
 
 
 def test_hf_qwen2vl_balances_and_keeps_the_losses():
-    pytest.importorskip("transformers", minversion="5.18")
+    pytest.importorskip("transformers", minversion="5.6")
     balanced = _launch("hf_qwen2vl.py", "--steps", "3")
     plain = _launch("hf_qwen2vl.py", "--steps", "3", "--no-balance")
     pattern = re.compile(r"step (\d+)\s+loss ([0-9.]+)\s+([0-9.]+) ms\s+(.*)")
@@ -43,7 +43,7 @@ def test_hf_qwen2vl_balances_and_keeps_the_losses():
 
 
 def test_hf_trainer_balances_the_padded_micro_batches():
-    pytest.importorskip("transformers", minversion="5.18")
+    pytest.importorskip("transformers", minversion="5.6")
     pytest.importorskip("accelerate")
     pattern = re.compile(r"padded tokens per step \(slowest rank per micro-batch, summed\): ([0-9.]+)")
     per_step = {}
@@ -56,7 +56,7 @@ def test_hf_trainer_balances_the_padded_micro_batches():
 
 
 def test_hf_qwen2vl_long_splits_the_video_and_keeps_the_losses():
-    pytest.importorskip("transformers", minversion="5.18")
+    pytest.importorskip("transformers", minversion="5.6")
     pattern = re.compile(
         r"step (\d+)  degrees \[([0-9, ]+)\]  largest shard (\d+) of (\d+) tokens  "
         r"max/mean ([0-9.]+) -> ([0-9.]+)  loss ([0-9.]+)  images and frames split over ranks (\d+)"

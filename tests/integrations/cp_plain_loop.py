@@ -20,8 +20,12 @@ without CP: the attention of a shard is one graph break, not traced) | strided (
 handle balances over a data-parallel sub-group, ranks {0, 2} and {1, 3} as under tensor parallelism
 of 2, each splitting a sequence over its two ranks) | triple (sub-groups {0} and {1, 2, 3}; in the
 second a sequence is split over two of its ranks, a ring inside the sub-group that rank 0 helps
-create, and the third runs degree 1). In the sub-group scenarios each group is checked against its own
-reference (its examples, its count). Rank 0 prints one JSON line per run.
+create, and the third runs degree 1) | pair (2 ranks: a sequence over the budget split over both)
+| lora (the data of pair, the model a peft LoRA ``PeftModel``: the handle shards the model inside,
+and ``remove()`` leaves it without a hook) | switch (2 ranks: the attention switched away from
+mmbalance_varlen after ``apply_dynamic_cp``, sdpa for Mistral, eager otherwise; a forward of a
+shard and the next ``shard`` raise on every rank). In the sub-group scenarios each group is
+checked against its own reference (its examples, its count). Rank 0 prints one JSON line per run.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def examples(world: int) -> list[list[dict]]:
         lengths = [[9, 23], [150, 5], [17, 30, 2], [12]]  # 150 > 2 * BUDGET
     elif SCENARIO == "strided":
         lengths = [[9, 11], [17, 20, 2], [90, 5], [12, 70]]  # 90 and 70 > BUDGET, in {0, 2} and {1, 3}
-    elif SCENARIO == "compile":  # 2 ranks: 90 > BUDGET over both
+    elif SCENARIO in ("compile", "pair", "lora", "switch"):  # 2 ranks: 90 > BUDGET over both
         lengths = [[9, 90], [17, 5]]
     elif SCENARIO == "triple":
         lengths = [[9, 23, 30], [100, 3], [17, 2], [12, 20]]  # 100 > BUDGET in {1, 2, 3}
@@ -128,15 +132,38 @@ def batch_of(mine: list[dict]) -> dict:
 LAYOUTS = {"strided": [[0, 2], [1, 3]], "triple": [[0], [1, 2, 3]]}
 
 
+def as_trained(model):
+    """The run's model as the training loop calls it: a peft LoRA model around it (lora; adapters
+    on the attention and MLP projections, initialised at random so that they matter), else itself."""
+    if SCENARIO != "lora":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    return get_peft_model(model, config)
+
+
+def hooks_of(model) -> tuple:
+    """What the handle may add to a model: forward hooks and a loss function of its own."""
+    return len(model._forward_pre_hooks), len(model._forward_hooks), "_loss_function" in model.__dict__
+
+
 def run_one() -> None:
     if SCENARIO in LAYOUTS:
         run_in_subgroups(LAYOUTS[SCENARIO])
+        return
+    if SCENARIO == "switch":
+        run_switch()
         return
     from mmbalance.balancing import CostModel
     from mmbalance.integrations.hf import apply_dynamic_cp
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = tiny_model("mmbalance_varlen")
+    base = tiny_model("mmbalance_varlen")
+    model = as_trained(base)
     cost = "quadratic" if SCENARIO != "mixed" else CostModel(linear=1.0, ring=0.5, overlap=False)
     if SCENARIO == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -147,12 +174,13 @@ def run_one() -> None:
     attn_calls = []
     if SCENARIO != "compile":  # (hooks are guarded by dynamo: they would cost recompiles there)
         # the dtype the attention gave (o_proj's input: its output is bfloat16 under autocast anyway)
-        model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
+        base.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
             lambda m, a: attn_calls.append(a[0].dtype)
         )
     if SCENARIO == "ckpt":
         model.gradient_checkpointing_enable()
         model.train()
+    bare = hooks_of(base)
     handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET, cost=cost)
     data = examples(world)
     seen = []
@@ -194,7 +222,7 @@ def run_one() -> None:
     assert len(attn_calls) == want, (
         f"rank {rank}: layer 0's attention ran {len(attn_calls)} times, not {want}"
     )
-    if SCENARIO == "compile":
+    if SCENARIO in ("compile", "pair", "lora"):  # 2 ranks, one sequence split over both
         assert stats["largest_shard"] <= BUDGET and stats["degrees"] == [2], stats
     elif SCENARIO != "mixed":
         assert max(seen) <= BUDGET, f"rank {rank} embedded {max(seen)} tokens, budget {BUDGET}"
@@ -205,7 +233,7 @@ def run_one() -> None:
         assert sorted(stats["degrees"]) == [1, 3], stats
     total = loss.detach().clone()
     dist.all_reduce(total)
-    grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
+    grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     if not ddp:
         for g in grads.values():
             dist.all_reduce(g)
@@ -227,12 +255,17 @@ def run_one() -> None:
         assert rel <= tol_loss, f"loss {float(total)} vs reference {ref_total} (rel {rel:.2e})"
         worst = 0.0
         for n, p in ref.named_parameters():
+            if not p.requires_grad:  # a LoRA model's frozen base
+                continue
             diff = (grads[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-30)
             worst = max(worst, float(diff))
             assert diff <= tol_grad, f"gradient of {n}: relative error {float(diff):.2e}"
         print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"], "loss_rel": rel,
                           "grad_rel": worst, "before": stats["before"], "after": stats["after"], "graphs": graphs}))  # fmt: skip
     handle.remove()
+    # the model inside a wrapper was sharded, and remove() leaves it as it was
+    assert handle.model is base, f"rank {rank}: the handle held {type(handle.model).__name__}"
+    assert hooks_of(base) == bare, f"rank {rank}: hooks {hooks_of(base)} after remove(), {bare} before"
     dist.barrier()
 
 
@@ -288,7 +321,7 @@ def full(grad: torch.Tensor) -> torch.Tensor:
 def reference(examples: list[dict]):
     """The one-process reference: every example alone through eager attention, the token-loss sum
     over the examples' labelled count. Returns the model (its gradients) and the summed loss."""
-    ref = tiny_model("eager")
+    ref = as_trained(tiny_model("eager"))
     count = sum(sum(1 for x in e["labels"][1:] if x != -100) for e in examples)
     total = torch.zeros(())
     for e in examples:
@@ -297,6 +330,48 @@ def reference(examples: list[dict]):
         out.loss.backward()
         total += out.loss.detach()
     return ref, float(total), count
+
+
+def run_switch() -> None:
+    """The attention switched after ``apply_dynamic_cp`` (``set_attn_implementation``, then the
+    config's field alone): the forward of a shard's keywords and the next ``shard`` raise
+    ValueError on every rank, naming the attention found and the fix."""
+    from mmbalance.integrations.hf import apply_dynamic_cp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model("mmbalance_varlen")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
+    data = examples(world)
+    inputs = handle.shard(batch_of(data[rank]))
+    assert max(handle.stats["degrees"]) == 2, handle.stats
+    other = "sdpa" if FAMILY.startswith("mistral") else "eager"
+    caught = []
+    for how in ("set_attn_implementation", "config"):
+        if how == "set_attn_implementation":
+            model.set_attn_implementation(other)
+        else:
+            model.set_attn_implementation("mmbalance_varlen")
+            model.config._attn_implementation = other
+        for where in ("forward", "shard"):
+            try:
+                if where == "forward":
+                    model(**inputs)
+                else:
+                    handle.shard(batch_of(data[rank]))
+            except ValueError as exc:
+                text = str(exc)
+                assert repr(other) in text and "set_attn_implementation('mmbalance_varlen')" in text, text
+                caught.append(f"{how}:{where}")
+            else:
+                raise AssertionError(f"rank {rank}: a {where} under {other} ({how}) did not raise")
+    model.set_attn_implementation("mmbalance_varlen")
+    model(**handle.shard(batch_of(data[rank]))).loss.backward()  # switched back, it trains again
+    every = [None] * world
+    dist.all_gather_object(every, caught)
+    if rank == 0:
+        print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "raised": every}))
+    handle.remove()
+    dist.barrier()
 
 
 def run_in_subgroups(layout: list[list[int]]) -> None:

@@ -157,15 +157,14 @@ def fsdp2(model, bf16: bool = False) -> None:
     with ``bf16``, FSDP2's mixed precision (bfloat16 compute, float32 gradient reduction)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from mmbalance.integrations.hf.encoders import core
+    from mmbalance.integrations.hf.compat import language_model
 
     kw = (
         {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
         if bf16
         else {}
     )
-    c = core(model)
-    for layer in getattr(c, "language_model", c).layers:
+    for layer in language_model(model).layers:
         fully_shard(layer, **kw)
     if FAMILY != "llava":
         for tower, _, _ in towers(model):
@@ -179,10 +178,10 @@ def run_one() -> None:
 
     rank = dist.get_rank()
     model = tiny("mmbalance_varlen")
-    from mmbalance.integrations.hf.encoders import core
+    from mmbalance.integrations.hf.compat import language_model
 
     attn_calls = []
-    lm = getattr(core(model), "language_model", core(model))
+    lm = language_model(model)
     lm.layers[0].self_attn.register_forward_hook(lambda m, i, o: attn_calls.append(1))
     if BALANCE.endswith("ckpt"):  # transformers' gradient checkpointing: towers and decoder layers
         model.gradient_checkpointing_enable()
@@ -239,9 +238,9 @@ def run_one() -> None:
         assert inputs["num_items_in_batch"] == count, (inputs["num_items_in_batch"], count)
         ref_total = torch.zeros(())
         for b in flat:
-            out = ref(**b, num_items_in_batch=count)
-            out.loss.backward()
-            ref_total += out.loss.detach()
+            loss = hf_zoo.summed_loss(ref, b, count)
+            loss.backward()
+            ref_total += loss.detach()
         rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
         # bfloat16 compute against the float32 reference: its rounding (2^-8 per operation; the
         # worst tensors are the towers' small layer-norm biases, a few percent off); a feature
@@ -337,9 +336,9 @@ def run_stream() -> None:
             ]
             count = sum(int((b["labels"][0, 1:] != -100).sum()) for b in flat)
             for b in flat:
-                out = ref(**b, num_items_in_batch=count)
-                out.loss.backward()
-                ref_total += out.loss.detach()
+                loss = hf_zoo.summed_loss(ref, b, count)
+                loss.backward()
+                ref_total += loss.detach()
         rel = abs(float(total) - float(ref_total)) / abs(float(ref_total))
         worst, _ = worst_grad(grads, ref)
         print(json.dumps({"run": f"{FAMILY}:{BALANCE}", "steps": len(degrees), "degrees": degrees, "loss_rel": rel,

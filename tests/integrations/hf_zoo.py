@@ -332,6 +332,18 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
     raise ValueError(name)
 
 
+def summed_loss(model, batch: dict, count: int):
+    """The causal-LM loss of ``batch`` through the stock ``model``: the sum of its token losses
+    over ``count`` (a step's labelled tokens), computed here from the logits. The models' own loss
+    is not the reference: some releases drop ``num_items_in_batch`` (Qwen3-VL before 5.18) and
+    return a per-batch mean."""
+    call = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**call).logits
+    labels = batch["labels"][:, 1:].reshape(-1).to(logits.device)
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    return torch.nn.functional.cross_entropy(flat, labels, ignore_index=-100, reduction="sum") / count
+
+
 def collate(batches: list[dict], left=False) -> dict:
     """One padded batch of one-row batches (``batch(name, model, [spec])``), as a processor gives
     it: rows padded on the right (``left=True``: on the left; a list of bools: per row), the media

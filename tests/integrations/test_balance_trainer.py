@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 pytest.importorskip("accelerate")
 
 from mmbalance.integrations.data import BalancedBatchSampler  # noqa: E402

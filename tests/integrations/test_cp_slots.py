@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 
 from mmbalance.balancing import CostModel  # noqa: E402
 from mmbalance.integrations.hf.cp.plan import plan_layout  # noqa: E402

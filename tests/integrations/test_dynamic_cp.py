@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -85,6 +85,27 @@ def test_compiled_model_matches_the_reference_and_compiles_once():
     for graphs in x["graphs"]:
         *cp, plain = graphs
         assert len(set(cp[1:])) == 1 and cp[-1] <= plain, x
+
+
+@pytest.mark.distributed
+def test_two_ranks_with_a_lora_model_match_the_reference_and_a_switched_attention_raises():
+    """2 ranks, one sequence over the budget split over both: the plain model and a peft LoRA
+    model (the model inside is sharded; ``remove()`` leaves it without a hook) match the
+    one-process reference. Then the attention switched after ``apply_dynamic_cp`` (Mistral with a
+    window to sdpa, Gemma 2 to eager; by ``set_attn_implementation`` and by the config's field):
+    a forward of a shard and the next ``shard`` raise on every rank, instead of a wrong loss."""
+    runs = ["llama:packed:pair", "qwen2:padded:lora", "mistral16:packed:switch", "gemma2:padded:switch"]
+    out = launch(SCRIPT, *runs, nproc=2, timeout=600)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["run"] for x in lines] == runs, out[-3000:]
+    for x in lines[:2]:
+        assert x["degrees"] == [2] and x["largest_shard"] <= 64, x
+        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5, x
+    every = [
+        f"{how}:{where}" for how in ("set_attn_implementation", "config") for where in ("forward", "shard")
+    ]
+    for x in lines[2:]:
+        assert x["raised"] == [every, every], x
 
 
 def _tiny(attn="mmbalance_varlen", **extra):

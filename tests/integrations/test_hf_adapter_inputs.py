@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 
 from mmbalance.integrations.hf.encoders.models import (  # noqa: E402
     InternVLAdapter,

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.18")
+transformers = pytest.importorskip("transformers", minversion="5.6")
 
 from mmbalance.integrations.hf import ATTENTION_NAME, register_attention  # noqa: E402
 

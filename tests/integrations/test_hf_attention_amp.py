@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.18")
+transformers = pytest.importorskip("transformers", minversion="5.6")
 
 import mmbalance.integrations.hf.attention.backend as attn  # noqa: E402
 from mmbalance.integrations.hf import ATTENTION_NAME, register_attention  # noqa: E402

@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.18")
+transformers = pytest.importorskip("transformers", minversion="5.6")
 
 import mmbalance.integrations.hf.attention.backend as attn  # noqa: E402
 import mmbalance.integrations.hf.attention.plan as attn_plan  # noqa: E402

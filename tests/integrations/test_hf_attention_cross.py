@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.18")
+transformers = pytest.importorskip("transformers", minversion="5.6")
 
 from mmbalance.integrations.hf import ATTENTION_NAME, register_attention  # noqa: E402
 from mmbalance.integrations.hf.attention import varlen_attention  # noqa: E402

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 
 from mmbalance.integrations.hf import register_attention  # noqa: E402
 from mmbalance.pyops import attention_backends  # noqa: E402

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.18")
+transformers = pytest.importorskip("transformers", minversion="5.6")
 
 from transformers import masking_utils as mu  # noqa: E402
 
@@ -76,14 +76,26 @@ CAUSAL, BIDIR = mu.causal_mask_function, mu.bidirectional_mask_function
 
 
 def _packed(mask_function, position_ids, packed_sequence_mask):
-    """A mask function for packed rows as the installed transformers composes it (5.18-5.23 wrap it
-    in ``packed_sequence_compatibility_function``; later versions compose the two pieces inline)."""
+    """A mask function for packed rows as the installed transformers composes it (5.23 and later
+    remap the positions inside the sequences; earlier versions add the packed piece alone)."""
     if hasattr(mu, "packed_sequence_compatibility_function"):
         return mu.packed_sequence_compatibility_function(mask_function, position_ids, packed_sequence_mask)
+    if not hasattr(mu, "remap_positions_for_packed_sequence"):
+        return mu.and_masks(mask_function, mu.packed_sequence_mask_function(packed_sequence_mask))
     return mu.and_masks(
         mu.remap_positions_for_packed_sequence(mask_function, position_ids),
         mu.packed_sequence_mask_function(packed_sequence_mask),
     )
+
+
+def _blocks(block_sequence_ids):
+    """The bidirectional image-block overlay as the installed transformers writes it
+    (``blockwise_overlay``; before 5.10 Gemma 3's own ``token_type_ids_mask_function``)."""
+    if hasattr(mu, "blockwise_overlay"):
+        return mu.blockwise_overlay(block_sequence_ids)
+    from transformers.models.gemma3.modeling_gemma3 import token_type_ids_mask_function
+
+    return token_type_ids_mask_function(block_sequence_ids)
 
 
 def _cases():
@@ -96,7 +108,7 @@ def _cases():
     psm = mu.find_packed_sequence_indices(pos)
     # image blocks (Gemma3's block_sequence_ids): bidirectional inside a block
     ids = torch.tensor([[-1, -1, 0, 0, 0, -1, 1, 1, -1], [-1, 0, 0, 0, 0, -1, -1, -1, -1]])
-    blocks = mu.or_masks(CAUSAL, mu.blockwise_overlay(ids))
+    blocks = mu.or_masks(CAUSAL, _blocks(ids))
     cache_ids = torch.tensor([[-1, -1, -1, 0, 0, 0, 0, -1, -1], [-1, -1, -1, -1, -1, 0, 0, 0, -1]])
     return {
         "causal": (2, 7, 7, 0, 0, CAUSAL, None),
@@ -121,10 +133,10 @@ def _cases():
             _packed(mu.sliding_window_causal_mask_function(3), pos, psm), None,
         ),
         "image_blocks": (2, 9, 9, 0, 0, blocks, None),
-        "image_blocks_padded": (3, 9, 9, 0, 0, mu.or_masks(CAUSAL, mu.blockwise_overlay(
+        "image_blocks_padded": (3, 9, 9, 0, 0, mu.or_masks(CAUSAL, _blocks(
             torch.tensor([[-1, 0, 0, -1, 1, 1, 1, -1, -1], [-1] * 5 + [0, 0, 0, -1], [-1] * 4 + [0, 0, 0, 0, 0]]))), left),
         "image_blocks_sliding": (2, 9, 9, 0, 0, mu.and_masks(blocks, mu.sliding_window_overlay(2)), None),
-        "image_blocks_prefill_on_cache": (2, 5, 9, 4, 0, mu.or_masks(CAUSAL, mu.blockwise_overlay(cache_ids)), None),
+        "image_blocks_prefill_on_cache": (2, 5, 9, 4, 0, mu.or_masks(CAUSAL, _blocks(cache_ids)), None),
     }  # fmt: skip
 
 

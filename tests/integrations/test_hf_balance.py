@@ -4,8 +4,9 @@ On 2 and 3 gloo ranks, every supported model class, each rank with its own batch
 image/video/tile/clip counts and sizes; one rank text-only): each rank's loss must equal the
 unpatched model's on the same inputs (fp32, relative 1e-5) and the gradients summed over ranks
 the unpatched ones (relative 1e-4 of the largest gradient of the tensor). The same under DDP and
-FSDP2 (``fully_shard``, on CPU), for a step where no rank has any image, and with the handle's
-bookkeeping (stats, remove, context manager, errors).
+FSDP2 (``fully_shard``, on CPU), for a peft LoRA model (adapters in the towers and the language
+model; the model inside is balanced and left as it was), for a step where no rank has any image,
+and with the handle's bookkeeping (stats, remove, context manager, errors).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.integrations import hf_zoo as Z  # noqa: E402
@@ -75,6 +76,13 @@ def _same_results(rank: int, world: int, names: tuple[str, ...], mode: str) -> d
     for name in names:
         model = Z.build(name, seed=1)
         batch = Z.batch(name, model, _spec(name, rank, world), seed=10 + rank)
+        inner = model
+        if mode == "lora":  # the loop trains a peft LoRA model around it, towers included
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(3)
+            targets = ["q_proj", "v_proj", "qkv", "fc1"]  # the language model's and the towers'
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
         ref = model(**batch)
         ref.loss.backward()
         ref_grads = _summed(_grads(model))
@@ -94,11 +102,13 @@ def _same_results(rank: int, world: int, names: tuple[str, ...], mode: str) -> d
         out = target(**batch)
         out.loss.backward()
         grads = _grads(model)
-        if mode == "plain":
+        if mode in ("plain", "lora"):
             got = _summed(grads)
         else:  # DDP's all-reduce and FSDP2's reduce-scatter average over the ranks
             got = {n: g.numpy() * world for n, g in grads.items()}
         handle.remove()
+        # the handle balanced the model inside the wrapper and left it as it was
+        assert handle.model is inner and "forward" not in inner.__dict__, name
         results[name] = {
             "loss": (float(ref.loss), float(out.loss)),
             "grads": (ref_grads, got),
@@ -122,17 +132,21 @@ def _grad_err(ref: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> tuple[f
     return worst, where
 
 
+WRAPPED = ("qwen2_vl", "qwen3_vl", "llava_next", "internvl", "qwen2_audio")
+LORA = ("qwen2_vl", "llava")
+
+
 @functools.cache
 def _run(world: int, mode: str) -> list[dict]:
-    names = Z.MODELS if mode == "plain" else ("qwen2_vl", "qwen3_vl", "llava_next", "internvl", "qwen2_audio")
+    names = {"plain": Z.MODELS, "lora": LORA}.get(mode, WRAPPED)
     return run_distributed(_same_results, world, names, mode, timeout=900, pg_timeout=300)
 
 
-CASES = [(name, world, "plain") for world in (2, 3) for name in Z.MODELS] + [
-    (name, 2, mode)
-    for mode in ("ddp", "fsdp2")
-    for name in ("qwen2_vl", "qwen3_vl", "llava_next", "internvl", "qwen2_audio")
-]
+CASES = (
+    [(name, world, "plain") for world in (2, 3) for name in Z.MODELS]
+    + [(name, 2, mode) for mode in ("ddp", "fsdp2") for name in WRAPPED]
+    + [(name, 2, "lora") for name in LORA]
+)
 
 
 @pytest.mark.parametrize(("name", "world", "mode"), CASES, ids=[f"{n}-{w}ranks-{m}" for n, w, m in CASES])

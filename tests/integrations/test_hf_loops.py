@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.integrations import hf_zoo as Z  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 pytest.importorskip("accelerate")
 
 from tests.dist_utils import launch  # noqa: E402

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.18")
+pytest.importorskip("transformers", minversion="5.6")
 pytest.importorskip("accelerate")
 
 from tests.dist_utils import launch  # noqa: E402

@@ -80,6 +80,7 @@ def train(name: str, cp: bool):
     from transformers import Trainer, TrainingArguments
 
     from mmbalance.integrations.hf import balance_trainer
+    from mmbalance.integrations.hf.compat import language_model
     from mmbalance.integrations.hf.encoders import core
 
     tmp = os.environ["MMB_TMP"]
@@ -99,7 +100,7 @@ def train(name: str, cp: bool):
     model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
     core(model).visual.register_forward_pre_hook(lambda m, a: tower.append(int(a[0].shape[0])))
     attn: list[int] = []  # layer 0's attention calls: twice a forward under gradient checkpointing
-    core(model).language_model.layers[0].self_attn.register_forward_hook(lambda m, i, o: attn.append(1))
+    language_model(model).layers[0].self_attn.register_forward_hook(lambda m, i, o: attn.append(1))
     audio: list[int] = []
     if FAMILY == "qwen2_5_omni":
         core(model).audio_tower.register_forward_pre_hook(

@@ -1,4 +1,5 @@
-"""Hugging Face transformers integration (``pip install "mmbalance[hf]"``, transformers >= 5.18).
+"""Hugging Face transformers integration (``pip install "mmbalance[hf]"``, transformers >= 5.6;
+what differs between versions is in ``compat.py``).
 
 * :func:`apply_encoder_balance`: balance the vision/audio encoders of a Hugging Face multimodal
   model over the data-parallel ranks in every training forward, with results identical to not
@@ -28,28 +29,9 @@
 
 from __future__ import annotations
 
-_MIN_TRANSFORMERS = (5, 18)
+from .compat import require_supported_transformers as _require_supported_transformers
 
-
-def _require_transformers() -> None:
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            'mmbalance.integrations.hf needs transformers: pip install "mmbalance[hf]"'
-        ) from exc
-    parts = []
-    for p in transformers.__version__.split(".")[:2]:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        parts.append(int(digits or 0))
-    if tuple(parts) < _MIN_TRANSFORMERS:
-        raise ImportError(
-            f"mmbalance.integrations.hf needs transformers >= {'.'.join(map(str, _MIN_TRANSFORMERS))} "
-            f'(the mm_encoder_outputs hook), found {transformers.__version__}: pip install -U "mmbalance[hf]"'
-        )
-
-
-_require_transformers()
+_require_supported_transformers()  # before the rooms import transformers' modules
 
 from .attention import ATTENTION_NAME, register_attention  # noqa: E402
 from .cp import DynamicCPHandle, apply_dynamic_cp  # noqa: E402

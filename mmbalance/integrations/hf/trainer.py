@@ -24,6 +24,7 @@ from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_thr
 from mmbalance.integrations.data import BalancedBatchSampler
 
 from .attention import ATTENTION_NAME
+from .compat import install_loss_keywords, loader_options
 from .cp import (
     CPBatchSampler,
     CPCollator,
@@ -32,6 +33,7 @@ from .cp import (
     StreamLoader,
     TaggedDataset,
     cost_model_of,
+    install_attention_check,
     install_media_hook,
     make_handle,
     model_refusal,
@@ -39,6 +41,7 @@ from .cp import (
     raw_rows,
     vlm_family,
 )
+from .wrappers import inner_model
 
 __all__ = ["balance_trainer"]
 
@@ -185,6 +188,8 @@ def balance_trainer(
                 f"accelerate is set to {name}=True, which splits one global batch per step over the ranks; "
                 "balanced batches are already per rank: set it to False in args.accelerator_config"
             )
+    # the step's global token count reaches the loss on every release (compat.py)
+    install_loss_keywords(inner_model(trainer.model))
     streaming = isinstance(dataset, torch.utils.data.IterableDataset)
     if not streaming:
         try:
@@ -228,7 +233,7 @@ def balance_trainer(
     trainer._mmbalance_cp = None
     if context_parallel:
         assert max_tokens_per_rank is not None
-        trainer._mmbalance_cp = (int(max_tokens_per_rank), cost_model_of(trainer.model, cost))
+        trainer._mmbalance_cp = (int(max_tokens_per_rank), cost_model_of(inner_model(trainer.model), cost))
         # the first epoch's slots now: a step that cannot fit the budget is refused here, not in
         # the middle of an epoch (later epochs are checked when they start)
         trainer.cp_sampler = CPBatchSampler(trainer.balanced_sampler, *trainer._mmbalance_cp)
@@ -253,12 +258,13 @@ def _warn_tokens(trainer) -> int:
 
 
 def _check_cp_model(trainer) -> None:
-    vlm_family(trainer.model)  # a multimodal model the sharding does not support is refused by name
-    why = model_refusal(trainer.model)
+    model = inner_model(trainer.model)
+    vlm_family(model)  # a multimodal model the sharding does not support is refused by name
+    why = model_refusal(model)
     if why is not None:
         raise ValueError(f"trainer.model: dynamic context parallelism does not run {why}")
 
-    impl = getattr(getattr(trainer.model, "config", None), "_attn_implementation", None)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl != ATTENTION_NAME:
         raise ValueError(
             f"trainer.model: context parallelism and streamed post-balancing run in the {ATTENTION_NAME!r} "
@@ -363,11 +369,13 @@ def _balanced_train_dataloader(self):
             batch_sampler = CPBatchSampler(sampler, budget, cost)
             self.cp_sampler = batch_sampler
         dataset = TaggedDataset(dataset)
+        model = inner_model(self.model)
         vlm = None
-        if vlm_family(self.model) is not None:
-            vlm = GroupCutter(self.model, cost)
-            install_media_hook(self.model)
-        collator = CPCollator(collator, pad_id(self.model), vlm)
+        if vlm_family(model) is not None:
+            vlm = GroupCutter(model, cost)
+            install_media_hook(model)
+        install_attention_check(model)
+        collator = CPCollator(collator, pad_id(model), vlm)
     args = self.args
     params = {
         "batch_sampler": batch_sampler,
@@ -375,9 +383,8 @@ def _balanced_train_dataloader(self):
         "num_workers": args.dataloader_num_workers,
         "pin_memory": args.dataloader_pin_memory,
         "persistent_workers": args.dataloader_persistent_workers,
-        "multiprocessing_context": args.dataloader_multiprocessing_context,
         "prefetch_factor": args.dataloader_prefetch_factor,
-        "in_order": args.dataloader_in_order,
+        **loader_options(args),
         "worker_init_fn": partial(
             seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
         ),

@@ -13,7 +13,9 @@ with a ``ValueError`` naming the backend and the piece.
 Positions follow ``masking_utils``: query ``i`` sits at ``q_offset + i`` and key ``j`` at
 ``kv_offset + j`` (absolute indices: a cache's past tokens come first), the padding mask is indexed
 by the absolute key index, and with packed sequences the comparisons use the ``position_ids``
-values instead (``remap_positions_for_packed_sequence``).
+values instead (``remap_positions_for_packed_sequence``, transformers >= 5.23; earlier versions
+compose packed rows without it, and their positions are the row indices). Which pieces the
+installed transformers has comes from the compatibility layer (``compat.mask_pieces``).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from torch import Tensor
 # transformers passes a prepared BlockMask (or 4-D tensor) through its mask builders unchanged
 from torch.nn.attention.flex_attention import BlockMask as _Prepared
 
+from ..compat import mask_pieces
 from .compile import outside_graph
 
 __all__ = [
     "ATTENTION_NAME",
     "VarlenMask",
     "dense_mask_runs",
+    "mask_allowed",
     "parse_mask_function",
     "set_planner",
     "varlen_mask",
@@ -108,7 +112,10 @@ class VarlenMask(_Prepared, _Terms):
     __str__ = __repr__
 
     def __getitem__(self, index):
-        raise TypeError(f"{ATTENTION_NAME}: its attention mask description cannot be indexed")
+        raise TypeError(
+            f"{ATTENTION_NAME}: its attention mask description cannot be indexed (this model reads the mask itself "
+            "instead of calling the attention function); use attn_implementation='sdpa' or 'eager' for it"
+        )
 
     def to(self, *args, **kwargs) -> VarlenMask:
         """No-op (the description is device-free until planned)."""
@@ -128,30 +135,9 @@ class _Pattern(_Terms):
     kv_shift: int = 0
 
 
-def _codes() -> dict[str, Any]:
-    """Code objects of transformers' mask-function pieces (closures of one factory share one)."""
-    from transformers import masking_utils as mu
-
-    t = torch.zeros(1, 1, dtype=torch.long)
-    codes = {
-        "causal": mu.causal_mask_function.__code__,
-        "bidirectional": mu.bidirectional_mask_function.__code__,
-        "and": mu.and_masks(mu.causal_mask_function).__code__,
-        "or": mu.or_masks(mu.causal_mask_function).__code__,
-        "sliding": mu.sliding_window_overlay(1).__code__,
-        "chunked": mu.chunked_overlay(1, t[0]).__code__,
-        "padding": mu.padding_mask_function(t).__code__,
-        "packed": mu.packed_sequence_mask_function(t).__code__,
-        "remap": mu.remap_positions_for_packed_sequence(mu.causal_mask_function, t).__code__,
-        "offsets": mu.add_offsets_to_mask_function(mu.causal_mask_function, 0, 0).__code__,
-        "blockwise": mu.blockwise_overlay(t).__code__,
-    }
-    if hasattr(mu, "sliding_window_bidirectional_overlay"):
-        codes["sliding_bidirectional"] = mu.sliding_window_bidirectional_overlay(1).__code__
-    return codes
-
-
-_CODES: dict[str, Any] = {}
+# transformers' mask-function pieces, ``{code object: (kind, closure renames)}``, from the
+# compatibility layer (the pieces differ between versions); filled on first use
+_PIECES: dict[Any, tuple[str, dict[str, str]]] = {}
 
 _REFUSED: dict[str, str] = {}
 
@@ -161,7 +147,15 @@ def _name(fn) -> str:
 
 
 def _cells(fn) -> dict[str, Any]:
-    return {n: c.cell_contents for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+    cells = {n: c.cell_contents for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+    for old, new in _PIECES[fn.__code__][1].items():
+        cells[new] = cells.pop(old)
+    return cells
+
+
+def _kind(fn) -> str | None:
+    piece = _PIECES.get(getattr(fn, "__code__", None))
+    return None if piece is None else piece[0]
 
 
 def _refuse(what: str) -> ValueError:
@@ -181,9 +175,23 @@ def _and_window(a: tuple[int, int] | None, b: tuple[int, int]) -> tuple[int, int
     return tighter(a[0], b[0]), tighter(a[1], b[1])
 
 
+def _window_covers_blocks(window: tuple[int, int], block_ids) -> bool:
+    """Whether a causal window ``(left, right < 0)`` reaches every earlier token of each block of
+    ``block_ids`` (``[B, L]``, ``-1`` outside blocks; a block's tokens are contiguous)."""
+    left, right = window
+    if right >= 0:
+        return False
+    if left < 0:
+        return True
+    ids = block_ids.detach().cpu().numpy()
+    longest = max(
+        (int(np.unique(row[row >= 0], return_counts=True)[1].max(initial=0)) for row in ids), default=0
+    )
+    return longest - 1 <= left
+
+
 def _parse(fn, pat: _Pattern, remapped: bool) -> None:
-    code = getattr(fn, "__code__", None)
-    kind = next((k for k, c in _CODES.items() if c is code), None)
+    kind = _kind(fn)
     if kind is None:
         raise _refuse(f"the mask function `{_name(fn)}` is not one of transformers' standard pieces")
     if kind in _REFUSED:
@@ -197,8 +205,8 @@ def _parse(fn, pat: _Pattern, remapped: bool) -> None:
             _parse(sub, pat, remapped)
     elif kind == "or":
         subs = list(_cells(fn)["mask_functions"])
-        blocks = [s for s in subs if getattr(s, "__code__", None) is _CODES["blockwise"]]
-        rest = [s for s in subs if getattr(s, "__code__", None) is not _CODES["blockwise"]]
+        blocks = [s for s in subs if _kind(s) == "blockwise"]
+        rest = [s for s in subs if _kind(s) != "blockwise"]
         if len(rest) != 1 or len(blocks) > 1:
             names = ", ".join(f"`{_name(s)}`" for s in subs)
             raise _refuse(f"a union of mask functions ({names}), e.g. a bidirectional decoder")
@@ -209,13 +217,23 @@ def _parse(fn, pat: _Pattern, remapped: bool) -> None:
         # causal (windows may only narrow the union from outside, as transformers composes it)
         sub = _Pattern()
         _parse(rest[0], sub, remapped)
+        ids = _cells(blocks[0])["block_sequence_ids"]
+        if sub.window is not None and sub.causal and _window_covers_blocks(sub.window, ids):
+            # (causal AND window) OR block, as transformers before 5.9 composes Gemma 3's sliding
+            # layers: the same keys as (causal OR block) AND window when no block is longer than
+            # the window reaches back
+            pat.window = _and_window(pat.window, sub.window)
+            sub.window = None
         if (
             sub.window is not None
             or sub.chunk is not None
             or sub.padding is not None
             or pat.blocks is not None
         ):
-            raise _refuse("bidirectional blocks united with a window, chunks or padding inside the union")
+            raise _refuse(
+                "bidirectional blocks united with a window, chunks or padding inside the union (an image block "
+                "longer than the sliding window)"
+            )
         pat.segments, pat.positions = sub.segments, sub.positions
         pat.q_shift += sub.q_shift
         pat.kv_shift += sub.kv_shift
@@ -223,7 +241,7 @@ def _parse(fn, pat: _Pattern, remapped: bool) -> None:
             pat.causal = bool(pat.causal)
             return
         pat.causal = True
-        pat.blocks = _cells(blocks[0])["block_sequence_ids"]
+        pat.blocks = ids
     elif kind == "sliding":
         w = int(_cells(fn)["sliding_window"])
         pat.window = _and_window(pat.window, (w - 1, -1))  # kv_idx > q_idx - w
@@ -260,16 +278,16 @@ def _parse(fn, pat: _Pattern, remapped: bool) -> None:
 def parse_mask_function(mask_function) -> _Pattern:
     """Read a transformers mask function back into its constraints; ``ValueError`` (naming
     ``mmbalance_varlen`` and the piece) for what the varlen op cannot express."""
-    if not _CODES:
-        _CODES.update(_codes())
+    if not _PIECES:
+        _PIECES.update(mask_pieces())
     pat = _Pattern()
     _parse(mask_function, pat, False)
     if pat.causal is None:
         raise _refuse(
             f"the mask function `{_name(mask_function)}` has neither a causal nor a bidirectional base"
         )
-    if (pat.segments is None) != (pat.positions is None):
-        raise _refuse("a packed-sequence mask without its position map (or the reverse)")
+    if pat.positions is not None and pat.segments is None:
+        raise _refuse("a packed-sequence position map without its packed-sequence mask")
     return pat
 
 
@@ -346,9 +364,13 @@ def _describe(
         padding = padding.to(torch.bool)
     segments = pat.segments
     positions = pat.positions
-    if segments is not None and positions is not None:
+    if segments is not None:
+        if q_length != kv_length:
+            raise _refuse("packed sequences with a key length different from the query length (a cache)")
+        if positions is None:  # composed without a position map (transformers < 5.23): row indices
+            positions = torch.arange(q_length, device=segments.device)[None]
         positions = positions.expand(batch_size, -1)
-        if positions.shape[-1] != q_length or q_length != kv_length:
+        if positions.shape[-1] != q_length:
             raise _refuse("packed sequences with a key length different from the query length (a cache)")
     return VarlenMask(
         batch_size=int(batch_size),
@@ -374,20 +396,11 @@ def _and_padding(a: Tensor, b: Tensor) -> Tensor:
     return a & b
 
 
-def dense_mask_runs(
-    mask: Tensor, b: int, lq: int, lk: int
-) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
-    """The keys each query may see under a 4-D mask handed to the attention function (Mllama's
-    cross-attention mask, or one passed in from outside), as ``(row, first query, queries, key
-    runs)``: consecutive queries of a row that see the same keys form one entry, its keys at most
-    two runs ``(first key, length)``.
-
-    ``mask``: ``[B or 1, 1, Lq or 1, Lk]``, boolean (True: attend, as sdpa reads it) or float and
-    additive with only ``0`` (attend) and ``-inf`` or the dtype's minimum (masked), as eager adds
-    it. Anything else (an attention bias, per-head masks, a row with more than two runs of keys) is
-    refused with a ``ValueError`` naming the backend. A query that sees no key gets ``0`` (eager
-    would average the values under the dtype's minimum, or return NaN under ``-inf``).
-    """
+def mask_allowed(mask: Tensor, b: int, lq: int, lk: int) -> np.ndarray:
+    """The keys each query may see under a 4-D mask ``[B or 1, 1, Lq or 1, Lk]`` (boolean, True:
+    attend; or float and additive with only ``0`` and ``-inf`` or the dtype's minimum), as a
+    boolean array ``[B or 1, Lq or 1, Lk]``; anything else is refused with a ``ValueError``
+    naming the backend."""
     shape = tuple(mask.shape)
     if mask.dim() != 4 or shape[0] not in (1, b) or shape[2] not in (1, lq) or shape[3] != lk:
         raise _refuse(f"a 4-D mask of shape {shape} for {b} rows of {lq} queries x {lk} keys")
@@ -406,7 +419,24 @@ def dense_mask_runs(
             )
     else:
         raise _refuse(f"a 4-D mask of dtype {m.dtype} (expected bool or float)")
-    grid = allowed[:, 0].to("cpu").numpy()  # [B or 1, Lq or 1, Lk]
+    return allowed[:, 0].to("cpu").numpy()
+
+
+def dense_mask_runs(
+    mask: Tensor, b: int, lq: int, lk: int
+) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
+    """The keys each query may see under a 4-D mask handed to the attention function (Mllama's
+    cross-attention mask, or one passed in from outside), as ``(row, first query, queries, key
+    runs)``: consecutive queries of a row that see the same keys form one entry, its keys at most
+    two runs ``(first key, length)``.
+
+    ``mask``: ``[B or 1, 1, Lq or 1, Lk]``, boolean (True: attend, as sdpa reads it) or float and
+    additive with only ``0`` (attend) and ``-inf`` or the dtype's minimum (masked), as eager adds
+    it. Anything else (an attention bias, per-head masks, a row with more than two runs of keys) is
+    refused with a ``ValueError`` naming the backend. A query that sees no key gets ``0`` (eager
+    would average the values under the dtype's minimum, or return NaN under ``-inf``).
+    """
+    grid = mask_allowed(mask, b, lq, lk)
     out = []
     for r in range(b):
         rows = grid[r if grid.shape[0] > 1 else 0]

@@ -21,7 +21,7 @@ from torch import Tensor
 from mmbalance.pyops.varlen import cu_seqlens_from_lengths
 
 from .compile import PlanCache, outside_graph
-from .mask import ATTENTION_NAME, VarlenMask, dense_mask_runs, set_planner
+from .mask import ATTENTION_NAME, VarlenMask, dense_mask_runs, mask_allowed, set_planner
 
 __all__ = [
     "BlockPlan", "CallPlan", "host_plan", "mask_from_keywords", "plan_mask", "plan_with_mask", "plan_without_mask",
@@ -371,11 +371,16 @@ def plan_without_mask(
     """The plan (and the op's causal flag) of a call whose mask is a 2-D or 4-D tensor or None."""
 
     def make() -> tuple[CallPlan, bool]:
-        if attention_mask is not None and attention_mask.dim() == 4:
-            if cu is not None:
+        if attention_mask is not None and attention_mask.dim() == 4 and cu is not None:
+            if not _repeats_sequences(attention_mask, cu, b, lq, lk, causal):
                 raise ValueError(
-                    f"{ATTENTION_NAME}: cu_seq_lens_q/k together with a 4-D attention mask; give one of them"
+                    f"{ATTENTION_NAME}: cu_seq_lens_q/k together with a 4-D attention mask that says something "
+                    "else than those sequences; give one of them"
                 )
+            return host_plan(
+                mask_from_keywords(None, b, lq, lk, causal, window, None), b, lq, lk, cu, device
+            ), causal
+        if attention_mask is not None and attention_mask.dim() == 4:
             seqs = [
                 _Seq(
                     r, r * lq + q0, nq, runs[0][0] if runs else 0, [(r * lk + k0, kn, k0) for k0, kn in runs]
@@ -398,6 +403,22 @@ def plan_without_mask(
 
     tensors = (attention_mask, *(cu if cu is not None else (None, None)), position_ids)
     return _KEYWORD_PLANS.get_or_plan(tensors, (b, lq, lk, causal, window, device), make)
+
+
+def _repeats_sequences(
+    mask: Tensor, cu: tuple[Tensor, Tensor], b: int, lq: int, lk: int, causal: bool
+) -> bool:
+    """Whether a 4-D mask given beside ``cu_seq_lens_q/k`` allows exactly what those sequences do
+    (transformers' Qwen2.5-Omni audio tower before 5.9 gives both: a block-diagonal mask, and the
+    boundaries for flash-attention)."""
+    cu_q, cu_k = (t.detach().cpu().numpy().astype(np.int64) for t in cu)
+    if b != 1 or lq != lk or not np.array_equal(cu_q, cu_k) or cu_q[0] != 0 or cu_q[-1] != lq:
+        return False
+    seg = np.repeat(np.arange(cu_q.size - 1), np.diff(cu_q))
+    want = seg[:, None] == seg[None, :]
+    if causal:
+        want &= np.tri(lq, dtype=bool)
+    return bool(np.array_equal(np.broadcast_to(mask_allowed(mask, b, lq, lk)[0], want.shape), want))
 
 
 # ------------------------------------------------------------------------- masks from keywords

@@ -8,7 +8,7 @@ the hooks in the model (``attention.py``: a shard's ring; ``media.py``: the medi
 encodes), and on top the handle (``handle.py``).
 """
 
-from .attention import model_refusal  # importing it registers the shard's attention
+from .attention import install_attention_check, model_refusal  # importing it registers the shard's attention
 from .collate import CPBatchSampler, CPCollator, SlotMeta, TaggedDataset
 from .families import SUPPORTED, vlm_family
 from .handle import DynamicCPHandle, apply_dynamic_cp, make_handle
@@ -22,6 +22,6 @@ from .vlm_cut import GroupCutter
 
 __all__ = [
     "SUPPORTED", "CPBatchSampler", "CPCollator", "CPShard", "DynamicCPHandle", "GroupCutter", "RankSlice",
-    "SlotMeta", "StreamLoader", "TaggedDataset", "apply_dynamic_cp", "cost_model_of", "install_media_hook",
+    "SlotMeta", "StreamLoader", "TaggedDataset", "apply_dynamic_cp", "cost_model_of", "install_attention_check", "install_media_hook",
     "make_handle", "model_refusal", "pad_id", "plan_layout", "raw_rows", "split_sequences", "vlm_family",
 ]  # fmt: skip

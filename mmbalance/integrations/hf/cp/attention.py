@@ -27,11 +27,20 @@ from torch import Tensor
 from mmbalance.collectives.ring import ring_attention
 from mmbalance.pyops.attention_ops import attention_block
 
-from ..attention import ATTENTION_NAME, VarlenMask, logit_features, outside_graph, register_shard_attention
-from .inputs import text_config
+from ..attention import (
+    ATTENTION_NAME,
+    CP_KEYWORD,
+    VarlenMask,
+    logit_features,
+    outside_graph,
+    register_shard_attention,
+)
+from .inputs import check_attention, text_config
 from .shard import MEDIA_KEYWORD, CPShard
 
-__all__ = ["cp_attention", "model_refusal", "refusal"]
+__all__ = [
+    "cp_attention", "install_attention_check", "model_refusal", "refusal", "remove_attention_check",
+]  # fmt: skip
 
 
 def _not_run(feature: str) -> NotImplementedError:
@@ -52,6 +61,31 @@ def model_refusal(model) -> str | None:
     if getattr(config, "is_causal", True) is False:
         return "bidirectional attention (config.is_causal=False)"
     return None
+
+
+def install_attention_check(model) -> None:
+    """A forward pre-hook on ``model``: a call that carries a shard (``mmbalance_cp``) raises
+    ValueError (:func:`~.inputs.check_attention`) before the forward when a layer's attention is not
+    ``mmbalance_varlen``, instead of returning a wrong loss. Every rank checks its own forward (the
+    same model on every rank: every rank raises; ``shard`` checks the same with its agreement).
+    Idempotent; :func:`remove_attention_check`."""
+    if model.__dict__.get("_mmbalance_attention_check") is not None:
+        return
+
+    @torch.compiler.disable
+    def hook(module, args, kwargs):
+        if kwargs.get(CP_KEYWORD) is not None:
+            check_attention(model)
+        return None
+
+    model.__dict__["_mmbalance_attention_check"] = model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def remove_attention_check(model) -> None:
+    """Undo :func:`install_attention_check` (idempotent)."""
+    handle = model.__dict__.pop("_mmbalance_attention_check", None)
+    if handle is not None:
+        handle.remove()
 
 
 def refusal(module, attention_mask, kwargs: dict) -> NotImplementedError | None:

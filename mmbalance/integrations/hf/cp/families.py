@@ -69,6 +69,7 @@ from torch import Tensor
 from mmbalance.balancing import CostModel
 
 from ..encoders import EncoderAdapter, adapters_for, as_int, audio_out_len, core, flops_linear
+from ..wrappers import wrapper_hint
 from .inputs import text_config
 
 __all__ = [
@@ -371,9 +372,9 @@ def vlm_family(model) -> VLMFamily | None:
     )
     if multimodal or adapters_for(model):
         raise ValueError(
-            f"model: apply_dynamic_cp does not shard {name} (its media would not reach the shards); supported "
-            f"multimodal models: {', '.join(SUPPORTED)}; text decoders (Llama, Qwen2, Qwen3, ...) work as "
-            "they are"
+            f"model: apply_dynamic_cp does not shard {name}{wrapper_hint(model)} (its media would not reach the "
+            f"shards); supported multimodal models: {', '.join(SUPPORTED)}; text decoders (Llama, Qwen2, Qwen3, "
+            "...) work as they are"
         )
     return None
 

@@ -43,8 +43,10 @@ from mmbalance.collectives.inflight import mark_distributed_run
 from mmbalance.collectives.teardown import release_at_exit
 
 from ..attention import ATTENTION_NAME
+from ..compat import install_encoder_outputs_hook, install_loss_keywords
 from ..encoders import adapters_for
-from .attention import model_refusal
+from ..wrappers import inner_model, wrapper_hint
+from .attention import install_attention_check, model_refusal, remove_attention_check
 from .families import vlm_family
 from .media import embed_streams, install_media_hook, remove_media_hook
 from .plan import cost_key, cost_model_of
@@ -74,10 +76,16 @@ class DynamicCPHandle:
         self.vlm = vlm  # a VLMFamily for the vision-language models (families.py)
         self.adapters = []
         self._embed_hook = None
+        self._feed_hook = None
         self.media_hook = False  # whether a shard installed the media pre-hook (FSDP2)
         if vlm is not None:
             self.adapters = adapters_for(model)
             self._embed_hook = embed_streams(vlm, model)
+            # after the hooks that put features into the keywords (transformers < 5.18; compat.py)
+            self._feed_hook = install_encoder_outputs_hook(model)
+        install_attention_check(model)
+        # the shard's global token count and shifted labels reach the loss on every release (compat.py)
+        self._loss_hook = install_loss_keywords(model)
         self.removed = False
         #: statistics of the last :meth:`shard`: ``degrees`` (every group's degree), ``largest_shard``
         #: (tokens of the busiest rank), ``before``/``after`` (max/mean over ranks of the modelled
@@ -166,6 +174,11 @@ class DynamicCPHandle:
             self._embed_hook.remove()
         if self.media_hook:  # installed by a shard under FSDP2
             remove_media_hook(self.model)
+        if self._feed_hook is not None:
+            self._feed_hook.remove()
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+        remove_attention_check(self.model)
         if getattr(self.model, "_mmbalance_dynamic_cp", None) is self:
             del self.model._mmbalance_dynamic_cp
 
@@ -178,7 +191,9 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
     """Dynamic context parallelism of any degree for ``model``'s language model; returns the handle.
 
     Args:
-        model: a transformers model that uses ``attn_implementation="mmbalance_varlen"``
+        model: a transformers model (or a peft ``PeftModel`` around one: the model inside is
+            sharded, and ``handle.remove()`` restores it) that uses
+            ``attn_implementation="mmbalance_varlen"``
             (``register_attention()``, then ``from_config(..., attn_implementation=...)`` or
             ``model.set_attn_implementation("mmbalance_varlen")``). The plain text decoders
             (Llama, Qwen2, Qwen3, Mistral, ...) are supported, and the multimodal models
@@ -228,6 +243,11 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
     world are kept until the process exits, so that freeing a DDP model cannot destroy a group
     while a gloo worker still needs the GIL (see :func:`mmbalance.collectives.shutdown`).
 
+    A forward that carries a shard while some layer of the language model runs another
+    attention (``model.set_attn_implementation("sdpa")`` after this call) raises ValueError on
+    every rank, in ``shard`` (before any token moves) and in the model's forward, naming the
+    attention found and the fix: another attention would ignore the shard.
+
     Raises:
         ValueError: a model not using ``mmbalance_varlen``, a multimodal model the sharding does
             not support (the message lists those it does), a bad ``max_tokens_per_rank``,
@@ -238,6 +258,7 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     max_tokens_per_rank = as_count(max_tokens_per_rank, "max_tokens_per_rank")
+    model = inner_model(model)
     vlm_family(model)  # an unsupported multimodal model is refused by name before anything else
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
@@ -245,7 +266,7 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
         raise ValueError(
             f"model: apply_dynamic_cp needs attn_implementation={ATTENTION_NAME!r} (the attention that runs the "
             f"ring), the model uses {impl!r}: call register_attention() and "
-            f"model.set_attn_implementation({ATTENTION_NAME!r})"
+            f"model.set_attn_implementation({ATTENTION_NAME!r}){wrapper_hint(model)}"
         )
     if getattr(model, "_mmbalance_dynamic_cp", None) is not None:
         raise ValueError("model: apply_dynamic_cp was already applied to this model (handle.remove() first)")
@@ -258,6 +279,7 @@ def make_handle(model, budget: int | None, cost, group, context_parallel: bool,
                 encoder_cost="auto") -> DynamicCPHandle:  # fmt: skip
     """The handle behind :func:`apply_dynamic_cp` (``context_parallel=False``: degree 1
     everywhere, the streamed post-balancing of ``balance_trainer``; ``budget`` may be ``None``)."""
+    model = inner_model(model)
     family = vlm_family(model)
     why = model_refusal(model)
     if why is not None:

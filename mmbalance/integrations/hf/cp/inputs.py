@@ -12,7 +12,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["IGNORE", "Sequences", "model_device", "pad_id", "positions", "split_sequences", "text_config"]
+from ..attention import ATTENTION_NAME
+from ..compat import language_model
+
+__all__ = [
+    "IGNORE", "Sequences", "check_attention", "model_device", "pad_id", "positions", "split_sequences", "text_config",
+]  # fmt: skip
 
 IGNORE = -100
 # batch keys that describe the packing of the input (recomputed for the shard, so dropped)
@@ -159,6 +164,37 @@ def text_config(model):
     config = getattr(model, "config", None)
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
+
+
+def _attention_configs(model) -> list:
+    """The configs the language model's attention layers read their implementation from (every
+    config under the decoder; shared objects, so found once per model)."""
+    cached = model.__dict__.get("_mmbalance_attention_configs")
+    if cached is None:
+        seen: dict[int, object] = {}
+        for m in language_model(model).modules():
+            cfg = getattr(m, "config", None)
+            if cfg is not None and hasattr(cfg, "_attn_implementation"):
+                seen.setdefault(id(cfg), cfg)
+        seen.setdefault(id(text_config(model)), text_config(model))
+        cached = model.__dict__["_mmbalance_attention_configs"] = list(seen.values())
+    return cached
+
+
+def check_attention(model) -> None:
+    """Raise ValueError, naming what it found and the fix, when a layer of ``model``'s language
+    model does not run ``mmbalance_varlen`` (switched after ``apply_dynamic_cp``, e.g.
+    ``model.set_attn_implementation("sdpa")``): another attention ignores the shard, and the
+    tokens of a sequence split over ranks would attend only within their own piece."""
+    found = sorted({str(cfg._attn_implementation) for cfg in _attention_configs(model)} - {ATTENTION_NAME})
+    if found:
+        raise ValueError(
+            f"model: its language model's attention runs {', '.join(map(repr, found))}, but dynamic context "
+            f"parallelism runs in {ATTENTION_NAME!r} (another attention ignores the shard: a sequence split "
+            f"over ranks would attend only within each rank's piece). Call "
+            f"model.set_attn_implementation({ATTENTION_NAME!r}) to keep context parallelism, or handle.remove() "
+            "first to train without it"
+        )
 
 
 def pad_id(model) -> int:

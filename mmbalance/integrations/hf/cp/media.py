@@ -25,6 +25,7 @@ from mmbalance.collectives.group import comm_device
 from mmbalance.pyops import cu_seqlens_from_lengths
 
 from ..attention import CP_KEYWORD
+from ..compat import install_encoder_outputs_hook, remove_encoder_outputs_hook
 from ..encoders import ZeroLink, core, embed_rows, pooled
 from .families import VLMFamily, check_feature_rows, vlm_family
 from .inputs import model_device
@@ -141,11 +142,13 @@ def install_media_hook(model) -> bool:
         return args, resolve_media(module, dict(kwargs))
 
     model._mmbalance_media_hook = model.register_forward_pre_hook(hook, with_kwargs=True)
+    install_encoder_outputs_hook(model)  # after this hook: it feeds what this one resolves (compat.py)
     return True
 
 
 def remove_media_hook(model) -> None:
-    """Undo :func:`install_media_hook` (idempotent)."""
+    """Undo :func:`install_media_hook`, the hook that feeds its features included (idempotent)."""
     handle = model.__dict__.pop("_mmbalance_media_hook", None)
     if handle is not None:
         handle.remove()
+        remove_encoder_outputs_hook(model)

@@ -23,7 +23,7 @@ from mmbalance.collectives.group import comm_device
 from mmbalance.collectives.inflight import gather_objects
 
 from ..attention import CP_KEYWORD
-from .inputs import IGNORE, Sequences, model_device, pad_id, positions, split_sequences
+from .inputs import IGNORE, Sequences, check_attention, model_device, pad_id, positions, split_sequences
 from .plan import Layout, cost_key, labels_of, plan_layout, shard_of, step_stats
 from .shard import CPShard, idle_shard
 
@@ -85,6 +85,7 @@ def shard_text(handle, batch: Mapping) -> dict:
     world = dist.get_world_size(handle.own)
     with Entry("apply_dynamic_cp.shard", handle.own) as e:
         e.fields = {"max_tokens_per_rank": handle.max_tokens_per_rank, "cost": cost_key(handle.cost)}
+        check_attention(handle.model)
         seqs = split_sequences(batch)
     table_in = None
     if seqs is not None:
@@ -117,6 +118,7 @@ def shard_text(handle, batch: Mapping) -> dict:
 
 def shard_alone(handle, seqs: Sequences, device) -> dict:
     """One process: every sequence whole, on this rank (degree 1)."""
+    check_attention(handle.model)
     lengths = seqs.lengths
     budget = handle.max_tokens_per_rank
     if budget is not None and int(lengths.sum()) > budget:

@@ -24,7 +24,7 @@ from mmbalance.pyops import cu_seqlens_from_lengths
 from ..attention import CP_KEYWORD
 from ..encoders import EncoderAdapter, ZeroLink, core, encoder_balance_of, encoder_plan, pooled
 from .families import VLMFamily, check_feature_rows, encoder_seconds
-from .inputs import IGNORE, model_device, pad_id, positions
+from .inputs import IGNORE, check_attention, model_device, pad_id, positions
 from .plan import cost_key, labels_of, plan_layout, shard_of, step_stats
 from .shard import MEDIA_KEYWORD, idle_shard
 from .vlm_plan import (
@@ -87,6 +87,7 @@ def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Ma
     """This rank's batch read, the agreement, and the gathered table: ``(local, step)``."""
     model = handle.model
     if handle.own is None:
+        check_attention(model)
         return read_alone(handle, family, adapters, batch)
     own_ranks = tuple(dist.get_process_group_ranks(handle.own))
     enc_ranks = None if eh is None else tuple(dist.get_process_group_ranks(eh.group))
@@ -101,6 +102,7 @@ def _gather(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Ma
             "encoders in the forward (FSDP2)": defer,
             "adapters": [f"{type(a).__name__}(split_frames={a.splits_frames})" for a in adapters],
         }
+        check_attention(model)
         if enc_ranks is not None and enc_ranks != own_ranks:
             raise ValueError(
                 "group: apply_encoder_balance on this model balances over other ranks than apply_dynamic_cp; "

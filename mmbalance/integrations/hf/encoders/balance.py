@@ -34,6 +34,8 @@ from mmbalance.collectives.group import world_of
 from mmbalance.collectives.group_pool import own_group
 from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_threads
 
+from ..compat import FEEDS_ITSELF, feeding_encoder_outputs
+from ..wrappers import inner_model, wrapper_hint
 from . import models as _builtin  # noqa: F401 - registers the built-in adapters
 from .adapter import EncoderAdapter, adapters_for, supported_classes
 from .link import ZeroLink
@@ -44,13 +46,6 @@ __all__ = ["EncoderBalanceHandle", "apply_encoder_balance", "encoder_balance_of"
 
 _HANDLE_ATTR = "_mmbalance_encoder_balance"
 _REMOVE_WAIT_S = 5.0  # remove(): how long to wait for gloo's workers before destroying the group
-
-
-def _unwrap(model):
-    """The Hugging Face model inside a DistributedDataParallel wrapper (FSDP2 keeps the class)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _floating(t) -> bool:
@@ -171,13 +166,19 @@ class EncoderBalanceHandle:
         )
 
     # ------------------------------------------------------------------ the forward
+    def _stock(self, *args, **kwargs):
+        """The model's own forward, with encoder outputs in the form the installed transformers
+        takes them (``compat.feeding_encoder_outputs``)."""
+        with feeding_encoder_outputs(self.model, kwargs) as call:
+            return self._forward(*args, **call)
+
     def __call__(self, *args, **kwargs):
         if (
             self._removed
             or (self.training_only and not self.model.training)
             or getattr(self._generating, "depth", 0)
         ):
-            return self._forward(*args, **kwargs)
+            return self._stock(*args, **kwargs)
         bound = self.__signature__.bind(*args, **kwargs)
         call = dict(bound.arguments)
         extra = call.pop(
@@ -189,7 +190,7 @@ class EncoderBalanceHandle:
             call = self._balance(adapter, call, links)
         links = [t for t in links if t.requires_grad]
         if not links:
-            return self._forward(**call)
+            return self._stock(**call)
         anchor = ZeroLink.apply(*links)
         embeds = call.get("inputs_embeds")
         if _floating(embeds):
@@ -197,12 +198,12 @@ class EncoderBalanceHandle:
         get_emb = getattr(self.model, "get_input_embeddings", None)
         emb = get_emb() if callable(get_emb) else None
         if not isinstance(emb, torch.nn.Module):
-            return _attach_to_outputs(self._forward(**call), anchor)
+            return _attach_to_outputs(self._stock(**call), anchor)
         hook = emb.register_forward_hook(
             lambda mod, inp, out: out + anchor.to(out.dtype) if _floating(out) else out
         )
         try:
-            return self._forward(**call)
+            return self._stock(**call)
         finally:
             hook.remove()
 
@@ -221,6 +222,10 @@ class EncoderBalanceHandle:
         """The cost this handle balances for every item of ``adapter`` (float64 ``[n]``), from the
         gathered item table: what :func:`apply_encoder_balance`'s ``cost`` says."""
         return item_costs(self.cost, self.model, adapter, meta, rows)
+
+
+# the handle gives the forward its encoder outputs itself: a model hook that would do so leaves them
+setattr(EncoderBalanceHandle, FEEDS_ITSELF, True)
 
 
 def encoder_balance_of(model) -> EncoderBalanceHandle | None:
@@ -244,7 +249,9 @@ def apply_encoder_balance(
     Args:
         model: the Hugging Face model a training loop calls (``Qwen2VLForConditionalGeneration``,
             ``LlavaForConditionalGeneration``, a base ``Qwen2VLModel`` ...), or a
-            ``DistributedDataParallel`` around it. FSDP2 (``fully_shard``) modules work as they are.
+            ``DistributedDataParallel`` or peft ``PeftModel`` (LoRA ...) around it: the model
+            inside is balanced, and ``remove()`` restores it. FSDP2 (``fully_shard``) modules work
+            as they are.
         group: the data-parallel process group (default: the world). The balancing uses its own
             copy of it, with the same timeout (created here, collectively: every rank of the world
             must call this).
@@ -276,7 +283,7 @@ def apply_encoder_balance(
         RuntimeError: ``torch.distributed`` is not initialized.
         ImportError: transformers is not installed (``pip install "mmbalance[hf]"``).
     """
-    inner = _unwrap(model)
+    inner = inner_model(model)
     if not isinstance(inner, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if _HANDLE_ATTR in inner.__dict__:
@@ -301,8 +308,9 @@ def apply_encoder_balance(
                 raise TypeError(f"adapters must be EncoderAdapter instances, got {type(a).__name__}")
     if not chosen:
         raise ValueError(
-            f"no encoder adapter for {type(inner).__name__}; supported: {', '.join(supported_classes())}. "
-            "Write an EncoderAdapter for it (mmbalance.integrations.hf.EncoderAdapter) and register it."
+            f"no encoder adapter for {type(inner).__name__}{wrapper_hint(inner)}; supported: "
+            f"{', '.join(supported_classes())}. Write an EncoderAdapter for it "
+            "(mmbalance.integrations.hf.EncoderAdapter) and register it."
         )
     names = [a.encoder for a in chosen]
     if len(set(names)) != len(names):

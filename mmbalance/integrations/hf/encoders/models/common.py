@@ -1,4 +1,5 @@
-"""What the built-in adapters share: where a model keeps its towers, the ``mm_encoder_outputs``
+"""What the built-in adapters share: where a model keeps its towers (``core``: the compatibility
+layer's :func:`~mmbalance.integrations.hf.compat.feature_owner`), the ``mm_encoder_outputs``
 hook, the tile-tower and audio-tower base classes and the audio placeholder scatter."""
 
 from __future__ import annotations
@@ -7,19 +8,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...compat import feature_owner as core
 from ..adapter import EncoderAdapter, Items
-
-_TOWERS = ("visual", "vision_tower", "audio_tower", "vision_model")
-
-
-def core(model):
-    """The module holding the towers and ``get_*_features``: the inner ``...Model``
-    (``model.model``) where it has them, else the model itself (the base ``...Model`` classes, and
-    the Qwen2.5-Omni thinker before transformers 5.21, which keeps its towers on itself)."""
-    inner = getattr(model, "model", None)
-    if isinstance(inner, torch.nn.Module) and any(t in inner._modules for t in _TOWERS):
-        return inner
-    return model
 
 
 def mm_outputs(kwargs: dict) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...compat import feature_rows
 from ..adapter import EncoderAdapter, Items, flops_linear, packed_rows, register_adapter
 from .common import as_int, core, dtype_device, mm_outputs, pooled
 
@@ -92,9 +93,9 @@ class QwenVisionAdapter(EncoderAdapter):
     def encode(self, model, payload, meta):
         grid = torch.as_tensor(meta[:, 1:4], dtype=torch.long, device=payload[0].device)
         out = core(model).get_image_features(payload[0], grid, return_dict=True)
-        outs = [torch.cat(list(out.pooler_output))]
+        outs = [feature_rows(out.pooler_output)]  # one tensor, or per item, by version
         for layer in getattr(out, "deepstack_features", None) or []:
-            outs.append(torch.cat(list(layer)))
+            outs.append(feature_rows(layer))
         return outs
 
     def out_rows(self, model, meta):
