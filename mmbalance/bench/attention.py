@@ -404,7 +404,7 @@ def _ring_worker(rank: int, world: int, cfg: RingConfig, reps: int) -> dict[str,
     import torch.distributed as dist
 
     from mmbalance.collectives import cp_shard, ring_attention
-    from mmbalance.collectives.ring import make_ring, ring_forward
+    from mmbalance.collectives.ring.attention import make_ring, ring_forward
     from mmbalance.pyops.attention_ops import attention_block
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -109,7 +109,7 @@ def step_time(
 def zigzag_tokens(lengths: np.ndarray, degree: int) -> np.ndarray:
     """Tokens on each of ``degree`` ranks when ``lengths`` are packed and each sequence is cut
     into ``2 * degree`` chunks at ``(c * l) // (2 * degree)``, rank ``r`` holding chunks ``r`` and
-    ``2 * degree - 1 - r`` (the layout of ``mmbalance.collectives.ring_plan``); int64 ``[degree]``."""
+    ``2 * degree - 1 - r`` (the layout of ``mmbalance.collectives.ring.plan``); int64 ``[degree]``."""
     x = np.asarray(lengths, dtype=np.int64)
     if degree == 1:
         return np.array([int(x.sum())], dtype=np.int64)

@@ -1,7 +1,7 @@
 """``bench cp``'s sliding-window model line: static CP degrees against ours on a model whose layers
 attend within a window (Gemma 3: five of every six layers a window of 4096 tokens; Mistral: all).
 
-Ring attention with a window skips the key blocks no query can reach (``collectives/ring.py``:
+Ring attention with a window skips the key blocks no query can reach (``collectives/ring/attention.py``:
 whole key shards of the ring, and inside a block the kernels' key tiles), so a windowed layer's
 causal attention over a sequence of ``l`` tokens costs its window's share of the pairs: ``l**2``
 (the cost model's causal unit) while ``l <= W``, ``2 l W - W**2`` beyond. A group's modelled time

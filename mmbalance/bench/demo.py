@@ -77,8 +77,8 @@ def _groups(world: int):
 def _train(rank, world, args, balance: bool, pair, shard_dp, device, dtype):
     from mmbalance.balancing import PhaseSpec
     from mmbalance.collectives import Orchestrator, cp_shard
-    from mmbalance.collectives.broadcast import broadcast_from_leader
-    from mmbalance.collectives.ring_plan import ring_plan
+    from mmbalance.collectives.exchange.broadcast import broadcast_from_leader
+    from mmbalance.collectives.ring.plan import ring_plan
 
     from .demo_model import AudioEncoder, LLMBlock, VisionEncoder, init_
 

@@ -113,8 +113,8 @@ def _measure_interleaved(fns: dict[str, Any], device: torch.device, reps: int) -
 
 def _comm_alone(op: str, backend: str, layout, x: torch.Tensor, h: int, rand):
     """The collective of ``op`` alone, unsliced, through the same transport the op uses."""
-    from mmbalance.collectives.overlap_comm import make_transport
-    from mmbalance.collectives.overlap_plan import chunk_plan
+    from mmbalance.collectives.overlap.comm import make_transport
+    from mmbalance.collectives.overlap.plan import chunk_plan
 
     transport = make_transport(backend, None, layout, chunk_plan(layout, 1))
     if op == "matmul_reduce_scatter":
@@ -152,8 +152,8 @@ def _op(op: str, backend: str, layout, x: torch.Tensor, w: torch.Tensor, rand):
 def _bench_config(cfg: Config, rank: int, world: int, device: torch.device, chunk_list, backends, reps):
     import torch.distributed as dist
 
-    from mmbalance.collectives.overlap_comm import resolve_backend
-    from mmbalance.collectives.overlap_plan import ShardLayout, choose_chunks
+    from mmbalance.collectives.overlap.comm import resolve_backend
+    from mmbalance.collectives.overlap.plan import ShardLayout, choose_chunks
 
     dtype = getattr(torch, cfg.dtype)
     m, h = cfg.tokens, cfg.hidden

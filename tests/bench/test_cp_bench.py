@@ -122,7 +122,7 @@ def test_step_time_against_the_cost_model(cost):
 
 
 def test_zigzag_shards_match_the_ring_layout():
-    from mmbalance.collectives.ring_plan import ring_plan
+    from mmbalance.collectives.ring.plan import ring_plan
 
     rng = np.random.default_rng(1)
     for degree in (1, 2, 3, 5, 8):

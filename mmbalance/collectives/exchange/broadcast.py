@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agreement import Entry
-from .inflight import run
+from ..agreement import Entry
+from ..inflight import run
 
 __all__ = ["broadcast_from_leader"]
 

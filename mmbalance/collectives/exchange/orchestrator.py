@@ -29,9 +29,9 @@ from mmbalance.balancing import Plan
 from mmbalance.balancing.phases import TEXT, PhasePlans, PhaseSpec, plan_step
 from mmbalance.balancing.validate import as_lengths
 
-from .agreement import Entry
+from ..agreement import Entry
+from ..group import world_of
 from .alltoall import gather_table, rebalance
-from .group import world_of
 
 __all__ = ["Orchestrator", "StepPlan"]
 
@@ -127,7 +127,7 @@ class Orchestrator:
         llm_group_size: ranks per LLM group (tensor/context parallel): the LLM phase is balanced
             over ``world / llm_group_size`` groups and each example lands on its group's first
             rank, which shares the assembled batch with the group
-            (:func:`~mmbalance.collectives.broadcast.broadcast_from_leader`).
+            (:func:`~mmbalance.collectives.exchange.broadcast.broadcast_from_leader`).
         balance: ``False`` keeps every example where it was sampled (encoders on their rank, the
             LLM on that rank's group): the same code path without balancing, for comparisons.
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import Entry
-from .group import world_of
-from .overlap import all_gather_matmul, matmul_reduce_scatter
-from .overlap_plan import ShardLayout
+from ..agreement import Entry
+from ..group import world_of
+from .matmul import all_gather_matmul, matmul_reduce_scatter
+from .plan import ShardLayout
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "sequence_shards"]
 

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .inflight import gather_objects
-from .overlap_plan import Chunk, ShardLayout
+from ..inflight import gather_objects
+from .plan import Chunk, ShardLayout
 
 try:  # pragma: no cover - depends on the machine
     import cupy as _cp

@@ -1,7 +1,7 @@
 """Ring attention: context parallelism of any degree over packed varlen sequences.
 
 Each of the ``d`` ranks of a CP group holds a shard of every sequence (``cp_shard``; layouts in
-``collectives/ring_plan.py``) for q, k and v. In ``d`` steps the key/value shards travel around the
+``collectives/ring/plan.py``) for q, k and v. In ``d`` steps the key/value shards travel around the
 ring (rank ``r`` sends to ``r + 1``, receives from ``r - 1``); at step ``i`` rank ``r`` attends its
 queries to the keys of rank ``r - i`` with one block op (``torch.ops.mmbalance.attention_block_fwd``,
 causal masks from absolute positions, so any shard pair is one launch) and merges the partial
@@ -51,10 +51,10 @@ from mmbalance.pyops.attention_ops import (
     sinks_backward,
 )
 
-from .agreement import Entry
-from .group import world_of
-from .inflight import Inflight, run
-from .ring_plan import LAYOUTS, RingPlan, ring_plan
+from ..agreement import Entry
+from ..group import world_of
+from ..inflight import Inflight, run
+from .plan import LAYOUTS, RingPlan, ring_plan
 
 __all__ = ["cp_shard", "cp_unshard", "make_ring", "ring_attention", "ring_backward", "ring_forward"]
 
@@ -76,7 +76,7 @@ def cp_shard(x: torch.Tensor, cu_seqlens, group=None, layout: str = "zigzag", *,
     """This CP rank's tokens of the packed tensor ``x`` ``[T, *]`` (all ranks hold the same ``x``).
 
     ``cu_seqlens``: global boundaries (int tensor on any device, numpy or list; ``cu[-1] = T``).
-    ``layout``: ``"zigzag"`` or ``"contiguous"`` (``collectives/ring_plan.py``). ``rank``/``degree``
+    ``layout``: ``"zigzag"`` or ``"contiguous"`` (``collectives/ring/plan.py``). ``rank``/``degree``
     replace ``group`` when given (no process group needed). Returns ``[T_r, *]`` in the rank's
     sequence-major order; differentiable (an index_select). Needs no communication.
     """

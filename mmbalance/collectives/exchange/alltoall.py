@@ -32,9 +32,9 @@ from mmbalance.balancing.validate import as_lengths
 from mmbalance.pyops import cu_seqlens_from_lengths, segment_gather
 from mmbalance.pyops.checks import value_checks_enabled
 
-from .agreement import Entry
-from .group import comm_device, world_of
-from .inflight import run
+from ..agreement import Entry
+from ..group import comm_device, world_of
+from ..inflight import run
 
 __all__ = ["gather_lengths", "gather_table", "rebalance", "verify_plan"]
 

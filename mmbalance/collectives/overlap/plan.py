@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .agreement import Entry
+from ..agreement import Entry
 
 __all__ = [
     "ShardLayout",

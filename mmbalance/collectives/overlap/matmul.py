@@ -14,7 +14,7 @@ Math (``W`` ranks, rank ``r`` holds ``m_r`` rows, ``M = sum_r m_r``)::
     matmul_reduce_scatter:  z_r = (sum_s x_s @ weight_s.T)[rows of r] + bias      -> z_r [m_r, N]
 
 The two are adjoint: the input gradient of one is the other applied to the output gradient, and
-their backward passes are built from the same sliced loops (``overlap_comm``). Shards may be
+their backward passes are built from the same sliced loops (``comm.py``). Shards may be
 uneven (balanced varlen batches) and empty. Accumulation happens in the GEMM's own dtype (torch's
 ``mm``), as in ``nn.Linear``.
 
@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .agreement import Agreement, Entry
-from .group import world_of
-from .inflight import Inflight
-from .overlap_comm import BACKENDS, Transport, gather_matmul, make_transport, matmul_reduce, resolve_backend
-from .overlap_plan import ShardLayout, choose_chunks, chunk_plan
+from ..agreement import Agreement, Entry
+from ..group import world_of
+from ..inflight import Inflight
+from .comm import BACKENDS, Transport, gather_matmul, make_transport, matmul_reduce, resolve_backend
+from .plan import ShardLayout, choose_chunks, chunk_plan
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -341,7 +341,7 @@ def all_gather_matmul(
         weight: ``[N, K]`` (this rank's column shard in tensor parallelism), same dtype and device.
         group: the process group (``None``: the default group).
         chunks: number of communication/GEMM slices of the gathered rows; ``None`` picks it from
-            a cost model (``overlap_plan.choose_chunks``), ``1`` is the plain path (one
+            a cost model (``plan.choose_chunks``), ``1`` is the plain path (one
             all-gather, then one GEMM). Values above ``M`` act as ``M``. Must agree on all ranks.
         bias: optional ``[N]``.
         shard_sizes: every rank's ``m_r`` (a sequence, a CPU tensor or a ``ShardLayout``). Pass it

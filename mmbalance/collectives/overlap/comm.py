@@ -1,6 +1,6 @@
 """Transports and the sliced loops of the all-gather/GEMM overlap.
 
-A *transport* moves the pieces of a chunk plan (see ``overlap_plan``) between ranks:
+A *transport* moves the pieces of a chunk plan (see ``plan.py``) between ranks:
 
 ``start_gather(x_shard, buf)``
     Start moving every piece into its rows of ``buf`` (``[M, K]``, the gathered input) and
@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from mmbalance.kernels.dispatch import Backend, select_backend
 
-from .inflight import Inflight
-from .overlap_plan import Chunk, ShardLayout
+from ..inflight import Inflight
+from .plan import Chunk, ShardLayout
 
 __all__ = [
     "BACKENDS",
