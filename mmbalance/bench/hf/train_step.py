@@ -29,9 +29,7 @@ import dataclasses
 import statistics
 import time
 
-import numpy as np
-
-from .harness import Row, device_name
+from ..harness import Row, device_name, draw_lengths
 
 CONFIGS = {
     # name: (hidden, layers, heads, kv heads, MLP, vocabulary, dtype)
@@ -49,19 +47,6 @@ class StepConfig:
     max_length: int
     steps: int
     seed: int = 0
-
-
-def draw_lengths(tokens: int, max_length: int, seed: int) -> list[int]:
-    """Sequence lengths from the shipped mixture, cut at ``max_length``, until ``tokens``."""
-    from mmbalance.balancing.datasets import mixture
-
-    rng = np.random.default_rng(seed)
-    out: list[int] = []
-    while True:
-        for n in np.minimum(np.maximum(mixture(64, rng).llm, 8), max_length).tolist():
-            if sum(out) + n > tokens:
-                return out or [min(int(n), tokens)]
-            out.append(int(n))
 
 
 def _model(cfg: StepConfig):

@@ -39,7 +39,7 @@ from mmbalance.balancing.datasets import mixture
 from mmbalance.balancing.node_perm import have_exact_solver
 from mmbalance.balancing.paper import paper_algorithm
 
-from .harness import Row, base_parser, device_name, report, time_cpu
+from ..harness import Row, base_parser, device_name, report, time_cpu
 from .peers import peer_python, peer_status_row, run_verl
 
 PER_RANK = 60
@@ -466,7 +466,7 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="FILE", help="also write a PNG of the speed and scaling results")
     args = p.parse_args(argv)
     if args.plot:  # checked before the run, which takes minutes
-        from .harness import check_output, require_matplotlib
+        from ..harness import check_output, require_matplotlib
 
         problem = require_matplotlib("bench.planners") or check_output(args.plot, "--plot")
         if problem:
@@ -501,11 +501,7 @@ def main(argv=None) -> int:
         plot(rows + real, args.plot)
         print(f"plot written to {args.plot}")
     if not args.quick:
-        from . import planners_extra
+        from . import schedulers
 
-        planners_extra.run(args.full, args.json)
+        schedulers.run(args.full, args.json)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

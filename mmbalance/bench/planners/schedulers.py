@@ -1,4 +1,4 @@
-"""Benchmark of the cost-model, CP-group, reordering, ISF and partition planners on real data: ``python -m mmbalance.bench.planners_extra [--full] [--json FILE]``.
+"""Benchmark of the cost-model, CP-group, reordering, ISF and partition planners on real data: ``python -m mmbalance.bench.planners.schedulers [--full] [--json FILE]``.
 
 (Also run from ``python -m mmbalance.bench.planners``.) Tables:
 
@@ -36,7 +36,7 @@ from mmbalance.balancing import (
 from mmbalance.balancing.datasets import load_sizes, mixture
 from mmbalance.balancing.paper import paper_cp_schedule, paper_inter_reorder, paper_partition, paper_reorder
 
-from .harness import Row, base_parser, device_name, report, time_cpu
+from ..harness import Row, base_parser, device_name, report, time_cpu
 
 # Cost models in seconds (forward + backward) from the models' shapes.
 LLM_8B = CostModel.transformer()
@@ -50,7 +50,7 @@ def bench_cost_model(full: bool) -> list[Row]:
     of the measurement itself (CPU timings on a shared machine are noisy)."""
     import torch
 
-    from .profile import profile
+    from ..profile import profile
 
     torch.manual_seed(0)
     threads = torch.get_num_threads()

@@ -1,6 +1,6 @@
 """All-to-all batch communicator benchmark on real-data mixtures.
 
-    python -m mmbalance.bench.alltoall [--world 4] [--ranks-per-node 2] [--hidden 512] [--full] [--json FILE]
+    python -m mmbalance.bench.moves.alltoall [--world 4] [--ranks-per-node 2] [--hidden 512] [--full] [--json FILE]
 
 Spawns ``--world`` ranks (gloo on CPU here, NCCL when CUDA is present), each sampling 60 examples
 of the shipped real-data mixture (LLM lengths), payload ``[T, hidden]`` fp32 (bf16 on GPU). For
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .harness import Row, base_parser, device_name, report, spawn
+from ..harness import Row, base_parser, device_name, report, spawn
 
 PER_RANK = 60
 

@@ -1,7 +1,7 @@
 """Batch samplers side by side: ours, transformers' ``BatchRebalanceSampler``, torch's ``DistributedSampler``.
 
     mmbalance bench sampler [--quick | --full] [--json FILE]
-    python -m mmbalance.bench.sampler [--quick | --full] [--json FILE]
+    python -m mmbalance.bench.planners.sampler [--quick | --full] [--json FILE]
 
 Configurations: the shipped real-data mixture (LLM tokens of :func:`mmbalance.balancing.datasets.mixture`),
 long-tail lengths (lognormal, up to 32k tokens) and bimodal ones (85% short, 15% of 4-8k tokens);
@@ -39,7 +39,7 @@ import numpy as np
 
 from mmbalance.balancing.plan import DEFAULT_BETA
 
-from .harness import Row, base_parser, device_name, report
+from ..harness import Row, base_parser, device_name, report
 
 DATASETS = ("mixture", "long_tail", "bimodal")
 MODES = ("packed", "padded")

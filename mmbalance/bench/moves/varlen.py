@@ -1,6 +1,6 @@
 """Bandwidth of the varlen ops (pack, unpack, segment_gather) against torch baselines and a copy.
 
-    python -m mmbalance.bench.varlen [--full] [--json FILE] [--device cpu|cuda] [--lengths lognormal]
+    python -m mmbalance.bench.moves.varlen [--full] [--json FILE] [--device cpu|cuda] [--lengths lognormal]
                            [--plot FILE.png]
 
 For every shape each op is timed with three kinds of provider:
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .harness import Row, base_parser, device_name, host_us, report, time_fn
+from ..harness import Row, base_parser, device_name, host_us, report, time_fn
 
 # ---------------------------------------------------------------------------------------------
 # lengths sources: name -> f(n_seqs, mean_len, seed) -> int64 array of n_seqs lengths

@@ -38,7 +38,7 @@ from mmbalance.balancing import imbalance, post_balance
 from mmbalance.balancing.datasets import ExampleSizes, mixture
 from mmbalance.balancing.paper import paper_algorithm
 
-from .harness import check_outputs, command_parser, save_plot, usage_error, write_output
+from ..harness import check_outputs, command_parser, save_plot, usage_error, write_output
 
 PEAK_FLOPS = 989e12 * 0.45  # H100 dense bf16 at a 45% efficiency, the same for every phase
 

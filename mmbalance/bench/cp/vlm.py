@@ -54,9 +54,9 @@ import numpy as np
 from mmbalance.balancing import CostModel, cp_schedule
 from mmbalance.balancing.datasets import load_sizes
 
-from . import cp_schemes
-from .cp_data import cut_steps
-from .harness import Row, device_name, ms_cell, ratio_plot
+from ..harness import Row, device_name, ms_cell, ratio_plot
+from . import schemes
+from .data import cut_steps
 
 DATASETS = ("activitynet_long", "documents")
 STATIC_DEGREES = (1, 2, 4, 8)
@@ -218,11 +218,11 @@ def time_step(
             )
         group_of = plan.group_of(lengths.size)
         degree = np.array([g.degree for g in plan], dtype=np.int64)
-        sched = cp_schemes.Schedule(scheme, (cp_schemes.Round(degree, group_of),))
-        cp_schemes.check_schedule(sched, lengths, world, memory_per_rank)
+        sched = schemes.Schedule(scheme, (schemes.Round(degree, group_of),))
+        schemes.check_schedule(sched, lengths, world, memory_per_rank)
         group_items = np.bincount(group_of, weights=items, minlength=degree.size).astype(np.int64)
-        llm_g = cp_schemes.group_times(llm, lengths, sched.rounds[0])
-        shard = cp_schemes.largest_shard(sched, lengths)
+        llm_g = schemes.group_times(llm, lengths, sched.rounds[0])
+        shard = schemes.largest_shard(sched, lengths)
         if eb:  # every item dealt over the whole world; one exchange over the world between the phases
             enc_t = busiest(int(items.sum()), world) * item_s
             llm_t = float(llm_g.max(initial=0.0))
@@ -236,10 +236,10 @@ def time_step(
         return StepTime(
             infeasible=f"{c} x {memory_per_rank} tokens cannot hold the data's longest sequence ({need})"
         )
-    sched = cp_schemes.static_cp(lengths, world, memory_per_rank, c, llm, enc_seq)
+    sched = schemes.static_cp(lengths, world, memory_per_rank, c, llm, enc_seq)
     if not sched.feasible:
         return StepTime(infeasible=str(sched.infeasible))
-    cp_schemes.check_schedule(sched, lengths, world, memory_per_rank)
+    schemes.check_schedule(sched, lengths, world, memory_per_rank)
     ((rnd),) = sched.rounds
     group_items = np.bincount(rnd.group_of, weights=items, minlength=rnd.degree.size).astype(np.int64)
     if scheme.startswith("preembed"):  # every member embeds the whole group's media
@@ -247,7 +247,7 @@ def time_step(
     else:
         enc_g = np.array([busiest(n, c) for n in group_items.tolist()], dtype=np.float64) * item_s
     return _slowest_group(
-        enc_g, cp_schemes.group_times(llm, lengths, rnd), cp_schemes.largest_shard(sched, lengths)
+        enc_g, schemes.group_times(llm, lengths, rnd), schemes.largest_shard(sched, lengths)
     )
 
 

@@ -7,7 +7,7 @@
         [--window 4096] [--local-fraction 0.833]
 
 A step is one packed micro-batch of sequences drawn from a dataset until the next one would take
-it past ``fill`` (0.75) of the memory of all ranks (``ranks * memory_per_rank`` tokens). Datasets (:mod:`mmbalance.bench.cp_data`):
+it past ``fill`` (0.75) of the memory of all ranks (``ranks * memory_per_rank`` tokens). Datasets (:mod:`mmbalance.bench.cp.data`):
 
 * ``mixture``: LLM lengths of the shipped multimodal sizes (:func:`mmbalance.balancing.datasets.mixture`:
   images, videos, speech; median about 1k tokens, longest 16.6k);
@@ -16,12 +16,12 @@ it past ``fill`` (0.75) of the memory of all ranks (``ranks * memory_per_rank`` 
 
 Each runs at 8, 64 and 512 ranks and two per-rank token budgets, 8192 and 16384 (36 and 73 GB of
 activations of the default 8B model at ``34 * hidden * layers`` bytes a token). Every scheme of
-:mod:`mmbalance.bench.cp_schemes` places every step: static CP of degree 1, 2, 4 and 8 (as
+:mod:`mmbalance.bench.cp.schemes` places every step: static CP of degree 1, 2, 4 and 8 (as
 accelerate sets it up, groups balanced greedily), power-of-two hybrid CP (the idea of Megatron's
 ``BalancedCPScheduler``, with its own load estimate and with the shared cost model) and ours
 (:func:`mmbalance.balancing.cp_schedule`); every placement is checked (each sequence once, memory
 held) before it is timed. A fixed degree must hold the data's longest sequence (of a 1M-sequence
-epoch, :func:`~mmbalance.bench.cp_data.epoch_longest`), whatever the sampled steps hold. One cost model times every scheme:
+epoch, :func:`~mmbalance.bench.cp.data.epoch_longest`), whatever the sampled steps hold. One cost model times every scheme:
 by default :meth:`CostModel.transformer() <mmbalance.balancing.CostModel.transformer>` (an 8B dense
 LLM, 400 TFLOP/s, ring at 50 GB/s), or ``--cost FILE``: a JSON list of measurements
 ``[[lengths...], degree, seconds]`` (fitted with :meth:`CostModel.fit`, e.g. from
@@ -44,17 +44,17 @@ degrees it used. The run ends with the acceptance checks: ours at or below the b
 and both power-of-two hybrids at every step, at least 1.3x faster than the best static degree on
 long-tail data, plan time at most 5 ms at 512 ranks (``--strict``: exit 1 when one fails).
 
-On long-tail data a sliding-window model line follows (:mod:`mmbalance.bench.cp_window`; op
+On long-tail data a sliding-window model line follows (:mod:`mmbalance.bench.cp.window`; op
 ``cp_window_step``; ``--window`` tokens, 4096 by default, on ``--local-fraction`` of the layers,
 Gemma 3's 5/6; ranks up to 64): static degrees against ours, with the ring skipping the key blocks
 no window reaches, and ours planned for full causal attention, all timed on the windowed model.
 
 ``--vlm`` runs vision-language data instead (long ActivityNet videos, a mixture with image
 documents): static CP degrees and NeMo-style pre-embedding against ours, with and without encoder
-balancing, modelled (:mod:`mmbalance.bench.cp_vlm`; op ``cp_vlm_step``).
+balancing, modelled (:mod:`mmbalance.bench.cp.vlm`; op ``cp_vlm_step``).
 
 ``--real`` (or ``--real-only``) then runs real steps of a tiny Llama on 4 gloo ranks through
-torchrun: :mod:`mmbalance.bench.cp_real` (step time and all-to-all bytes, ours against static
+torchrun: :mod:`mmbalance.bench.cp.real` (step time and all-to-all bytes, ours against static
 degrees 1, 2 and 4; op ``cp_real_step``).
 """
 
@@ -72,9 +72,9 @@ import numpy as np
 
 from mmbalance.balancing import CostModel, cp_schedule
 
-from . import cp_schemes, cp_vlm, cp_window
-from .cp_data import DATASETS, FILL, epoch_longest, step_batches
-from .harness import Row, base_parser, device_name, ms_cell, ratio_plot, report
+from ..harness import Row, base_parser, device_name, ms_cell, ratio_plot, report
+from . import schemes, vlm, window
+from .data import DATASETS, FILL, epoch_longest, step_batches
 
 RANKS = (8, 64, 512)
 BUDGETS = (8192, 16384)
@@ -121,7 +121,7 @@ class ConfigResult:
 
     def feasible(self, scheme: str) -> bool:
         """Whether the scheme ran every step and can hold the data's longest sequence (a fixed
-        degree must; see :func:`~mmbalance.bench.cp_data.epoch_longest`)."""
+        degree must; see :func:`~mmbalance.bench.cp.data.epoch_longest`)."""
         return bool(np.isfinite(self.step[scheme]).all()) and scheme not in self.too_short
 
     def best_static(self) -> str | None:
@@ -161,9 +161,9 @@ def run_config(
             f"{s[len('static_cp') :]} x {memory_per_rank} tokens cannot hold the data's longest sequence ({longest})"
         )
     for t, lengths in enumerate(batches):
-        schedules = [cp_schemes.static_cp(lengths, world, memory_per_rank, c, cost) for c in STATIC_DEGREES]
-        schedules.append(cp_schemes.hybrid_pow2(lengths, world, memory_per_rank))
-        schedules.append(cp_schemes.hybrid_pow2(lengths, world, memory_per_rank, cost))
+        schedules = [schemes.static_cp(lengths, world, memory_per_rank, c, cost) for c in STATIC_DEGREES]
+        schedules.append(schemes.hybrid_pow2(lengths, world, memory_per_rank))
+        schedules.append(schemes.hybrid_pow2(lengths, world, memory_per_rank, cost))
         times, cpu = [], []
         for _ in range(plan_reps):
             t0, c0 = time.perf_counter(), time.process_time()
@@ -171,15 +171,15 @@ def run_config(
             times.append(1e3 * (time.perf_counter() - t0))
             cpu.append(1e3 * (time.process_time() - c0))
         plan_ms[t], plan_cpu_ms[t] = float(np.median(times)), float(np.median(cpu))
-        mine, plan = cp_schemes.ours(lengths, world, memory_per_rank, cost, rpn)
+        mine, plan = schemes.ours(lengths, world, memory_per_rank, cost, rpn)
         schedules.append(mine)
         for sched in schedules:
-            cp_schemes.check_schedule(sched, lengths, world, memory_per_rank)
+            schemes.check_schedule(sched, lengths, world, memory_per_rank)
             if not sched.feasible:
                 reason.setdefault(sched.scheme, str(sched.infeasible))
                 continue
-            step[sched.scheme][t] = cp_schemes.step_time(sched, lengths, cost)
-            shard[sched.scheme][t] = cp_schemes.largest_shard(sched, lengths)
+            step[sched.scheme][t] = schemes.step_time(sched, lengths, cost)
+            shard[sched.scheme][t] = schemes.largest_shard(sched, lengths)
         if not math.isclose(step["mmbalance"][t], plan.makespan, rel_tol=1e-9, abs_tol=1e-12):
             raise RuntimeError(
                 f"cp_schedule's makespan {plan.makespan} differs from the bench's timing {step['mmbalance'][t]} "
@@ -342,7 +342,7 @@ def summary_table(results: list[ConfigResult]) -> str:
     for r in results:
         mean = {s: float(r.step[s].mean()) if r.feasible(s) else math.nan for s in SCHEMES}
         best = r.best_static()
-        cells = cp_schemes.static_cells(mean, best, STATIC_DEGREES)
+        cells = schemes.static_cells(mean, best, STATIC_DEGREES)
         ours = mean["mmbalance"]
         vs_s = f"{mean[best] / ours:.2f}x" if best else "-"
         hyb = [mean[h] for h in HYBRIDS if math.isfinite(mean[h])]
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
         "--datasets",
         # names such as long_tail_1% go through argparse's %-formatting of help texts: escaped
         help=(
-            f"comma-separated, of {', '.join(DATASETS)}; with --vlm of {', '.join(cp_vlm.DATASETS)} (default: all)"
+            f"comma-separated, of {', '.join(DATASETS)}; with --vlm of {', '.join(vlm.DATASETS)} (default: all)"
         ).replace("%", "%%"),
     )
     p.add_argument(
@@ -406,23 +406,23 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", metavar="FILE", help="also write the summary table as Markdown to FILE")
     p.add_argument("--plot", metavar="FILE", help="also write a PNG of step times relative to ours")
     p.add_argument("--strict", action="store_true", help="exit 1 when an acceptance check fails")
-    real = p.add_mutually_exclusive_group()
-    real.add_argument(
+    real_group = p.add_mutually_exclusive_group()
+    real_group.add_argument(
         "--real", action="store_true", help="then real steps of a tiny Llama on 4 gloo ranks (torchrun)"
     )
-    real.add_argument("--real-only", action="store_true", help="only the real steps")
+    real_group.add_argument("--real-only", action="store_true", help="only the real steps")
     p.add_argument("--real-steps", type=int, default=8, help="measured steps per scheme of the real part")
     p.add_argument("--real-budget", type=int, default=512, help="tokens per rank in the real part")
     p.add_argument(
-        "--window", type=int, default=cp_window.WINDOW,
+        "--window", type=int, default=window.WINDOW,
         help="the sliding-window model line's window in tokens (0: no such line); long-tail data, ranks <= 64",
     )  # fmt: skip
     p.add_argument(
-        "--local-fraction", type=float, default=cp_window.LOCAL_FRACTION,
+        "--local-fraction", type=float, default=window.LOCAL_FRACTION,
         help="the fraction of that model's layers that use the window (Gemma 3: 5/6; Mistral: 1)",
     )  # fmt: skip
     args = p.parse_args(argv)
-    from .harness import check_output, require_matplotlib
+    from ..harness import check_output, require_matplotlib
 
     for flag, path in (("--markdown", args.markdown), ("--plot", args.plot)):
         problem = check_output(path, flag)
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
     if not 0.0 < args.fill <= 1.0:
         print(f"bench.cp: --fill must be in (0, 1], got {args.fill}", file=sys.stderr)
         return 2
-    known = cp_vlm.DATASETS if args.vlm else tuple(DATASETS)
+    known = vlm.DATASETS if args.vlm else tuple(DATASETS)
     datasets = args.datasets.split(",") if args.datasets else list(known)
     unknown = [d for d in datasets if d not in known]
     if unknown:
@@ -467,23 +467,23 @@ def main(argv=None) -> int:
     checks: list[tuple[str, bool, str]] = []
     tables = []
     if args.vlm and not args.real_only:
-        print(f"cost model: {cost}; one encoder item: {1e3 * cp_vlm.item_seconds(cost):.2f} ms", flush=True)
+        print(f"cost model: {cost}; one encoder item: {1e3 * vlm.item_seconds(cost):.2f} ms", flush=True)
         vlm_results = []
         for ds in datasets:
             for world in ranks:
                 for mem in budgets:
-                    res_vlm = cp_vlm.run_config(ds, world, mem, steps, cost, fill=args.fill, seed=args.seed)
+                    res_vlm = vlm.run_config(ds, world, mem, steps, cost, fill=args.fill, seed=args.seed)
                     vlm_results.append(res_vlm)
                     title = f"cp --vlm: {ds}, {world} ranks, {mem} tokens per rank, {steps} steps"
-                    report(cp_vlm.rows_of(res_vlm), args.json, title)
-        tables.append(cp_vlm.summary_table(vlm_results))
+                    report(vlm.rows_of(res_vlm), args.json, title)
+        tables.append(vlm.summary_table(vlm_results))
         print("\n== summary: mean modelled step time (ms) per scheme ==\n" + tables[-1])
-        checks = cp_vlm.acceptance(vlm_results)
+        checks = vlm.acceptance(vlm_results)
         print("\n== acceptance ==")
         for what, ok, figures in checks:
             print(f"{'pass' if ok else 'FAIL'}  {what}: {figures}")
         if args.plot:
-            cp_vlm.plot(vlm_results, args.plot)
+            vlm.plot(vlm_results, args.plot)
             print(f"plot written to {args.plot}")
     elif not args.real_only:
         reps = 1 if args.quick else 5 if args.full else 3
@@ -505,22 +505,22 @@ def main(argv=None) -> int:
         )
         window_sets = [ds for ds in datasets if DATASETS[ds] > 0]
         if args.window and window_sets:
-            model = cp_window.WindowModel(args.window, args.local_fraction)
+            model = window.WindowModel(args.window, args.local_fraction)
             print(f"\nsliding-window model: {model} (planned with the windowed cost) ...", flush=True)
             window_results = []
             for ds in window_sets:
                 for world in (w for w in ranks if w <= 64):
                     for mem in budgets:
-                        res_w = cp_window.run_config(
+                        res_w = window.run_config(
                             ds, world, mem, steps, cost, model, fill=args.fill, seed=args.seed
                         )
                         window_results.append(res_w)
                         report(
-                            cp_window.rows_of(res_w),
+                            window.rows_of(res_w),
                             args.json,
                             f"cp, {model}: {ds}, {world} ranks, {mem} tokens",
                         )
-            tables.append(cp_window.summary_table(window_results))
+            tables.append(window.summary_table(window_results))
             print("\n== " + tables[-1])
         checks = acceptance(results)
         print("\n== acceptance ==")
@@ -530,22 +530,18 @@ def main(argv=None) -> int:
             plot(results, args.plot)
             print(f"plot written to {args.plot}")
     if args.real or args.real_only:
-        from . import cp_real
+        from . import real
 
-        print(f"\nreal steps: torchrun, {cp_real.WORLD} gloo ranks, tiny Llama ...", flush=True)
+        print(f"\nreal steps: torchrun, {real.WORLD} gloo ranks, tiny Llama ...", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            res_real = cp_real.launch(
+            res_real = real.launch(
                 os.path.join(tmp, "real.json"), steps=args.real_steps, budget=args.real_budget
             )
-        rows = cp_real.rows_of(res_real)
-        report(rows, args.json, f"cp, real steps on {cp_real.WORLD} gloo ranks (median of {args.real_steps})")
-        tables.append(cp_real.summary_table(rows))
+        rows = real.rows_of(res_real)
+        report(rows, args.json, f"cp, real steps on {real.WORLD} gloo ranks (median of {args.real_steps})")
+        tables.append(real.summary_table(rows))
         print("\n== summary: real steps ==\n" + tables[-1])
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n\n".join(tables) + "\n")
     return 1 if args.strict and not all(ok for _, ok, _ in checks) else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

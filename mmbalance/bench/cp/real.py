@@ -3,7 +3,7 @@
     mmbalance bench cp --real [--json FILE]          # the modelled part, then this one
     python -m mmbalance.bench.cp --real-only [--real-steps 8] [--real-budget 512] [--json FILE]
 
-The bench starts ``torchrun --standalone --nproc-per-node 4 -m mmbalance.bench.cp_real`` (CPU,
+The bench starts ``torchrun --standalone --nproc-per-node 4 -m mmbalance.bench.cp.real`` (CPU,
 gloo) and reads back what rank 0 wrote. Every rank holds the same tiny Llama (transformers'
 ``LlamaForCausalLM``: hidden 32, 2 layers, 4 heads of which 2 KV heads, vocabulary 128, random
 weights, float32, ``attn_implementation="mmbalance_varlen"``). A step is drawn like the modelled
@@ -46,8 +46,9 @@ import numpy as np
 
 from mmbalance.balancing import CostModel
 
-from . import cp_data, cp_schemes
-from .harness import Row, device_name
+from ..harness import Row, device_name
+from . import schemes
+from .data import FILL, draw
 
 WORLD = 4
 DEGREES = (1, 2, 4)
@@ -66,7 +67,7 @@ class StaticDegree:
 
     def __call__(self, lengths: np.ndarray, degree: int) -> np.ndarray:
         x = lengths.astype(np.float64)
-        t = cp_schemes.times_of(self.base, x, x * x, np.ones_like(x), np.full(x.shape, degree))
+        t = schemes.times_of(self.base, x, x * x, np.ones_like(x), np.full(x.shape, degree))
         return t if degree == self.degree else 1e6 * t + 1.0
 
 
@@ -80,7 +81,7 @@ def real_steps(dataset: str, world: int, budget: int, steps: int, fill: float, s
     while len(out) < steps:
         k = int(np.searchsorted(np.cumsum(buf), target, side="right"))
         if k == buf.size:  # the stream ran out before the step filled up
-            more = np.maximum(1, np.round(cp_data.draw(dataset, 1024, rng) / scale)).astype(np.int64)
+            more = np.maximum(1, np.round(draw(dataset, 1024, rng) / scale)).astype(np.int64)
             buf = np.concatenate([buf, more])
             continue
         step, buf = buf[: max(k, 1)], buf[max(k, 1) :]
@@ -134,7 +135,7 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--dataset", default="long_tail_1%")
     p.add_argument("--scale", type=int, default=32)
-    p.add_argument("--fill", type=float, default=cp_data.FILL)
+    p.add_argument("--fill", type=float, default=FILL)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args(argv)
@@ -208,7 +209,7 @@ def launch(
     port = str(29700 + int.from_bytes(os.urandom(2), "little") % 300)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(WORLD),
-        "--master-addr", "127.0.0.1", "--master-port", port, "-m", "mmbalance.bench.cp_real",
+        "--master-addr", "127.0.0.1", "--master-port", port, "-m", "mmbalance.bench.cp.real",
         "--out", out, "--steps", str(steps), "--budget", str(budget), *(extra or []),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .harness import check_outputs, command_parser, cpu_cores, save_plot, spawn, usage_error
+from ..harness import check_outputs, command_parser, cpu_cores, save_plot, spawn, usage_error
 
 ORDERS = [("vision", "audio", "text"), ("text", "vision", "audio")]
 HIDDEN, HEADS, ENC_HIDDEN = 64, 4, 32
@@ -41,7 +41,7 @@ def step_data(seed: int, step: int, rank: int, per_rank: int, dtype):
     """This rank's examples of one step: sizes from the real-data mixture, synthetic contents."""
     from mmbalance.balancing.datasets import mixture
 
-    from .demo_model import FRAME_DIM, PATCH_DIM, VOCAB
+    from .model import FRAME_DIM, PATCH_DIM, VOCAB
 
     rng = np.random.default_rng([seed, step, rank])
     s = mixture(per_rank, rng)
@@ -80,7 +80,7 @@ def _train(rank, world, args, balance: bool, pair, shard_dp, device, dtype):
     from mmbalance.collectives.exchange.broadcast import broadcast_from_leader
     from mmbalance.collectives.ring.plan import ring_plan
 
-    from .demo_model import AudioEncoder, LLMBlock, VisionEncoder, init_
+    from .model import AudioEncoder, LLMBlock, VisionEncoder, init_
 
     torch.manual_seed(0)
     vision = VisionEncoder(ENC_HIDDEN, HIDDEN, dtype=dtype).to(device)
@@ -449,7 +449,3 @@ def main(argv=None) -> int:
         print("balanced and unbalanced losses disagree", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

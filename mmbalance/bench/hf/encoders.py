@@ -2,7 +2,7 @@
 end-to-end training step with ``mmbalance_varlen`` against the stock attention.
 
     python -m mmbalance.bench.hf [--world 2] [--steps 8] [--json FILE]
-    mmbalance bench hf --device cuda        # the end-to-end step (bench/hf_step.py)
+    mmbalance bench hf --device cuda        # the end-to-end step (bench/hf/train_step.py)
 
 A Qwen2-VL (random weights, built from a config: no download) trains on ``--world`` ranks with a
 skewed batch (rank 0 several large images, the others one small image each), balanced with
@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from . import hf_step
-from .harness import Row, base_parser, device_name, report, spawn
+from ..harness import Row, base_parser, device_name, report, spawn
+from . import train_step
 
 CONFIGS = {
     # name: (ViT depth, ViT width, LLM width, large image side in patches, large images on rank 0;
@@ -164,9 +164,9 @@ def main(argv=None) -> None:
         "--device",
         choices=("cpu", "cuda"),
         help="run one end-to-end training step on this device instead (mmbalance_varlen against sdpa and "
-        "flash_attention_2; bench/hf_step.py)",
+        "flash_attention_2; bench/hf/train_step.py)",
     )
-    p.add_argument("--step-config", choices=sorted(hf_step.CONFIGS), help="with --device: the model (default: "
+    p.add_argument("--step-config", choices=sorted(train_step.CONFIGS), help="with --device: the model (default: "
                    "tiny on cpu, qwen2vl-2b on cuda)")  # fmt: skip
     p.add_argument(
         "--tokens", type=int, help="with --device: tokens per step (default 1024 on cpu, 8192 on cuda)"
@@ -187,7 +187,7 @@ def main(argv=None) -> None:
 
             if not torch.cuda.is_available():
                 raise SystemExit("bench.hf: --device cuda, but torch sees no CUDA device")
-        cfg = hf_step.StepConfig(
+        cfg = train_step.StepConfig(
             config=args.step_config or ("qwen2vl-2b" if cuda else "tiny"),
             device=args.device,
             tokens=args.tokens if args.tokens is not None else (8192 if cuda else 1024),
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
         if cfg.tokens < 1 or cfg.max_length < 8 or cfg.steps < 1:
             raise SystemExit("bench.hf: --tokens and --steps must be >= 1 and --max-length >= 8")
         report(
-            hf_step.bench(cfg),
+            train_step.bench(cfg),
             args.json,
             f"one training step on {args.device}: {cfg.config}, ~{cfg.tokens} tokens",
         )
@@ -209,7 +209,3 @@ def main(argv=None) -> None:
         args.json,
         "encoder balancing of a Hugging Face Qwen2-VL: overhead (plan + two all-to-alls) vs the encoder",
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -11,7 +11,7 @@ floor of DESIGN.md on CPU-only machines: bandwidth kernels must show 128-bit glo
 stores and zero spills. The entries compile in ``--jobs`` forked processes (default one a CPU):
 a cold run of the 83 entries takes 101 s on one core of the 2-core CI machine, 49 s on two.
 
-Registry. The entries are listed in ``kernel_audit_variants.py`` (``variants(capability)``), each
+Registry. The entries are listed in ``variants.py`` (``variants(capability)``), each
 a dict with keys
 
     name             str, unique in the report
@@ -180,16 +180,16 @@ def _normalise(entry: dict) -> dict:
 
 
 def discover(only: str | None = None, capability: int = 90) -> tuple[list[dict], list[dict]]:
-    """The entries of ``kernel_audit_variants.variants(capability)`` whose name contains ``only``
+    """The entries of ``variants.variants(capability)`` whose name contains ``only``
     (all when None), plus an error row when the kernels do not import.
 
     ``capability`` picks the launch configurations (per-architecture choices of the launchers).
     """
     try:
         # imported here, not at the top: ``main`` clears TRITON_INTERPRET before the kernels load
-        from .kernel_audit_variants import variants
+        from .variants import variants
     except Exception as e:  # noqa: BLE001 - a broken kernel module is a failed row, not a crash
-        return [], [{"name": "mmbalance.bench.kernel_audit_variants", "error": f"import failed: {e!r}"}]
+        return [], [{"name": "mmbalance.bench.kernel_audit.variants", "error": f"import failed: {e!r}"}]
     configs = [_normalise(entry) for entry in variants(capability)]
     return [cfg for cfg in configs if only is None or only in cfg["name"]], []
 
@@ -314,7 +314,9 @@ def audit_all(configs: list[dict], capability: int, ptxas_arch: str, jobs: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from ..harness import git_sha, module_prog
+
+    p = argparse.ArgumentParser(prog=module_prog(), description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm_90", help="target, e.g. sm_90 or sm_80 (default sm_90)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
     p.add_argument("--only", metavar="SUBSTRING", help="audit only entries whose name contains this")
@@ -330,8 +332,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    from .harness import git_sha
-
     capability, ptxas_arch = _arch(args.arch)
     configs, rows = discover(args.only, capability)
     rows += audit_all(configs, capability, ptxas_arch, args.jobs)
@@ -345,7 +345,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -325,7 +325,7 @@ def ours(
 def static_cells(mean: dict[str, float], best: str | None, degrees) -> str:
     """The summary tables' cells of the static degrees: each one's mean step (ms; ``-`` where it
     cannot run), the best one starred."""
-    from .harness import ms_cell
+    from ..harness import ms_cell
 
     names = [f"static_cp{c}" for c in degrees]
     return " | ".join(ms_cell(mean[s]) + (" *" if s == best else "") for s in names)

@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-from .harness import Row
+from ..harness import Row
 
 # Runs in the peers' environment (``.venv-peers``): lengths in from a .npy file, destination ranks
 # out to another, the peer's own times and version as JSON on stdout.
@@ -57,7 +57,8 @@ def peer_python() -> tuple[str | None, str]:
         if os.path.isfile(named) and os.access(named, os.X_OK):
             return named, ""
         return None, f"{PEERS_PYTHON_VAR}={named} is not an executable file"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # this file is <root>/mmbalance/bench/planners/peers.py
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     for base in dict.fromkeys((root, os.getcwd())):
         cand = os.path.join(base, PEERS_ENV, "bin", "python")
         if os.path.isfile(cand) and os.access(cand, os.X_OK):

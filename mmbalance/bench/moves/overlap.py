@@ -1,4 +1,4 @@
-"""Benchmark of the sliced all-gather/GEMM overlap: ``python -m mmbalance.bench.overlap [--full] [--json FILE]``.
+"""Benchmark of the sliced all-gather/GEMM overlap: ``python -m mmbalance.bench.moves.overlap [--full] [--json FILE]``.
 
 For each shape, backend and chunk count it reports the time of the overlapped op over
 ``max(GEMM alone, collective alone)`` (1.0 is perfect overlap; the floor in DESIGN.md) and over
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from .harness import (
+from ..harness import (
     Row,
     base_parser,
     device_name,

@@ -8,7 +8,7 @@ causal attention over a sequence of ``l`` tokens costs its window's share of the
 is :class:`~mmbalance.balancing.CostModel`'s formula with that sum in place of ``sum(l**2)`` (the
 ring still carries every key and value around, so its term is unchanged). The schemes:
 
-* ``static_cp<c>``: :func:`~mmbalance.bench.cp_schemes.static_cp`, its greedy balancing on the
+* ``static_cp<c>``: :func:`~mmbalance.bench.schemes.static_cp`, its greedy balancing on the
   windowed times;
 * ``mmbalance``: :func:`~mmbalance.balancing.cp_schedule` with the windowed group time as its cost
   (a callable: planning takes 0.1 s rather than milliseconds, a benchmark's price);
@@ -28,9 +28,9 @@ import numpy as np
 
 from mmbalance.balancing import CostModel, cp_schedule
 
-from . import cp_schemes
-from .cp_data import FILL, epoch_longest, step_batches
-from .harness import Row, device_name, ms_cell
+from ..harness import Row, device_name, ms_cell
+from . import schemes
+from .data import FILL, epoch_longest, step_batches
 
 WINDOW, LOCAL_FRACTION = 4096, 5 / 6
 STATIC_DEGREES = (1, 2, 4, 8)
@@ -62,7 +62,7 @@ def group_time(cost: CostModel, model: WindowModel):
     def time(lengths: np.ndarray, degree: int) -> float:
         x = np.asarray(lengths, dtype=np.float64)
         return float(
-            cp_schemes.times_of(
+            schemes.times_of(
                 cost,
                 np.array([x.sum()]),
                 np.array([model.squares(x).sum()]),
@@ -106,21 +106,19 @@ def run_config(dataset: str, world: int, memory_per_rank: int, steps: int, cost:
                 reason.setdefault(f"static_cp{c}", f"{c} x {memory_per_rank} tokens cannot hold {longest}")
                 continue
             schedules.append(
-                cp_schemes.static_cp(lengths, world, memory_per_rank, c, cost, squares=model.squares)
+                schemes.static_cp(lengths, world, memory_per_rank, c, cost, squares=model.squares)
             )
-        causal, _ = cp_schemes.ours(lengths, world, memory_per_rank, cost)
+        causal, _ = schemes.ours(lengths, world, memory_per_rank, cost)
         schedules.append(dataclasses.replace(causal, scheme="mmbalance_causal_plan"))
         plan = cp_schedule(lengths, world, memory_per_rank, timed, vectorized=False)
         degree = np.array([g.degree for g in plan], dtype=np.int64)
-        schedules.append(
-            cp_schemes.Schedule("mmbalance", (cp_schemes.Round(degree, plan.group_of(lengths.size)),))
-        )
+        schedules.append(schemes.Schedule("mmbalance", (schemes.Round(degree, plan.group_of(lengths.size)),)))
         for sched in schedules:
-            cp_schemes.check_schedule(sched, lengths, world, memory_per_rank)
+            schemes.check_schedule(sched, lengths, world, memory_per_rank)
             if not sched.feasible:
                 reason.setdefault(sched.scheme, str(sched.infeasible))
                 continue
-            step[sched.scheme][t] = cp_schemes.step_time(sched, lengths, cost, model.squares(lengths))
+            step[sched.scheme][t] = schemes.step_time(sched, lengths, cost, model.squares(lengths))
     return WindowResult(dataset, world, memory_per_rank, model, step, reason)
 
 
@@ -157,7 +155,7 @@ def summary_table(results: list[WindowResult]) -> str:
     for r in results:
         mean = {s: float(r.step[s].mean()) if r.feasible(s) else math.nan for s in SCHEMES}
         best = r.best_static()
-        cells = cp_schemes.static_cells(mean, best, STATIC_DEGREES)
+        cells = schemes.static_cells(mean, best, STATIC_DEGREES)
         vs = f"{mean[best] / mean['mmbalance']:.2f}x" if best else "-"
         lines.append(
             f"| {r.dataset} | {r.world} | {r.memory_per_rank} | {cells} | {ms_cell(mean['mmbalance_causal_plan'])} "
