@@ -22,18 +22,19 @@ DEVICE_BENCHES = ("varlen", "attention", "hf")  # the benchmarks that take --dev
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """The module of benchmark ``name`` (one of :data:`BENCHES`, or ``"kernel_audit"``), imported
-    now: a benchmark whose imports fail (a missing extra) then fails alone."""
+    """The module of benchmark ``name`` (one of :data:`BENCHES`, or ``"kernel_audit"``): its room of
+    ``mmbalance.bench``, or the module of a room it is named after (``moves.varlen``), imported now:
+    a benchmark whose imports fail (a missing extra) then fails alone."""
     if name == "planners":
         from mmbalance.bench import planners
 
         return planners
     if name == "varlen":
-        from mmbalance.bench import varlen
+        from mmbalance.bench.moves import varlen
 
         return varlen
     if name == "alltoall":
-        from mmbalance.bench import alltoall
+        from mmbalance.bench.moves import alltoall
 
         return alltoall
     if name == "attention":
@@ -41,7 +42,7 @@ def load_benchmark(name: str) -> ModuleType:
 
         return attention
     if name == "overlap":
-        from mmbalance.bench import overlap
+        from mmbalance.bench.moves import overlap
 
         return overlap
     if name == "hf":
@@ -49,7 +50,7 @@ def load_benchmark(name: str) -> ModuleType:
 
         return hf
     if name == "sampler":
-        from mmbalance.bench import sampler
+        from mmbalance.bench.planners import sampler
 
         return sampler
     if name == "cp":
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(demo.main(argv[1:]) or 0)
     if argv and argv[0] == "simulate":
-        from mmbalance.bench import simulate
+        from mmbalance.bench.planners import simulate
 
         return int(simulate.main(argv[1:]) or 0)
     p = argparse.ArgumentParser(prog="mmbalance", description="Load balancing for multimodal LLM training.")

@@ -1,5 +1,5 @@
-"""The one benchmark harness: timing, result rows, tables, JSON, multi-process runs, and the
-command-line functions every command shares.
+"""The one benchmark harness: timing, result rows, tables, JSON, multi-process runs, the lengths
+the benchmarks draw from the shipped mixture, and the command-line functions every command shares.
 
 Every benchmark module builds ``Row`` objects through ``measure`` and hands them to ``report``.
 Rows are keyed by op, provider, shape, dtype, device and git sha, so results from different
@@ -7,8 +7,8 @@ machines and versions can be stored side by side and compared. The command line 
 and each module's own ``main``) reports its users' mistakes through :func:`usage_error` and friends:
 one line on stderr, exit status 2, never a traceback.
 
-Imports only the standard library at import time (torch where a function needs it), so the command
-line starts quickly.
+Imports only the standard library at import time (numpy or torch where a function needs it), so the
+command line starts quickly.
 """
 
 from __future__ import annotations
@@ -145,9 +145,36 @@ def report(rows: list[Row], json_path: str | None = None, title: str | None = No
                 f.write(json.dumps(r.as_dict()) + "\n")
 
 
+# ------------------------------------------------------------------------------------- inputs
+def draw_lengths(tokens: int, max_length: int, seed: int) -> list[int]:
+    """Sequence lengths from the shipped mixture, cut at ``max_length``, until ``tokens`` (the same
+    examples for every provider of ``bench hf --device`` and the shipped-lengths attention row)."""
+    import numpy as np
+
+    from mmbalance.balancing.datasets import mixture
+
+    rng = np.random.default_rng(seed)
+    out: list[int] = []
+    while True:
+        for n in np.minimum(np.maximum(mixture(64, rng).llm, 8), max_length).tolist():
+            if sum(out) + n > tokens:
+                return out or [min(int(n), tokens)]
+            out.append(int(n))
+
+
 # ------------------------------------------------------------------------------ command line
+def module_prog() -> str | None:
+    """``python -m mmbalance.bench.<room>`` while a room's ``__main__`` runs (argparse would name it
+    ``__main__.py``); ``None`` otherwise: argparse's own name (the script, or ``mmbalance``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None) or ""
+    if name.startswith("mmbalance.") and name.endswith(".__main__"):
+        return f"python -m {name[: -len('.__main__')]}"
+    return None
+
+
 def base_parser(description: str):
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(prog=module_prog(), description=description)
     p.add_argument("--json", metavar="FILE", help="append result rows to FILE as JSON lines")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--full", action="store_true", help="the full sweep instead of the default one")

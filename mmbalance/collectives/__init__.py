@@ -9,19 +9,24 @@
 * :func:`shutdown`, the end of a distributed run in an order that cannot hang (instead of
   ``dist.destroy_process_group()``; see ``collectives.teardown``).
 
-Everything else is importable from its module only (``collectives.alltoall.verify_plan``,
-``collectives.ring_plan.ring_plan``, ``collectives.overlap_plan.ShardLayout``,
-``collectives.broadcast.broadcast_from_leader``, ...).
+Three rooms, by what they move: ``exchange/`` (examples between ranks by a plan), ``ring/`` (key and
+value shards around a context-parallel group) and ``overlap/`` (tensor-parallel activations, sliced
+behind their GEMMs), each read through its ``__init__``. Below them the plumbing every room uses:
+``group.py`` (which group, this rank's place in it), ``inflight.py`` (collectives that leave nothing
+behind), ``agreement.py`` (the entry protocol), ``pool.py`` (groups by their ranks) and
+``teardown.py`` (the end of a run).
+
+Everything else is importable from its module only (``collectives.exchange.alltoall.verify_plan``,
+``collectives.ring.plan.ring_plan``, ``collectives.overlap.plan.ShardLayout``,
+``collectives.exchange.broadcast.broadcast_from_leader``, ...).
 """
 
 from .agreement import RankMismatchError
-from .alltoall import gather_lengths, rebalance
-from .group_pool import GroupPool
-from .orchestrator import Orchestrator, StepPlan
-from .overlap import all_gather_matmul, matmul_reduce_scatter
+from .exchange import Orchestrator, StepPlan, gather_lengths, rebalance
+from .overlap import ColumnParallelLinear, RowParallelLinear, all_gather_matmul, matmul_reduce_scatter
+from .pool import GroupPool
 from .ring import cp_shard, cp_unshard, ring_attention
 from .teardown import shutdown
-from .tp_linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
     "ColumnParallelLinear",

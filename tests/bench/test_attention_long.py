@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from mmbalance.bench import attention as bench
+from mmbalance.bench.attention import long as bench
 
 
 def test_long_case_reports_time_memory_and_ratios():

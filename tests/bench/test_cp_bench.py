@@ -12,7 +12,10 @@ import pytest
 
 from mmbalance import cli
 from mmbalance.balancing import CostModel
-from mmbalance.bench import cp, cp_data, cp_schemes, cp_window
+from mmbalance.bench.cp import data as cp_data
+from mmbalance.bench.cp import schemes as cp_schemes
+from mmbalance.bench.cp import sweep as cp
+from mmbalance.bench.cp import window as cp_window
 
 COST = CostModel.transformer()
 OTHER = CostModel(linear=1.0, attention=2e-4, ring=0.2, ring_latency=50.0, fixed=10.0, mask="full")
@@ -122,7 +125,7 @@ def test_step_time_against_the_cost_model(cost):
 
 
 def test_zigzag_shards_match_the_ring_layout():
-    from mmbalance.collectives.ring_plan import ring_plan
+    from mmbalance.collectives.ring.plan import ring_plan
 
     rng = np.random.default_rng(1)
     for degree in (1, 2, 3, 5, 8):
@@ -290,7 +293,7 @@ def test_cost_file_fits_measurements(tmp_path):
 @pytest.mark.slow
 def test_real_steps_on_four_gloo_ranks_through_torchrun(tmp_path):
     pytest.importorskip("transformers")
-    from mmbalance.bench import cp_real
+    from mmbalance.bench.cp import real as cp_real
 
     # seed 11: the second measured step holds a sequence of 1108 tokens, more than 2 x 512
     res = cp_real.launch(str(tmp_path / "real.json"), steps=2, extra=["--warmup", "1", "--seed", "11"])
@@ -312,7 +315,7 @@ def test_real_steps_on_four_gloo_ranks_through_torchrun(tmp_path):
 
 
 def test_static_degree_cost_only_meets_its_degree():
-    from mmbalance.bench import cp_real
+    from mmbalance.bench.cp import real as cp_real
 
     cost = cp_real.StaticDegree(2, COST)
     lengths = np.array([100, 3000, 12000])

@@ -14,7 +14,9 @@ import pytest
 from mmbalance import cli
 from mmbalance.balancing import CostModel
 from mmbalance.balancing.datasets import load_sizes
-from mmbalance.bench import cp, cp_schemes, cp_vlm
+from mmbalance.bench.cp import schemes as cp_schemes
+from mmbalance.bench.cp import sweep as cp
+from mmbalance.bench.cp import vlm as cp_vlm
 
 COST = CostModel.transformer()
 

@@ -8,16 +8,17 @@ import json
 import pytest
 
 from mmbalance import cli
-from mmbalance.bench import hf_step
+from mmbalance.bench.harness import draw_lengths
+from mmbalance.bench.hf import train_step
 
 pytest.importorskip("transformers", minversion="5.6")
 
 
 def test_lengths_come_from_the_shipped_mixture_within_the_step():
-    lengths = hf_step.draw_lengths(16384, 4096, seed=0)
+    lengths = draw_lengths(16384, 4096, seed=0)
     assert sum(lengths) <= 16384 and max(lengths) <= 4096 and min(lengths) >= 8 and len(lengths) > 2
-    assert hf_step.draw_lengths(16384, 4096, seed=0) == lengths  # the same examples for every provider
-    assert hf_step.draw_lengths(100, 4096, seed=3) and sum(hf_step.draw_lengths(100, 4096, seed=3)) <= 100
+    assert draw_lengths(16384, 4096, seed=0) == lengths  # the same examples for every provider
+    assert draw_lengths(100, 4096, seed=3) and sum(draw_lengths(100, 4096, seed=3)) <= 100
 
 
 @pytest.mark.slow
@@ -27,7 +28,7 @@ def test_the_step_through_the_command_line(tmp_path):
     rows = {
         r["provider"]: r for r in map(json.loads, out.read_text().splitlines()) if r["op"] == "hf_train_step"
     }
-    assert set(rows) == set(hf_step.PROVIDERS)
+    assert set(rows) == set(train_step.PROVIDERS)
     ours, sdpa = rows["mmbalance_varlen"], rows["sdpa"]
     assert rows["flash_attention_2"]["skipped"] == "flash_attention_2 needs CUDA"
     for r in (ours, sdpa):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mmbalance.bench.harness import send_report, start_processes
-from mmbalance.bench.overlap import _collect
+from mmbalance.bench.moves.overlap import _collect
 
 
 def _streams(rank: int, queue, items: int, then: str) -> None:

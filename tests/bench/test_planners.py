@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from mmbalance.balancing import lower_bound, post_balance
-from mmbalance.bench import peers, planners
 from mmbalance.bench.harness import Row
+from mmbalance.bench.planners import peers
+from mmbalance.bench.planners import post_balancing as planners
 
 # A stand-in for verl's balancer module: the same function name and signature, round robin.
 FAKE_BALANCER = """
@@ -83,7 +84,7 @@ def test_no_peers_environment_outside_a_source_tree(tmp_path, monkeypatch):
     monkeypatch.delenv(peers.PEERS_PYTHON_VAR, raising=False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(
-        peers, "__file__", str(tmp_path / "site-packages" / "mmbalance" / "bench" / "peers.py")
+        peers, "__file__", str(tmp_path / "site-packages" / "mmbalance" / "bench" / "planners" / "peers.py")
     )
     python, why = peers.peer_python()
     # a wheel user is told what they can do (the variable and the pip lines), not about make targets
@@ -98,10 +99,10 @@ def test_no_peers_environment_in_a_source_tree_points_at_make_peers(tmp_path, mo
     monkeypatch.delenv(peers.PEERS_PYTHON_VAR, raising=False)
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "checkout"
-    (root / "mmbalance" / "bench").mkdir(parents=True)
+    (root / "mmbalance" / "bench" / "planners").mkdir(parents=True)
     (root / "Makefile").write_text("peers:\n")
     (root / "pyproject.toml").write_text("")
-    monkeypatch.setattr(peers, "__file__", str(root / "mmbalance" / "bench" / "peers.py"))
+    monkeypatch.setattr(peers, "__file__", str(root / "mmbalance" / "bench" / "planners" / "peers.py"))
     python, why = peers.peer_python()
     assert python is None and "make peers" in why
 

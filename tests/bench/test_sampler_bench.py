@@ -12,7 +12,7 @@ pytest.importorskip("transformers", minversion="5.6")
 
 from mmbalance import cli  # noqa: E402
 from mmbalance.balancing import DEFAULT_BETA  # noqa: E402
-from mmbalance.bench import sampler  # noqa: E402
+from mmbalance.bench.planners import sampler  # noqa: E402
 
 
 def test_quick_run_through_the_command_line(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Sliced all-gather + GEMM and GEMM + reduce-scatter (``collectives/overlap.py``).
+"""Sliced all-gather + GEMM and GEMM + reduce-scatter (``collectives/overlap/matmul.py``).
 
 Multi-rank checks run in one 4-process gloo job (spawning is the expensive part on CPU) that
 builds sub-groups of 2, 3 and 4 ranks and runs every case on each; the parametrized tests below
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mmbalance.collectives import all_gather_matmul, matmul_reduce_scatter
-from mmbalance.collectives import overlap_plan as plan_mod
-from mmbalance.collectives._copy_engine import not_supported_reasons
-from mmbalance.collectives.overlap_plan import (
+from mmbalance.collectives.overlap import plan as plan_mod
+from mmbalance.collectives.overlap._copy_engine import not_supported_reasons
+from mmbalance.collectives.overlap.plan import (
     OverlapCostModel,
     ShardLayout,
     choose_chunks,

@@ -1,4 +1,4 @@
-"""Ring attention (``collectives/ring.py``) and its shard layout (``collectives/ring_plan.py``).
+"""Ring attention (``collectives/ring/attention.py``) and its shard layout (``collectives/ring/plan.py``).
 
 The distributed cases run on 2, 3 and 4 gloo ranks: each world size is one spawn that runs every
 case (layouts, causal or not, float32/float64, GQA, random varlen lengths including sequences
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mmbalance.collectives import cp_shard
-from mmbalance.collectives.ring import make_ring
-from mmbalance.collectives.ring_plan import ring_plan
+from mmbalance.collectives.ring.attention import make_ring
+from mmbalance.collectives.ring.plan import ring_plan
 from tests.dist_utils import run_distributed
 from tests.tolerances import tol
 
@@ -238,7 +238,7 @@ def test_plan_rejects_bad_input(kwargs, match):
 
 def test_degree_one_ring_is_plain_attention():
     """One rank: no transfers, the forward and backward loops reduce to one block."""
-    from mmbalance.collectives.ring import ring_backward, ring_forward
+    from mmbalance.collectives.ring.attention import ring_backward, ring_forward
     from mmbalance.pyops.attention_ops import attention_block
     from tests.pyops.attention_expected import varlen_batch
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from mmbalance.collectives import ColumnParallelLinear, RowParallelLinear
-from mmbalance.collectives.overlap_plan import ShardLayout
-from mmbalance.collectives.tp_linear import sequence_shards
+from mmbalance.collectives.overlap.plan import ShardLayout
+from mmbalance.collectives.overlap.tp_linear import sequence_shards
 from tests.dist_utils import run_distributed
 from tests.tolerances import tol
 

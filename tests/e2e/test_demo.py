@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mmbalance.bench import demo
+from mmbalance.bench.demo import train as demo
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

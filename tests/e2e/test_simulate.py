@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mmbalance.balancing.datasets import ExampleSizes
-from mmbalance.bench import simulate as sim
+from mmbalance.bench.planners import simulate as sim
 
 
 def test_phase_times_by_hand():

@@ -36,9 +36,9 @@ def _counts() -> dict[str, int]:
     import gc
     import importlib
 
-    alltoall = importlib.import_module("mmbalance.collectives.alltoall")
-    overlap_plan = importlib.import_module("mmbalance.collectives.overlap_plan")
-    ring_plan = importlib.import_module("mmbalance.collectives.ring_plan")
+    alltoall = importlib.import_module("mmbalance.collectives.exchange.alltoall")
+    overlap_plan = importlib.import_module("mmbalance.collectives.overlap.plan")
+    ring_plan = importlib.import_module("mmbalance.collectives.ring.plan")
 
     import warnings
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmbalance.bench import kernel_audit
-from mmbalance.bench import kernel_audit_variants as variants
+from mmbalance.bench.kernel_audit import audit as kernel_audit
+from mmbalance.bench.kernel_audit import variants
 from mmbalance.kernels import attention_bwd, attention_bwd_dkdv, attention_common, attention_fwd, merge
 
 REPO = Path(__file__).resolve().parents[2]

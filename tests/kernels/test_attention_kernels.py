@@ -19,8 +19,8 @@ import math
 import pytest
 import torch
 
-from mmbalance.collectives.ring import make_ring, ring_forward
-from mmbalance.collectives.ring_plan import ring_plan
+from mmbalance.collectives.ring.attention import make_ring, ring_forward
+from mmbalance.collectives.ring.plan import ring_plan
 from mmbalance.kernels import _launch
 from mmbalance.kernels import attention_bwd as KB
 from mmbalance.kernels import attention_fwd as KF

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import mmbalance.kernels
-from mmbalance.bench import kernel_audit
-from mmbalance.bench import kernel_audit_variants as variants
+from mmbalance.bench.kernel_audit import audit as kernel_audit
+from mmbalance.bench.kernel_audit import variants
 from mmbalance.kernels import varlen
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_every_varlen_kernel_is_registered():
 
 def test_every_kernel_of_the_kernels_package_is_audited():
     """A ``@triton.jit`` kernel (``*_kernel``) added to any module of ``kernels/`` fails this until
-    ``bench/kernel_audit_variants.py`` lists it; the kernel modules build no audit entries."""
+    ``bench/kernel_audit/variants.py`` lists it; the kernel modules build no audit entries."""
     audited = {id(cfg["kernel"]) for cfg in variants.variants(90)}
     found = []
     for info in pkgutil.iter_modules(mmbalance.kernels.__path__):
@@ -77,7 +77,7 @@ def test_every_kernel_of_the_kernels_package_is_audited():
 
 
 def test_a_broken_kernel_import_is_a_failed_row(monkeypatch):
-    monkeypatch.setitem(sys.modules, "mmbalance.bench.kernel_audit_variants", None)
+    monkeypatch.setitem(sys.modules, "mmbalance.bench.kernel_audit.variants", None)
     configs, errors = kernel_audit.discover()
     assert configs == [] and errors and "import failed" in errors[0]["error"]
 

@@ -6,7 +6,7 @@ down to every attention call, so ``mmbalance_varlen`` finds the shard there and 
 :func:`cp_attention` (registered with the attention backend on import):
 
 * degree 1 (the rank holds whole sequences): causal varlen attention over its packed sequences;
-* degree ``d > 1``: ring attention (:func:`mmbalance.collectives.ring.ring_attention`, zigzag
+* degree ``d > 1``: ring attention (:func:`mmbalance.collectives.ring_attention`, zigzag
   layout) over the CP group of the shard: every sequence of the group is split over the group's
   ranks, and every rank of the group calls attention with the same layers in the same order.
 

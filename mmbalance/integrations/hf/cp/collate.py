@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from mmbalance.collectives.ring_plan import ring_plan
+from mmbalance.collectives.ring.plan import ring_plan
 from mmbalance.integrations.data import BalancedBatchSampler
 
 from ..attention import CP_KEYWORD

@@ -38,8 +38,8 @@ from mmbalance.balancing.validate import as_count
 from mmbalance.collectives import GroupPool
 from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.group import world_of
-from mmbalance.collectives.group_pool import own_group
 from mmbalance.collectives.inflight import mark_distributed_run
+from mmbalance.collectives.pool import own_group
 from mmbalance.collectives.teardown import release_at_exit
 
 from ..attention import ATTENTION_NAME

@@ -18,7 +18,7 @@ import torch
 from mmbalance.balancing import CostModel, Plan, cp_schedule, imbalance, post_balance
 from mmbalance.balancing.cp_schedule import CPGroup
 from mmbalance.collectives import RankMismatchError
-from mmbalance.collectives.ring_plan import ring_plan
+from mmbalance.collectives.ring.plan import ring_plan
 
 from .inputs import text_config
 from .shard import CPShard

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmbalance.collectives.group_pool import ranks_group
+from mmbalance.collectives.pool import ranks_group
 
 __all__ = ["MEDIA_KEYWORD", "CPShard", "idle_shard"]
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from mmbalance.balancing import CostModel, Plan
 from mmbalance.collectives import GroupPool, rebalance
 from mmbalance.collectives.agreement import Entry
-from mmbalance.collectives.alltoall import gather_table
+from mmbalance.collectives.exchange.alltoall import gather_table
 from mmbalance.collectives.group import comm_device
 from mmbalance.collectives.inflight import gather_objects
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mmbalance.collectives.agreement import Entry
-from mmbalance.collectives.alltoall import gather_table
+from mmbalance.collectives.exchange.alltoall import gather_table
 from mmbalance.collectives.inflight import any_rank
 
 from .plan import layout_fits

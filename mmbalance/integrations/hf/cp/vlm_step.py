@@ -17,7 +17,7 @@ from torch import Tensor
 from mmbalance.balancing import CostModel, Plan, imbalance
 from mmbalance.collectives import rebalance
 from mmbalance.collectives.agreement import Entry
-from mmbalance.collectives.alltoall import gather_table
+from mmbalance.collectives.exchange.alltoall import gather_table
 from mmbalance.collectives.group import comm_device
 from mmbalance.pyops import cu_seqlens_from_lengths
 

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from mmbalance.collectives.agreement import Entry
 from mmbalance.collectives.group import world_of
-from mmbalance.collectives.group_pool import own_group
+from mmbalance.collectives.pool import own_group
 from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_threads
 
 from ..compat import FEEDS_ITSELF, feeding_encoder_outputs

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from mmbalance.collectives import rebalance
 from mmbalance.collectives.agreement import Entry
-from mmbalance.collectives.alltoall import gather_table
+from mmbalance.collectives.exchange.alltoall import gather_table
 from mmbalance.collectives.group import world_of
 from mmbalance.pyops import cu_seqlens_from_lengths
 
