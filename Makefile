@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-matrix bench lint typecheck audit clean peers wheel-check
+.PHONY: run test test-matrix test-frameworks bench lint typecheck audit clean peers wheel-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,7 @@ peers: $(PEERS)
 TF_MATRIX := 5.6.0 5.10.4 5.16.1 5.19.0
 TF_STAMPS := $(TF_MATRIX:%=.venv-tf%/.installed)
 
-.venv-tf%/.installed: pyproject.toml scripts/requirements.py | $(STAMP)
+$(TF_STAMPS): .venv-tf%/.installed: pyproject.toml scripts/requirements.py | $(STAMP)
 	@echo "setting up .venv-tf$*: transformers $* for the test matrix (log: .venv-tf$*/install.log)"
 	@$(PYTHON) -m venv .venv-tf$*
 	@( set -e; \
@@ -67,6 +67,36 @@ test-matrix: $(STAMP) $(TF_STAMPS)
 	  echo "== tests/integrations on transformers $$v"; \
 	  PYTHONPATH=$(CURDIR) .venv-tf$$v/bin/python -m pytest -q -p no:cacheprovider tests/integrations || exit 1; \
 	done
+
+# The frameworks people start training from, each in an environment of its own (they pin torch and
+# transformers differently): LLaMA-Factory 0.9.5 (transformers 5.6.0) and ms-swift 4.6.0 (5.19.0),
+# with this checkout installed in place (pip install --no-deps -e .). Qwen2-VL's processor needs
+# torchvision, which loads only beside the torch it was built for: torch 2.14.1 and torchvision
+# 0.29.1, pinned on every install so that pip keeps them (on this project's machines both come from
+# the local disk).
+FW_TORCH := torch==2.14.1 torchvision==0.29.1
+FRAMEWORKS := llamafactory swift
+FW_STAMPS := $(FRAMEWORKS:%=.venv-%/.installed)
+FW_PACKAGE_llamafactory := llamafactory==0.9.5
+FW_PACKAGE_swift := ms-swift==4.6.0 qwen_vl_utils
+
+$(FW_STAMPS): .venv-%/.installed: pyproject.toml setup.py scripts/requirements.py | $(STAMP)
+	@echo "setting up .venv-$*: $(FW_PACKAGE_$*) for the framework tests (log: .venv-$*/install.log)"
+	@$(PYTHON) -m venv .venv-$*
+	@( set -e; \
+	  .venv-$*/bin/pip install -q $(FW_TORCH); \
+	  .venv-$*/bin/pip install -q $(FW_PACKAGE_$*) $(FW_TORCH); \
+	  $(PYTHON) scripts/requirements.py hf > .venv-$*/requirements.txt; \
+	  .venv-$*/bin/pip install -q -r .venv-$*/requirements.txt pytest $(FW_TORCH); \
+	  .venv-$*/bin/pip install -q --no-deps -e .; \
+	  .venv-$*/bin/pip check; \
+	) > .venv-$*/install.log 2>&1 || { tail -n 20 .venv-$*/install.log; echo "setting up .venv-$* failed"; exit 1; }
+	@touch $@
+
+# LLaMA-Factory's and ms-swift's SFT of a tiny Qwen2-VL on 2 CPU ranks, plain and through
+# `mmbalance launch` (tests/frameworks: pytest runs here, the frameworks in their environments)
+test-frameworks: $(STAMP) $(FW_STAMPS)
+	$(PY) -m pytest -q -p no:cacheprovider tests/frameworks
 
 run: $(STAMP) $(PEERS)
 	$(VENV)/bin/mmbalance bench planners
@@ -95,4 +125,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .venv-tf* build *.egg-info mmbalance/_core*.so
+	rm -rf $(VENV) $(PEERS_VENV) .venv-tf* .venv-llamafactory .venv-swift build *.egg-info mmbalance/_core*.so

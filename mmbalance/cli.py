@@ -1,4 +1,4 @@
-"""The ``mmbalance`` command line: ``mmbalance bench|demo|simulate``, ``mmbalance --version``.
+"""The ``mmbalance`` command line: ``mmbalance bench|demo|simulate|launch``, ``mmbalance --version``.
 
 Every command runs from an installed package (the benchmarks, demo and simulator are
 ``mmbalance.bench``). Mistakes in the arguments or the input files end in one line on stderr and
@@ -184,11 +184,20 @@ def main(argv: list[str] | None = None) -> int:
         from mmbalance.bench.planners import simulate
 
         return int(simulate.main(argv[1:]) or 0)
+    if argv and argv[0] == "launch":
+        from mmbalance.integrations import launch
+
+        return int(launch.main(argv[1:]) or 0)
     p = argparse.ArgumentParser(prog="mmbalance", description="Load balancing for multimodal LLM training.")
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="end-to-end balanced training on N ranks (mmbalance demo --help)")
     sub.add_parser("simulate", help="what balancing gives at your scale (mmbalance simulate --help)")
+    sub.add_parser(
+        "launch",
+        help="run a training program (llamafactory-cli, swift, a script) with every Trainer it builds "
+        "balanced (mmbalance launch --help)",
+    )
     b = sub.add_parser(
         "bench",
         help="run the benchmark suite (each benchmark's default sweep; --quick for a smoke run)",

@@ -6,8 +6,9 @@
 #
 # 1. install the checkout without touching torch: no dependencies, no build isolation (the core is
 #    compiled with the machine's pybind11 and setuptools); wheels found in .gpu_wheels/ first, also
-#    without dependencies (a transformers >= 5.18 where the machine's is older: fetch it here with
-#    `pip download --no-deps -d .gpu_wheels "transformers>=5.18"` and carry the folder);
+#    without dependencies (a transformers >= 5.6 where the machine's is older, or peft for the
+#    integration's LoRA tests: fetch them here with `pip download --no-deps -d .gpu_wheels peft`
+#    and carry the folder);
 # 2. `pytest -m gpu tests` (kernels, ops, collectives and the Hugging Face integration);
 # 3. `mmbalance bench attention varlen --quick` on CUDA (TFLOP/s against SDPA and flash-attn,
 #    bandwidth against a copy);

@@ -72,6 +72,7 @@ HOUSES = {
             },
         },
         may_import={"cp": ("attention", "encoders")},
+        floor=("compat", "wrappers"),  # what differs between transformers releases; the model in its wrappers
         top=("trainer",),
     ),  # fmt: skip
     # plan (host arithmetic, the same on every rank), the transports, the entry calls (agreement,

@@ -10,7 +10,7 @@ import numpy as np
 from ._core_api import POLICY_IDS, core
 from .validate import as_count, as_lengths
 
-__all__ = ["plan_micro_batches"]
+__all__ = ["plan_micro_batches", "sampled_costs"]
 
 
 def plan_micro_batches(
@@ -45,3 +45,41 @@ def plan_micro_batches(
         float(beta),
         bool(padded),
     )
+
+
+def sampled_costs(
+    lengths,
+    steps: int,
+    step_size: int,
+    num_ranks: int,
+    grad_accum: int,
+    policy: str,
+    alpha: float,
+    beta: float,
+) -> np.ndarray:
+    """float64 ``[steps, grad_accum, num_ranks]``: the cost of every micro-batch when each step's
+    examples (``lengths`` in sampling order, ``steps * step_size`` of them) are dealt as sampled,
+    as ``DistributedSampler`` and a plain loader deal them: example ``p`` of a step to rank
+    ``p % num_ranks``, in micro-batch ``(p // num_ranks) // (step_size // (num_ranks * grad_accum))``.
+    What :func:`plan_micro_batches` is measured against (its ``costs``)."""
+    if policy not in POLICY_IDS:
+        raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
+    lengths = np.ascontiguousarray(as_lengths(lengths, "lengths"), dtype=np.int64)
+    steps = as_count(steps, "steps", minimum=0)
+    step_size = as_count(step_size, "step_size", minimum=0)
+    num_ranks = as_count(num_ranks, "num_ranks")
+    grad_accum = as_count(grad_accum, "grad_accum")
+    if lengths.size != steps * step_size or step_size % (num_ranks * grad_accum):
+        raise ValueError(
+            f"lengths: {lengths.size} examples for {steps} steps of {step_size}, each a multiple of "
+            f"num_ranks * grad_accum = {num_ranks * grad_accum}"
+        )
+    batch = step_size // (num_ranks * grad_accum)
+    p = np.arange(step_size, dtype=np.int64)
+    within = (p // num_ranks // max(batch, 1)) * num_ranks + p % num_ranks  # slot * ranks + rank
+    key = (np.arange(steps, dtype=np.int64)[:, None] * (grad_accum * num_ranks) + within).reshape(-1)
+    total = steps * grad_accum * num_ranks
+    if total == 0:
+        return np.zeros((steps, grad_accum, num_ranks))
+    costs = core().batch_costs(lengths, key, int(total), POLICY_IDS[policy], float(alpha), float(beta))
+    return np.asarray(costs, dtype=np.float64).reshape(steps, grad_accum, num_ranks)

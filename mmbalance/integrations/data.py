@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import torch
 from torch.utils.data import Sampler
 
 from mmbalance.balancing import CostModel
-from mmbalance.balancing.accum import plan_micro_batches
+from mmbalance.balancing.accum import plan_micro_batches, sampled_costs
 from mmbalance.balancing.plan import DEFAULT_BETA
 from mmbalance.balancing.post_balance import check_cost_range
 from mmbalance.balancing.validate import as_coefficient, as_count, as_lengths
@@ -69,6 +70,11 @@ class BalancedBatchSampler(Sampler[list[int]]):
             turns ``padding`` on).
         shuffle, seed: a permutation seeded by ``(seed, epoch)``, the same on every rank; call
             :meth:`set_epoch` at the start of every epoch.
+        order: where each epoch's draw comes from instead: a callable ``order(epoch)`` giving the
+            dataset indices of the whole epoch in sampling order (the steps are its consecutive
+            ``batch_size * num_replicas * grad_accum`` indices; at least one step of them; the
+            same on every rank). Used to keep another sampler's draw (a trainer's own loader):
+            every step then holds the examples it would have held, and only their split changes.
         drop_last: drop the tail that does not fill a whole step (a dataset smaller than one step
             is then an error, not an empty epoch); otherwise pad it with examples from the start
             of the permutation, as ``DistributedSampler`` does.
@@ -129,6 +135,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         beta: float = DEFAULT_BETA,
         grad_accum: int = 1,
         padding: bool = False,
+        order=None,
     ) -> None:
         table = np.asarray(lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else lengths)
         if table.ndim == 2:
@@ -154,6 +161,11 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.policy, self.alpha, self.beta = _sampler_policy(cost, alpha, beta, bool(padding))
         self.padding = self.policy in ("padded", "padded_quadratic")
         check_cost_range(self.table[:, -1], self.policy, self.alpha, self.beta)
+        if order is not None and not callable(order):
+            raise TypeError(
+                f"order must be callable (epoch -> dataset indices) or None, got {type(order).__name__}"
+            )
+        self.order = order
         self.shuffle = bool(shuffle)
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
@@ -174,8 +186,12 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.columns: list[str] = names
         #: max/mean over ranks, in the last step yielded, of each column's tokens and of the cost of
         #: the step (``"cost"``); ``"micro_cost"``: the largest max/mean over the step's micro-batch
-        #: slots
+        #: slots; ``"cost_before"`` and ``"micro_cost_before"``: the same of the step's examples
+        #: dealt as sampled (example ``p`` of the step to rank ``p % num_replicas``, as
+        #: ``DistributedSampler`` deals them), what the balancing is measured against
         self.stats: dict[str, float] = {}
+        #: seconds the last epoch's plan took (every step of the epoch at once)
+        self.plan_seconds: float = 0.0
         self._cache: tuple[int, EpochPlan] | None = None
 
     @property
@@ -196,7 +212,11 @@ class BalancedBatchSampler(Sampler[list[int]]):
         """The plan of every rank for the current epoch (computed once per epoch, then cached)."""
         if self._cache is not None and self._cache[0] == self.epoch:
             return self._cache[1]
-        order = _epoch_order(self.table.shape[0], self.total_size, self.shuffle, self.seed, self.epoch)
+        start = time.perf_counter()
+        if self.order is not None:
+            order = self._given_order()
+        else:
+            order = _epoch_order(self.table.shape[0], self.total_size, self.shuffle, self.seed, self.epoch)
         steps, n = self.num_steps, self.step_size
         rank, micro, costs = plan_micro_batches(
             self.table[order, -1], steps, n, self.num_replicas, self.grad_accum, self.policy, self.alpha,
@@ -211,7 +231,28 @@ class BalancedBatchSampler(Sampler[list[int]]):
         for a in (plan.indices, plan.rank, plan.micro, plan.costs):
             a.setflags(write=False)
         self._cache = (self.epoch, plan)
+        self.plan_seconds = time.perf_counter() - start
         return plan
+
+    def _given_order(self) -> np.ndarray:
+        """This epoch's draw from ``order``: its whole steps; refused by name when it is no list of
+        dataset indices or holds no whole step. The epoch then has its number of steps."""
+        got = np.asarray(self.order(self.epoch))
+        n, step = self.table.shape[0], self.step_size
+        if got.ndim != 1 or (got.size and not np.issubdtype(got.dtype, np.integer)):
+            raise ValueError(
+                f"order({self.epoch}) must give a 1-D list of dataset indices, got shape {got.shape}"
+            )
+        if got.size and (int(got.min()) < 0 or int(got.max()) >= n):
+            raise ValueError(f"order({self.epoch}) gives an index outside the dataset's 0..{n - 1}")
+        steps = got.size // step
+        if steps == 0:
+            raise ValueError(
+                f"order({self.epoch}) gives {got.size} indices, less than one step ({step} = batch_size x "
+                "num_replicas x grad_accum)"
+            )
+        self.num_steps, self.total_size = steps, steps * step
+        return got[: self.total_size].astype(np.int64)
 
     def steps(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Every step of the epoch as ``(indices, rank of each, cost of each rank's share of the
@@ -232,7 +273,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
         pick = np.argsort(keys, kind="stable")
         flat = plan.indices.reshape(-1)[mine][pick].tolist()
         bounds = np.concatenate(([0], np.cumsum(np.bincount(keys, minlength=steps * g)))).tolist()
-        stats = _step_stats(plan, self.table, self.columns, self.num_replicas)
+        sampled = sampled_costs(self.table[plan.indices.reshape(-1), -1], steps, self.step_size, self.num_replicas,
+                                g, self.policy, self.alpha, self.beta)  # fmt: skip
+        stats = _step_stats(plan, self.table, self.columns, self.num_replicas, sampled)
         for s in range(steps):
             self.stats = stats[s]
             for k in range(s * g, (s + 1) * g):
@@ -272,10 +315,14 @@ def _epoch_order(n: int, total: int, shuffle: bool, seed: int, epoch: int) -> np
     return np.concatenate([order, np.tile(order, reps)[: total - n]])
 
 
-def _step_stats(plan: EpochPlan, table: np.ndarray, columns: list[str], world: int) -> list[dict[str, float]]:
+def _step_stats(
+    plan: EpochPlan, table: np.ndarray, columns: list[str], world: int, sampled: np.ndarray
+) -> list[dict[str, float]]:
     """:attr:`BalancedBatchSampler.stats` of every step of ``plan``, computed for the whole epoch
     at once: max/mean over ranks of each column's tokens and of the step's cost, and the largest
-    max/mean over the step's micro-batch slots (``"micro_cost"``)."""
+    max/mean over the step's micro-batch slots (``"micro_cost"``); the same two costs of the
+    step dealt as sampled (``sampled``, ``[steps, G, ranks]``: ``"cost_before"``,
+    ``"micro_cost_before"``)."""
     steps = plan.indices.shape[0]
     key = (np.arange(steps, dtype=np.int64)[:, None] * world + plan.rank).reshape(-1)
 
@@ -291,4 +338,6 @@ def _step_stats(plan: EpochPlan, table: np.ndarray, columns: list[str], world: i
         ).tolist()
     cols["cost"] = ratio(plan.costs.sum(axis=1)).tolist()
     cols["micro_cost"] = ratio(plan.costs).max(axis=1).tolist() if steps else []
+    cols["cost_before"] = ratio(sampled.sum(axis=1)).tolist()
+    cols["micro_cost_before"] = ratio(sampled).max(axis=1).tolist() if steps else []
     return [{name: vals[s] for name, vals in cols.items()} for s in range(steps)]

@@ -93,7 +93,15 @@ def test_two_dimensional_lengths_report_every_column():
     s = BalancedBatchSampler(table, 10, 4, 1, cost="sum")
     for _ in s:
         pass
-    assert set(s.stats) == {"phase0", "phase1", "llm", "cost", "micro_cost"}
+    assert set(s.stats) == {
+        "phase0",
+        "phase1",
+        "llm",
+        "cost",
+        "micro_cost",
+        "cost_before",
+        "micro_cost_before",
+    }
     assert s.stats["llm"] == pytest.approx(s.stats["cost"]) and s.stats["llm"] < 1.05
 
 

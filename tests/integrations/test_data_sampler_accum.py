@@ -150,4 +150,4 @@ def test_grad_accum_one_is_one_micro_batch_per_step_and_dataloader():
     assert len(s) == 2 * s.num_steps
     loader = torch.utils.data.DataLoader(torch.arange(100), batch_sampler=s)
     assert [b.tolist() for b in loader] == list(s)
-    assert set(s.stats) == {"llm", "cost", "micro_cost"}
+    assert set(s.stats) == {"llm", "cost", "micro_cost", "cost_before", "micro_cost_before"}

@@ -137,6 +137,10 @@ def _cases():
             torch.tensor([[-1, 0, 0, -1, 1, 1, 1, -1, -1], [-1] * 5 + [0, 0, 0, -1], [-1] * 4 + [0, 0, 0, 0, 0]]))), left),
         "image_blocks_sliding": (2, 9, 9, 0, 0, mu.and_masks(blocks, mu.sliding_window_overlay(2)), None),
         "image_blocks_prefill_on_cache": (2, 5, 9, 4, 0, mu.or_masks(CAUSAL, _blocks(cache_ids)), None),
+        # the window inside the union, as early 5.x compose Gemma 3's sliding layers: images no longer
+        # than the window reaches back (blocks of 3, window 3: the same keys as the window outside)
+        "image_blocks_window_inside": (2, 9, 9, 0, 0, mu.or_masks(mu.sliding_window_causal_mask_function(3), _blocks(
+            torch.tensor([[-1, 0, 0, 0, -1, 1, 1, -1, -1], [-1] * 4 + [0, 0, 0, -1, -1]]))), None),
     }  # fmt: skip
 
 
@@ -221,6 +225,13 @@ def test_refusals_name_the_backend_and_the_feature():
     )
     _refused(f"{name} cannot run this attention mask: the mask function `.*` is not one of", varlen_mask, 1, 6, 6,
              0, 0, lambda b, h, qi, ki: qi >= ki)  # fmt: skip
+    # the window inside the union with an image longer than the window reaches back: its early keys
+    # are allowed by the block but not by the window, which the op applies on top
+    long_image = mu.or_masks(
+        mu.sliding_window_causal_mask_function(2), _blocks(torch.tensor([[-1, 0, 0, 0, -1, -1]]))
+    )
+    _refused(f"{name} cannot run this attention mask: .*an image block longer than the sliding window",
+             varlen_mask, 1, 6, 6, 0, 0, long_image)  # fmt: skip
     # valid keys in three runs
     holes = torch.tensor([[1, 0, 1, 0, 1, 1]], dtype=torch.bool)
     spec = varlen_mask(1, 6, 6, 0, 0, CAUSAL, holes)

@@ -12,6 +12,7 @@ backend refuses is tested for the refusal: the error names ``mmbalance_varlen`` 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -218,8 +219,15 @@ def test_generate_matches_eager(pair, batch, cache):
     if cache == "static":
         kw["cache_implementation"] = "static"
     with torch.no_grad():
+        try:
+            b = pair.ref.generate(ids, attention_mask=mask, **kw)
+        except TypeError as exc:
+            # the release's own generate fails for every attention (transformers 5.10's static
+            # cache hands the chunked mask a keyword it does not take): ours fails the same way
+            with pytest.raises(TypeError, match=re.escape(str(exc))):
+                pair.mine.generate(ids, attention_mask=mask, **kw)
+            return
         a = pair.mine.generate(ids, attention_mask=mask, **kw)
-        b = pair.ref.generate(ids, attention_mask=mask, **kw)
     assert torch.equal(a, b), (a, b)
 
 

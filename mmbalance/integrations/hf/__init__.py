@@ -20,6 +20,9 @@ what differs between versions is in ``compat.py``).
   (the built-in adapters are in ``encoders/models/``, one file per family).
 * :func:`register_attention`: a packed (padding-free) varlen attention backend for transformers'
   ``AttentionInterface``, named ``"mmbalance_varlen"``.
+* :func:`balance_every_trainer`: every ``Trainer`` built after the call balanced (encoders,
+  batches, the loss's normalization, ``mmbalance/*`` keys in its logs), what ``mmbalance launch``
+  switches on before a training program (LLaMA-Factory, ms-swift) runs.
 * :func:`balance_trainer`: ``Trainer`` trains on balanced per-rank batches
   (:class:`~mmbalance.integrations.data.BalancedBatchSampler`, gradient accumulation included)::
 
@@ -43,6 +46,7 @@ from .encoders import (  # noqa: E402
     register_adapter,
     registered_adapters,
 )
+from .every import EveryTrainerHandle, balance_every_trainer  # noqa: E402
 from .trainer import balance_trainer  # noqa: E402
 
 __all__ = [
@@ -50,9 +54,11 @@ __all__ = [
     "DynamicCPHandle",
     "EncoderAdapter",
     "EncoderBalanceHandle",
+    "EveryTrainerHandle",
     "Items",
     "apply_dynamic_cp",
     "apply_encoder_balance",
+    "balance_every_trainer",
     "balance_trainer",
     "register_adapter",
     "register_attention",

@@ -22,10 +22,9 @@ from this module instead):
   then calls, answer that one call with the outputs, in the form that release returns them.
 * Qwen3-VL's ``get_image_features`` returns deepstack features per item, since 5.18. Earlier: one
   tensor per layer (:func:`feature_rows` reads both).
-* Qwen3-VL(-MoE)'s forward passes its loss keywords (``num_items_in_batch``, ``shift_labels``) to
-  the loss, since 5.18. Earlier: :func:`install_loss_keywords` hands them to the loss function.
-* Idefics3's and SmolVLM's ``get_image_features`` return features per image, since 5.18.
-  Earlier: one tensor ``[images, rows, hidden]``.
+* Qwen3-VL(-MoE)'s and the Qwen2.5-Omni thinker's forwards pass their loss keywords
+  (``num_items_in_batch``, ``shift_labels``) to the loss, since 5.17. Earlier:
+  :func:`install_loss_keywords` hands them to the loss function.
 * The Qwen2.5-Omni thinker's ``get_image_features`` returns features per item, since 5.15.
   Earlier: one tensor of every item's rows.
 * ``TrainingArguments`` has ``dataloader_multiprocessing_context`` and ``dataloader_in_order``,
@@ -123,14 +122,9 @@ _STREAMS = {
     "video": ("pixel_values_videos", "get_video_features"),
 }
 
-# model classes whose get_*_features returned every item's rows as one tensor before a release
-# (which split them per item): the release, and how the items were joined (rows concatenated, or
-# stacked along a new first dimension)
-_PER_ITEM_SINCE = {
-    "Qwen2_5OmniThinkerForConditionalGeneration": ((5, 15), "cat"),
-    "Idefics3Model": ((5, 18), "stack"),
-    "SmolVLMModel": ((5, 18), "stack"),
-}
+# model classes whose get_*_features returned every item's rows concatenated into one tensor
+# before a release (which split them per item)
+_PER_ITEM_SINCE = {"Qwen2_5OmniThinkerForConditionalGeneration": (5, 15)}
 
 
 def feature_owner(model) -> torch.nn.Module:
@@ -185,16 +179,16 @@ def feature_rows(features) -> torch.Tensor:
 def _installed_form(owner, output):
     """``output`` (an ``mm_encoder_outputs`` entry: per-item ``pooler_output`` and deepstack
     layers) in the form this transformers' ``get_*_features`` returns for ``owner``."""
-    joined = None
+    per_item = True
     for cls in type(owner).__mro__:
-        entry = _PER_ITEM_SINCE.get(cls.__name__)
-        if entry is not None:
-            joined = None if _since(*entry[0]) else entry[1]
+        since = _PER_ITEM_SINCE.get(cls.__name__)
+        if since is not None:
+            per_item = _since(*since)
             break
     output = copy.copy(output)  # the caller's entry stays as it was
     pooled = output.pooler_output
-    if joined is not None and isinstance(pooled, (tuple, list)):
-        output.pooler_output = torch.stack(list(pooled)) if joined == "stack" else torch.cat(list(pooled))
+    if not per_item and isinstance(pooled, (tuple, list)):
+        output.pooler_output = torch.cat(list(pooled))
     deep = getattr(output, "deepstack_features", None)
     if deep is not None:  # before 5.18 (the only versions this runs on) one tensor per layer
         output.deepstack_features = [
@@ -297,7 +291,8 @@ class _EncoderOutputsHook:
 
     @torch.compiler.disable
     def before(self, module, args, kwargs):
-        if ENCODER_OUTPUTS not in kwargs or getattr(module.forward, FEEDS_ITSELF, False):
+        # (the model's own forward, not the hooked wrapper's, says whether it feeds them itself)
+        if ENCODER_OUTPUTS not in kwargs or getattr(self.model.forward, FEEDS_ITSELF, False):
             self.active.append(contextlib.ExitStack())
             return None
         stack = contextlib.ExitStack()
@@ -349,8 +344,9 @@ LOSS_KEYWORDS = ("num_items_in_batch", "shift_labels")
 class _LossKeywords:
     """The pre-hook that records a call's loss keywords and the loss function that adds them."""
 
-    def __init__(self, model):
+    def __init__(self, model, module):
         self.model = model
+        self.module = module
         self.calls: list[dict] = []
         self.had = "_loss_function" in model.__dict__
         self.old = model.__dict__.get("_loss_function")
@@ -359,8 +355,8 @@ class _LossKeywords:
 
     def attach(self) -> None:
         self.handles = [
-            self.model.register_forward_pre_hook(self.before, with_kwargs=True),
-            self.model.register_forward_hook(self.after, always_call=True),
+            self.module.register_forward_pre_hook(self.before, with_kwargs=True),
+            self.module.register_forward_hook(self.after, always_call=True),
         ]
         self.model.loss_function = self.loss
 
@@ -396,8 +392,9 @@ _LOSS_ATTR = "_mmbalance_loss_keywords"
 
 # model classes whose forward calls its loss without the forward's keywords, before a release
 _LOSS_WITHOUT_KEYWORDS_UNTIL = {
-    "Qwen3VLForConditionalGeneration": (5, 18),
-    "Qwen3VLMoeForConditionalGeneration": (5, 18),
+    "Qwen3VLForConditionalGeneration": (5, 17),
+    "Qwen3VLMoeForConditionalGeneration": (5, 17),
+    "Qwen2_5OmniThinkerForConditionalGeneration": (5, 17),
 }
 
 
@@ -409,19 +406,21 @@ def _drops_loss_keywords(model) -> bool:
     return False
 
 
-def install_loss_keywords(model):
+def install_loss_keywords(model, module=None):
     """Make ``model``'s loss see the loss keywords its forward was called with (``num_items_in_batch``,
-    ``shift_labels``) where the installed release's forward does not pass them on (Qwen3-VL and
-    Qwen3-VL-MoE before 5.18 call their loss with the logits and labels alone, so a step's global
-    token count and the labels shifted before a context-parallel split were lost): the loss
-    function then takes them from the call. Returns the installed object (``remove()``; one per
-    model), or ``None`` where the forward passes them itself (nothing is installed)."""
+    ``shift_labels``) where the installed release's forward does not pass them on (Qwen3-VL,
+    Qwen3-VL-MoE and the Qwen2.5-Omni thinker before 5.17 call their loss with the logits and
+    labels alone, so a step's global token count and the labels shifted on whole sequences were
+    lost): the loss function then takes them from the call, read by hooks on ``module`` (the
+    module the loop calls, default ``model``; a peft wrapper calls the model's forward past its
+    hooks). Returns the installed object (``remove()``; one per model), or ``None`` where the
+    forward passes them itself (nothing is installed)."""
     if not hasattr(type(model), "loss_function") or not _drops_loss_keywords(model):
         return None
     old = model.__dict__.get(_LOSS_ATTR)
     if old is not None:
         return old
-    hook = _LossKeywords(model)
+    hook = _LossKeywords(model, model if module is None else module)
     hook.attach()
     model.__dict__[_LOSS_ATTR] = hook
     return hook

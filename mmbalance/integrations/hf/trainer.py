@@ -41,6 +41,7 @@ from .cp import (
     raw_rows,
     vlm_family,
 )
+from .logs import balance_log
 from .wrappers import inner_model
 
 __all__ = ["balance_trainer"]
@@ -82,8 +83,9 @@ def _packed(trainer) -> bool:
 
 
 def balance_trainer(
-    trainer, lengths=None, *, cost="quadratic", padding=None, context_parallel=False, max_tokens_per_rank=None
-):
+    trainer, lengths=None, *, cost="quadratic", padding=None, context_parallel=False, max_tokens_per_rank=None,
+    order="sampler",
+):  # fmt: skip
     """Make ``trainer.train()`` train on balanced batches; returns ``trainer``.
 
     Args:
@@ -122,6 +124,12 @@ def balance_trainer(
             ``apply_encoder_balance`` on the model finds nothing left to balance.
         max_tokens_per_rank: tokens a rank may hold in a forward (required with
             ``context_parallel``).
+        order: which examples each optimizer step takes: ``"sampler"`` (the balanced sampler's own
+            seeded shuffle, below) or ``"trainer"`` (the draw of the trainer's own training loader,
+            its ``get_train_dataloader``, a framework's own sampler included: every rank's share of
+            an epoch gathered when the epoch starts, one small gather; every step holds the
+            examples it holds without balancing, and only their split over ranks and micro-batches
+            changes, so with the loss normalized by the step's token count training is the same).
 
     Streaming: with an ``IterableDataset``, every rank reads its slice of the stream (examples
     ``rank, rank + world, ...``), batches ``per_device_train_batch_size`` of them with the
@@ -170,6 +178,8 @@ def balance_trainer(
         raise TypeError(f"padding must be a bool or None, got {type(padding).__name__}")
     if not isinstance(context_parallel, bool):
         raise TypeError(f"context_parallel must be a bool, got {type(context_parallel).__name__}")
+    if order not in ("sampler", "trainer"):
+        raise ValueError(f"order must be 'sampler' or 'trainer', got {order!r}")
     if context_parallel and max_tokens_per_rank is None:
         raise ValueError(
             "context_parallel=True needs max_tokens_per_rank (tokens a rank may hold in a forward)"
@@ -189,7 +199,7 @@ def balance_trainer(
                 "balanced batches are already per rank: set it to False in args.accelerator_config"
             )
     # the step's global token count reaches the loss on every release (compat.py)
-    install_loss_keywords(inner_model(trainer.model))
+    install_loss_keywords(inner_model(trainer.model), trainer.model)
     streaming = isinstance(dataset, torch.utils.data.IterableDataset)
     if not streaming:
         try:
@@ -211,6 +221,7 @@ def balance_trainer(
         _warn_tokens(trainer)
         trainer._mmbalance_stream = (context_parallel, max_tokens_per_rank, cost)
         trainer.get_train_dataloader = types.MethodType(_stream_train_dataloader, trainer)
+        balance_log(trainer).add_source("stream", partial(_stream_keys, trainer))
         return trainer
     if lengths is None:
         lengths = _lengths_of(trainer, dataset)
@@ -228,6 +239,8 @@ def balance_trainer(
         grad_accum=args.gradient_accumulation_steps,
         padding=(not _packed(trainer)) if padding is None else padding,
     )
+    if order == "trainer":
+        options["order"] = TrainerDraw(trainer, trainer._train_batch_size, args.gradient_accumulation_steps)
     trainer.balanced_sampler = BalancedBatchSampler(lengths, trainer._train_batch_size, **options)
     trainer._mmbalance_options = options
     trainer._mmbalance_cp = None
@@ -239,7 +252,90 @@ def balance_trainer(
         trainer.cp_sampler = CPBatchSampler(trainer.balanced_sampler, *trainer._mmbalance_cp)
         trainer.cp_sampler.slots()
     trainer.get_train_dataloader = types.MethodType(_balanced_train_dataloader, trainer)
+    balance_log(trainer).add_source("batches", partial(_batch_keys, trainer))
     return trainer
+
+
+def _batch_keys(trainer) -> dict[str, float]:
+    """The ``mmbalance/*`` keys of the step the sampler gave last (``logs.py``)."""
+    sampler = trainer.balanced_sampler
+    st = sampler.stats
+    if not st:
+        return {}
+    out = {
+        "batches/cost_before": st["cost_before"], "batches/cost_after": st["cost"],
+        "batches/micro_before": st["micro_cost_before"], "batches/micro_after": st["micro_cost"],
+        "batches/plan_ms": 1e3 * sampler.plan_seconds / max(sampler.num_steps, 1),
+    }  # fmt: skip
+    cp = getattr(trainer, "cp_sampler", None)
+    if trainer._mmbalance_cp is not None and cp is not None and cp.stats:
+        out.update(_cp_keys(cp.stats))
+    return out
+
+
+def _cp_keys(stats: dict) -> dict[str, float]:
+    degrees = stats.get("degrees") or [1]
+    return {
+        "cp/max_degree": max(degrees),
+        "cp/groups": len(degrees),
+        "cp/largest_shard": stats.get("largest_shard", 0),
+    }
+
+
+def _stream_keys(trainer) -> dict[str, float]:
+    """The ``mmbalance/*`` keys of a streamed step: its last micro-batch's post-balancing."""
+    handle = getattr(trainer, "_mmbalance_stream_handle", None)
+    st = handle.stats if handle is not None else {}
+    if "before" not in st:
+        return {}
+    out = _cp_keys(st)
+    out.update({f"cp/{k}": st[k] for k in ("before", "after", "moved_tokens", "plan_ms") if k in st})
+    return out
+
+
+class TrainerDraw:
+    """Each epoch's draw of a trainer's own training loader (``order`` of the balanced sampler):
+    the dataset indices of every optimizer step, as the trainer would have given them to all
+    ranks (and the balanced loader then reads the examples through that loader's dataset and
+    collator, as the trainer would: a framework's own columns included). The loader is the one the trainer's class builds (its ``get_train_dataloader``: a
+    framework's own sampler included), asked for its indices only (nothing is loaded); every
+    rank's share of the epoch is gathered (one small gather when the epoch starts), and step ``s``
+    is every rank's micro-batches ``s * grad_accum .. (s + 1) * grad_accum - 1``."""
+
+    def __init__(self, trainer, batch_size: int, grad_accum: int):
+        self.loader = type(trainer).get_train_dataloader(trainer)
+        self.per_step = int(batch_size) * int(grad_accum)  # a rank's examples per step
+
+    def _set_epoch(self, epoch: int) -> None:
+        seen: set[int] = set()
+        stack = [self.loader]
+        while stack:
+            obj = stack.pop()
+            if obj is None or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if callable(getattr(obj, "set_epoch", None)):
+                obj.set_epoch(epoch)
+            stack += [getattr(obj, "batch_sampler", None), getattr(obj, "sampler", None)]
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        import torch.distributed as dist
+
+        from mmbalance.collectives.inflight import gather_objects
+
+        self._set_epoch(epoch)
+        batches = self.loader.batch_sampler
+        if batches is None:
+            raise ValueError(
+                "order='trainer': the trainer's training loader has no batch sampler to read its draw from"
+            )
+        mine = [int(i) for batch in batches for i in batch]
+        every = gather_objects(mine) if dist.is_available() and dist.is_initialized() else [mine]
+        steps = min(len(m) for m in every) // self.per_step
+        p = self.per_step
+        return np.asarray(
+            [i for s in range(steps) for m in every for i in m[s * p : (s + 1) * p]], dtype=np.int64
+        )
 
 
 def _warn_tokens(trainer) -> int:
@@ -360,7 +456,11 @@ def _balanced_train_dataloader(self):
     if sampler.batch_size != self._train_batch_size:  # auto_find_batch_size lowered it: same lengths
         sampler = BalancedBatchSampler(sampler.table, self._train_batch_size, **self._mmbalance_options)
         self.balanced_sampler = sampler
-    dataset, collator = _collator_of(self, dataset)
+    draw = sampler.order
+    if isinstance(draw, TrainerDraw):  # the trainer's own loader's dataset and collator, as they are
+        dataset, collator = draw.loader.dataset, draw.loader.collate_fn
+    else:
+        dataset, collator = _collator_of(self, dataset)
     batch_sampler: Any = sampler
     if self._mmbalance_cp is not None:
         budget, cost = self._mmbalance_cp
@@ -373,8 +473,8 @@ def _balanced_train_dataloader(self):
         vlm = None
         if vlm_family(model) is not None:
             vlm = GroupCutter(model, cost)
-            install_media_hook(model)
-        install_attention_check(model)
+            install_media_hook(model, self.model)
+        install_attention_check(model, self.model)
         collator = CPCollator(collator, pad_id(model), vlm)
     args = self.args
     params = {

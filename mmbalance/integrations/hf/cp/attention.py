@@ -63,13 +63,15 @@ def model_refusal(model) -> str | None:
     return None
 
 
-def install_attention_check(model) -> None:
+def install_attention_check(model, module=None) -> None:
     """A forward pre-hook on ``model``: a call that carries a shard (``mmbalance_cp``) raises
     ValueError (:func:`~.inputs.check_attention`) before the forward when a layer's attention is not
     ``mmbalance_varlen``, instead of returning a wrong loss. Every rank checks its own forward (the
     same model on every rank: every rank raises; ``shard`` checks the same with its agreement).
-    Idempotent; :func:`remove_attention_check`."""
-    if model.__dict__.get("_mmbalance_attention_check") is not None:
+    The hook goes on ``module``, the module the loop calls (default ``model``; a peft wrapper calls
+    the model's forward past its hooks). Idempotent; :func:`remove_attention_check`."""
+    module = model if module is None else module
+    if module.__dict__.get("_mmbalance_attention_check") is not None:
         return
 
     @torch.compiler.disable
@@ -78,12 +80,12 @@ def install_attention_check(model) -> None:
             check_attention(model)
         return None
 
-    model.__dict__["_mmbalance_attention_check"] = model.register_forward_pre_hook(hook, with_kwargs=True)
+    module.__dict__["_mmbalance_attention_check"] = module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def remove_attention_check(model) -> None:
-    """Undo :func:`install_attention_check` (idempotent)."""
-    handle = model.__dict__.pop("_mmbalance_attention_check", None)
+def remove_attention_check(module) -> None:
+    """Undo :func:`install_attention_check` on ``module`` (idempotent)."""
+    handle = module.__dict__.pop("_mmbalance_attention_check", None)
     if handle is not None:
         handle.remove()
 

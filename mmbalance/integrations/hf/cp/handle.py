@@ -63,8 +63,11 @@ class DynamicCPHandle:
     """What :func:`apply_dynamic_cp` returns: :meth:`shard` per step, :attr:`stats`, :meth:`remove`."""
 
     def __init__(self, model, budget: int | None, cost, group, own, pool: GroupPool | None,
-                 context_parallel: bool = True, vlm=None, encoder_cost="auto"):  # fmt: skip
+                 context_parallel: bool = True, vlm=None, encoder_cost="auto", module=None):  # fmt: skip
         self.model = model
+        #: the module the training loop calls (``model``, or a peft wrapper around it): the hooks
+        #: go there, as a wrapper may call the model's forward past the model's own hooks
+        self.module = model if module is None else module
         self.context_parallel = bool(context_parallel)
         self.max_tokens_per_rank = budget
         self.cost = cost
@@ -80,12 +83,12 @@ class DynamicCPHandle:
         self.media_hook = False  # whether a shard installed the media pre-hook (FSDP2)
         if vlm is not None:
             self.adapters = adapters_for(model)
-            self._embed_hook = embed_streams(vlm, model)
+            self._embed_hook = embed_streams(vlm, model, self.module)
             # after the hooks that put features into the keywords (transformers < 5.18; compat.py)
-            self._feed_hook = install_encoder_outputs_hook(model)
-        install_attention_check(model)
+            self._feed_hook = install_encoder_outputs_hook(self.module, model)
+        install_attention_check(model, self.module)
         # the shard's global token count and shifted labels reach the loss on every release (compat.py)
-        self._loss_hook = install_loss_keywords(model)
+        self._loss_hook = install_loss_keywords(model, self.module)
         self.removed = False
         #: statistics of the last :meth:`shard`: ``degrees`` (every group's degree), ``largest_shard``
         #: (tokens of the busiest rank), ``before``/``after`` (max/mean over ranks of the modelled
@@ -139,7 +142,7 @@ class DynamicCPHandle:
         if self.vlm is None:
             return shard_text(self, batch)
         kw = shard_vlm(self, batch)
-        if MEDIA_KEYWORD in kw and install_media_hook(self.model):
+        if MEDIA_KEYWORD in kw and install_media_hook(self.model, self.module):
             self.media_hook = True  # the handle's to remove
         return kw
 
@@ -173,12 +176,12 @@ class DynamicCPHandle:
         if self._embed_hook is not None:
             self._embed_hook.remove()
         if self.media_hook:  # installed by a shard under FSDP2
-            remove_media_hook(self.model)
+            remove_media_hook(self.module)
         if self._feed_hook is not None:
             self._feed_hook.remove()
         if self._loss_hook is not None:
             self._loss_hook.remove()
-        remove_attention_check(self.model)
+        remove_attention_check(self.module)
         if getattr(self.model, "_mmbalance_dynamic_cp", None) is self:
             del self.model._mmbalance_dynamic_cp
 
@@ -258,7 +261,7 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     max_tokens_per_rank = as_count(max_tokens_per_rank, "max_tokens_per_rank")
-    model = inner_model(model)
+    module, model = model, inner_model(model)
     vlm_family(model)  # an unsupported multimodal model is refused by name before anything else
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
@@ -272,14 +275,15 @@ def apply_dynamic_cp(model, *, max_tokens_per_rank: int, cost="quadratic", group
         raise ValueError("model: apply_dynamic_cp was already applied to this model (handle.remove() first)")
     if not (encoder_cost is None or encoder_cost == "auto" or callable(encoder_cost)):
         raise ValueError(f"encoder_cost must be 'auto', None or a callable, got {encoder_cost!r}")
-    return make_handle(model, int(max_tokens_per_rank), cost, group, True, encoder_cost)
+    return make_handle(module, int(max_tokens_per_rank), cost, group, True, encoder_cost)
 
 
 def make_handle(model, budget: int | None, cost, group, context_parallel: bool,
                 encoder_cost="auto") -> DynamicCPHandle:  # fmt: skip
     """The handle behind :func:`apply_dynamic_cp` (``context_parallel=False``: degree 1
-    everywhere, the streamed post-balancing of ``balance_trainer``; ``budget`` may be ``None``)."""
-    model = inner_model(model)
+    everywhere, the streamed post-balancing of ``balance_trainer``; ``budget`` may be ``None``).
+    ``model`` is the module the loop calls (a peft wrapper included): its hooks go there."""
+    module, model = model, inner_model(model)
     family = vlm_family(model)
     why = model_refusal(model)
     if why is not None:
@@ -311,6 +315,8 @@ def make_handle(model, budget: int | None, cost, group, context_parallel: bool,
                 "encoder_cost": encoder_cost if not callable(encoder_cost) else "callable",
             }
         e.agree()
-    handle = DynamicCPHandle(model, budget, costm, group, own, pool, context_parallel, family, encoder_cost)
+    handle = DynamicCPHandle(
+        model, budget, costm, group, own, pool, context_parallel, family, encoder_cost, module
+    )
     model._mmbalance_dynamic_cp = handle
     return handle

@@ -60,18 +60,19 @@ def place_embedded(family: VLMFamily, model, args: tuple, kwargs: dict) -> dict:
     return call
 
 
-def embed_streams(family: VLMFamily, model):
-    """For a family with :attr:`~VLMFamily.embedded` streams, a forward pre-hook on ``model`` that
-    runs :func:`place_embedded` on every call; returns the hook's handle, or ``None`` for a family
-    without such streams."""
+def embed_streams(family: VLMFamily, model, module=None):
+    """For a family with :attr:`~VLMFamily.embedded` streams, a forward pre-hook on ``module`` (the
+    module the loop calls, default ``model``: a peft wrapper calls the model's forward past its
+    hooks) that runs :func:`place_embedded` for ``model`` on every call; returns the hook's handle,
+    or ``None`` for a family without such streams."""
     if not family.embedded:
         return None
 
-    def hook(module, args, kwargs):
-        call = place_embedded(family, module, args, kwargs)
+    def hook(_, args, kwargs):
+        call = place_embedded(family, model, args, kwargs)
         return None if call is kwargs else (args, call)
 
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+    return (model if module is None else module).register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def resolve_media(model, kwargs: dict) -> dict:
@@ -128,27 +129,32 @@ def resolve_media(model, kwargs: dict) -> dict:
     return kwargs
 
 
-def install_media_hook(model) -> bool:
-    """Make ``model``'s forward resolve :class:`PendingMedia`: a forward pre-hook, so DDP and the
-    other wrappers call it, and the forward's signature stays the model's; kept out of compiled
-    graphs (it runs collectives and numpy). Idempotent: returns whether this call installed it."""
-    if getattr(model, "_mmbalance_media_hook", None) is not None:
+def install_media_hook(model, module=None) -> bool:
+    """Make ``model``'s forward resolve :class:`PendingMedia`: a forward pre-hook on ``module`` (the
+    module the loop calls, default ``model``; DDP and FSDP call it, a peft wrapper is it), so the
+    forward's signature stays the model's; kept out of compiled graphs (it runs collectives and
+    numpy). Idempotent: returns whether this call installed it."""
+    module = model if module is None else module
+    if module.__dict__.get("_mmbalance_media_hook") is not None:
         return False
 
     @torch.compiler.disable
-    def hook(module, args, kwargs):
+    def hook(_, args, kwargs):
         if MEDIA_KEYWORD not in kwargs:
             return None
-        return args, resolve_media(module, dict(kwargs))
+        return args, resolve_media(model, dict(kwargs))
 
-    model._mmbalance_media_hook = model.register_forward_pre_hook(hook, with_kwargs=True)
-    install_encoder_outputs_hook(model)  # after this hook: it feeds what this one resolves (compat.py)
+    module.__dict__["_mmbalance_media_hook"] = module.register_forward_pre_hook(hook, with_kwargs=True)
+    install_encoder_outputs_hook(
+        module, model
+    )  # after this hook: it feeds what this one resolves (compat.py)
     return True
 
 
-def remove_media_hook(model) -> None:
-    """Undo :func:`install_media_hook`, the hook that feeds its features included (idempotent)."""
-    handle = model.__dict__.pop("_mmbalance_media_hook", None)
+def remove_media_hook(module) -> None:
+    """Undo :func:`install_media_hook` on ``module``, the hook that feeds its features included
+    (idempotent)."""
+    handle = module.__dict__.pop("_mmbalance_media_hook", None)
     if handle is not None:
         handle.remove()
-        remove_encoder_outputs_hook(model)
+        remove_encoder_outputs_hook(module)

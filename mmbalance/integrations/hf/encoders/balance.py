@@ -91,6 +91,9 @@ class EncoderBalanceHandle:
         self.training_only = training_only
         self.stats: dict[str, dict[str, float]] = {}
         self.timings: dict[str, dict[str, float]] = {}
+        #: called with the handle after every balanced forward's encoders (its stats and timings
+        #: are that forward's); e.g. the trainer's log keys
+        self.listeners: list = []
         self._had_forward = "forward" in model.__dict__
         self._old_forward = model.__dict__.get("forward")
         self._forward = model.forward  # the bound forward that runs after the encoders
@@ -188,6 +191,8 @@ class EncoderBalanceHandle:
         links: list[Tensor] = []
         for adapter in self.adapters.values():
             call = self._balance(adapter, call, links)
+        for listener in self.listeners:
+            listener(self)
         links = [t for t in links if t.requires_grad]
         if not links:
             return self._stock(**call)

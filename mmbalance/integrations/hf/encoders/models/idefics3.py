@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..adapter import EncoderAdapter, Items, packed_rows, register_adapter
+from ..adapter import EncoderAdapter, Items, register_adapter
 from .common import as_int, core, dtype_device, mm_outputs, pending_pixels, pooled
 
 __all__ = ["Idefics3Adapter"]
@@ -88,6 +88,9 @@ class Idefics3Adapter(EncoderAdapter):
 
     def restore(self, model, kwargs, items, outputs):
         mm = mm_outputs(kwargs)
-        mm["image"] = pooled(list(packed_rows(outputs[0], self.out_rows(model, items.meta))))
+        # one tensor [tiles, rows, hidden] (every tile gives the same rows): the form every release's
+        # forward takes (lists only from 5.2x on)
+        per = self.out_rows(model, items.meta)
+        mm["image"] = pooled(outputs[0].reshape(len(per), int(per[0]) if len(per) else 0, -1))
         kwargs["mm_encoder_outputs"] = mm
         return kwargs

@@ -1,0 +1,268 @@
+"""Every ``transformers.Trainer`` a program builds, balanced without editing the program:
+:func:`balance_every_trainer` (what ``mmbalance launch`` switches on before the program runs).
+
+After the call, every ``Trainer`` (any subclass: TRL's, LLaMA-Factory's, ms-swift's, a user's)
+constructed is balanced when its ``train()`` starts (the trainer is complete then: the framework
+has set its model, collator and arguments, and DDP has not wrapped the model yet):
+
+* encoders: ``apply_encoder_balance`` on the model inside the trainer's (a peft model included),
+  on several ranks, when the model is a supported multimodal model;
+* batches: :func:`~mmbalance.integrations.hf.balance_trainer` with ``order="trainer"`` (every
+  optimizer step takes the examples the trainer's own loader gives it, split over the ranks and
+  micro-batches by cost; with
+  ``context_parallel`` dynamic context parallelism of any degree, the model switched to the
+  ``mmbalance_varlen`` attention);
+* the loss normalized by the step's global token count (Trainer's ``num_items_in_batch`` reaches
+  the model, ``average_tokens_across_devices``), so that balancing changes no step's gradient,
+  also for a trainer that normalized per micro-batch (LLaMA-Factory's multimodal SFT sets
+  ``model_accepts_loss_kwargs = False``);
+* the balance in every ``Trainer.log`` call (``logs.py``: ``mmbalance/*`` keys).
+
+What a trainer's own options make impossible is decided per case, on every rank, before the
+first step (the same options on every rank give the same decision):
+
+* refused with a ``ValueError`` naming the option and the fix: accelerate's ``split_batches`` or
+  ``dispatch_batches`` (one global batch per step), LLaMA-Factory's ``disable_shuffling`` (the
+  dataset's order, which balanced batches change), a model context parallelism cannot run;
+* left as the framework runs it, with one warning that says so: encoders of a multimodal model
+  without an adapter, and encoders a framework encodes itself before the model's forward
+  (ms-swift's template pre-hook); ``group_by_length`` is replaced by the balanced sampler (whose
+  padded cost groups lengths too).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+import weakref
+
+from .attention import ATTENTION_NAME, register_attention
+from .encoders import adapters_for, apply_encoder_balance
+from .logs import balance_log
+from .trainer import balance_trainer
+from .wrappers import inner_model, is_peft_model
+
+__all__ = ["EveryTrainerHandle", "balance_every_trainer"]
+
+_ACTIVE: list[EveryTrainerHandle] = []
+_MARK = "_mmbalance_every"
+
+
+class EveryTrainerHandle:
+    """What :func:`balance_every_trainer` returns: the options, the trainers it balanced, and
+    :meth:`remove` (a context manager too)."""
+
+    def __init__(self, options: dict):
+        self.options = dict(options)
+        #: the trainers set up so far (those whose ``train()`` has started), weakly held
+        self.trainers: weakref.WeakSet = weakref.WeakSet()
+        #: per trainer id: the encoder balancing handle it got (or ``None``)
+        self.encoder_handles: dict[int, object] = {}
+        self.removed = False
+        self._stock: dict[str, object] = {}
+
+    def remove(self) -> None:
+        """Trainers constructed from now on are plain again (the ones set up keep their balancing
+        until they are freed). Idempotent."""
+        if self.removed:
+            return
+        self.removed = True
+        from transformers import Trainer
+
+        for name, stock in self._stock.items():
+            setattr(Trainer, name, stock)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+    def __enter__(self) -> EveryTrainerHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"EveryTrainerHandle({self.options}, trainers={len(self.trainers)}, removed={self.removed})"
+
+
+def balance_every_trainer(*, encoders: bool = True, batches: bool = True, context_parallel: bool = False,
+                          max_tokens_per_rank: int | None = None, cost="quadratic") -> EveryTrainerHandle:  # fmt: skip
+    """Balance every ``transformers.Trainer`` constructed after this call (module docstring).
+
+    Args:
+        encoders: balance the vision and audio encoders of supported multimodal models
+            (``apply_encoder_balance``) on several ranks.
+        batches: balanced per-rank batches (``balance_trainer``).
+        context_parallel: dynamic context parallelism of any degree (needs ``batches`` and
+            ``max_tokens_per_rank``); the model is switched to ``mmbalance_varlen``.
+        max_tokens_per_rank: tokens one rank may hold in a forward (with ``context_parallel``).
+        cost: ``balance_trainer``'s cost (``"quadratic"``, ``"sum"``, a ``CostModel``).
+
+    Returns:
+        An :class:`EveryTrainerHandle`; ``remove()`` undoes the switch.
+
+    Raises:
+        TypeError: a flag that is not a bool.
+        ValueError: ``context_parallel`` without ``batches`` or ``max_tokens_per_rank``, or the
+            switch is on already (``remove()`` its handle first).
+    """
+    for name, flag in (("encoders", encoders), ("batches", batches), ("context_parallel", context_parallel)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if context_parallel and not batches:
+        raise ValueError(
+            "context_parallel=True needs batches=True (its slots are the balanced micro-batches)"
+        )
+    if context_parallel and max_tokens_per_rank is None:
+        raise ValueError(
+            "context_parallel=True needs max_tokens_per_rank (tokens a rank may hold in a forward)"
+        )
+    if max_tokens_per_rank is not None and (
+        isinstance(max_tokens_per_rank, bool)
+        or not isinstance(max_tokens_per_rank, int)
+        or max_tokens_per_rank < 1
+    ):
+        raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
+    if _ACTIVE:
+        raise ValueError("balance_every_trainer is on already: remove() its handle first")
+    from transformers import Trainer
+
+    handle = EveryTrainerHandle(
+        dict(
+            encoders=encoders,
+            batches=batches,
+            context_parallel=context_parallel,
+            max_tokens_per_rank=max_tokens_per_rank,
+            cost=cost,
+        )  # fmt: skip
+    )
+    stock_init, stock_train = Trainer.__init__, Trainer.train
+    handle._stock = {"__init__": stock_init, "train": stock_train}
+
+    @functools.wraps(stock_init)
+    def __init__(self, *args, **kwargs):
+        stock_init(self, *args, **kwargs)
+        if not handle.removed:
+            self.__dict__[_MARK] = handle
+
+    @functools.wraps(stock_train)
+    def train(self, *args, **kwargs):
+        owner = self.__dict__.get(_MARK)
+        if owner is not None and not owner.removed and self not in owner.trainers:
+            owner.trainers.add(self)
+            _set_up(self, owner)
+        return stock_train(self, *args, **kwargs)
+
+    Trainer.__init__ = __init__  # type: ignore[method-assign]
+    Trainer.train = train  # type: ignore[method-assign]
+    _ACTIVE.append(handle)
+    return handle
+
+
+# ------------------------------------------------------------------------------ one trainer
+def _set_up(trainer, handle: EveryTrainerHandle) -> None:
+    """Balance ``trainer`` as ``handle.options`` say (its ``train()`` is starting)."""
+    import torch.distributed as dist
+
+    opts = handle.options
+    notes: list[str] = []
+    _refuse_options(trainer, opts)
+    model = inner_model(trainer.model)
+    if opts["context_parallel"] and getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    enc = None
+    # with context parallelism the CP groups encode their own media in the forward (balance_trainer)
+    if opts["encoders"] and several and not opts["context_parallel"] and adapters_for(model):
+        why = _encoders_left(trainer, model)
+        if why is not None:
+            notes.append(why)
+        else:
+            enc = apply_encoder_balance(trainer.model)
+            handle.encoder_handles[id(trainer)] = enc
+    elif opts["encoders"] and _multimodal(model) and not adapters_for(model):
+        notes.append(f"encoders of {type(model).__name__} are not balanced (no adapter for it)")
+    if opts["batches"]:
+        if getattr(trainer.args, "group_by_length", False):
+            notes.append(
+                "group_by_length is replaced by the balanced sampler (its padded cost groups lengths too)"
+            )
+        balance_trainer(
+            trainer, cost=opts["cost"], context_parallel=opts["context_parallel"],
+            max_tokens_per_rank=opts["max_tokens_per_rank"], order="trainer",
+        )  # fmt: skip
+    _normalize_loss(trainer, model, notes)
+    log = balance_log(trainer)
+    if enc is not None:
+        log.add_source("encoders", _EncoderKeys(enc))
+    if notes:
+        warnings.warn(f"mmbalance: {type(trainer).__name__}: " + "; ".join(notes), stacklevel=3)
+
+
+def _refuse_options(trainer, opts: dict) -> None:
+    """The options that make balancing impossible: ValueError naming the option and the fix."""
+    finetuning = getattr(trainer, "finetuning_args", None)  # LLaMA-Factory's trainers keep theirs
+    if opts["batches"] and getattr(finetuning, "disable_shuffling", False):
+        raise ValueError(
+            "LLaMA-Factory's disable_shuffling: true trains in the dataset's order, which balanced batches "
+            "change: set disable_shuffling: false, or launch with --no-batches (mmbalance launch) to keep "
+            "the order and balance the encoders only"
+        )
+
+
+def _multimodal(model) -> bool:
+    config = getattr(model, "config", None)
+    return any(
+        getattr(config, k, None) is not None for k in ("vision_config", "audio_config", "thinker_config")
+    )
+
+
+def _encoders_left(trainer, model) -> str | None:
+    """Why the encoders of ``model`` (which has an adapter) are left as the framework runs them,
+    or ``None``."""
+    for module in (trainer.model, model):
+        for hook in list(getattr(module, "_forward_pre_hooks", {}).values()):
+            owner = getattr(hook, "__self__", None)
+            if owner is not None and type(owner).__module__.split(".")[0] == "swift":
+                return (
+                    "encoders are not balanced: ms-swift's template encodes the images in a forward pre-hook "
+                    "of its own, before the model's forward (batches are)"
+                )
+    return None
+
+
+def _normalize_loss(trainer, model, notes: list[str]) -> None:
+    """Make Trainer hand the model the step's global token count (``num_items_in_batch``) where
+    the trainer had turned that off and the model's forward takes it (its ``**kwargs``)."""
+    if getattr(trainer, "model_accepts_loss_kwargs", True) or getattr(trainer, "compute_loss_func", None):
+        return
+    params = inspect.signature(type(model).forward).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params) or is_peft_model(trainer.model):
+        trainer.model_accepts_loss_kwargs = True
+
+
+class _EncoderKeys:
+    """The ``mmbalance/<encoder>/*`` keys: every balanced forward's stats of an encoder handle
+    (it calls this back), averaged over the step."""
+
+    def __init__(self, handle):
+        self.rows: list[dict[str, float]] = []
+        handle.listeners.append(self._record)
+
+    def _record(self, handle) -> None:
+        row = {}
+        for enc, st in handle.stats.items():
+            for k in ("before", "after", "moved"):
+                if k in st:
+                    row[f"{enc}/{k}"] = float(st[k])
+        for enc, t in handle.timings.items():
+            if "plan_ms" in t:
+                row[f"{enc}/plan_ms"] = float(t["plan_ms"])
+        if row:
+            self.rows.append(row)
+
+    def __call__(self) -> dict[str, float]:
+        rows, self.rows = self.rows, []
+        keys = {k for row in rows for k in row}
+        return {k: sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r) for k in keys}

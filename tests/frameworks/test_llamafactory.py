@@ -1,0 +1,113 @@
+"""LLaMA-Factory 0.9.5 (``llamafactory-cli train``) balanced through ``mmbalance launch``, unedited.
+
+A tiny Qwen2-VL, 24 examples with 0 to 3 small images and answers of 1 to 80 words, SFT on 2 CPU
+ranks (``FORCE_TORCHRUN=1``: LLaMA-Factory starts torchrun itself, so its workers are balanced
+through the launch's ``sitecustomize``), fp32, SGD, 4 steps of 2 examples x 2 ranks x 2
+micro-batches, full and LoRA:
+
+* the balanced run (encoders, batches) ends at the weights of the plain run normalized the same
+  way (``--no-encoders --no-batches``: the loss over the step's global token count; LLaMA-Factory
+  itself divides each micro-batch's mean), within 1e-5 of the change;
+* its ``trainer_state.json`` holds the ``mmbalance/*`` keys, and they show balancing acting;
+* ``disable_shuffling: true`` is refused on both ranks before the first step, by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.frameworks import runs
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+CONFIG = """\
+model_name_or_path: {model}
+image_max_pixels: 3136
+image_min_pixels: 784
+disable_gradient_checkpointing: true
+stage: sft
+do_train: true
+finetuning_type: {tuning}
+{lora}
+dataset_dir: {data}
+dataset: tiny_vlm
+template: qwen2_vl
+cutoff_len: 512
+overwrite_cache: true
+preprocessing_num_workers: 1
+dataloader_num_workers: 0
+output_dir: {out}
+logging_steps: 1
+save_strategy: "no"
+plot_loss: false
+overwrite_output_dir: true
+report_to: none
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 2
+max_steps: 4
+learning_rate: 0.1
+lr_scheduler_type: constant
+warmup_steps: 0
+optim: sgd
+seed: 42
+bf16: false
+fp16: false
+use_cpu: true
+ddp_backend: gloo
+{extra}
+"""
+LORA = "lora_rank: 4\nlora_alpha: 8\nlora_dropout: 0.0\nlora_target: all"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    env_dir = runs.venv("llamafactory")
+    where = tmp_path_factory.mktemp("llamafactory")
+    model, data = runs.make_model_and_data(env_dir, where)
+    return env_dir, where, model, data
+
+
+def _train(setup, name: str, tuning: str, launch: list[str], extra: str = ""):
+    env_dir, where, model, data = setup
+    out = where / name
+    cfg = where / f"{name}.yaml"
+    cfg.write_text(CONFIG.format(model=model, tuning=tuning, lora=LORA if tuning == "lora" else "",
+                                 data=data, out=out, extra=extra))  # fmt: skip
+    env = runs.environment(env_dir, FORCE_TORCHRUN="1", NNODES="1", NPROC_PER_NODE="2")
+    cmd = [str(env_dir / "bin" / "mmbalance"), "launch", *launch, "--", "llamafactory-cli", "train", str(cfg)]
+    return runs.run(cmd, env, where, where / f"{name}.log"), out
+
+
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_launch_balances_and_ends_at_the_plain_runs_weights(setup, tuning):
+    _, where, model, _ = setup
+    plain, plain_out = _train(setup, f"plain_{tuning}", tuning, ["--no-encoders", "--no-batches"])
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    bal, bal_out = _train(setup, f"balanced_{tuning}", tuning, [])
+    assert bal.returncode == 0, bal.stderr[-4000:]
+    weights = "model.safetensors" if tuning == "full" else "adapter_model.safetensors"
+    want = runs.load_weights(plain_out / weights)
+    got = runs.load_weights(bal_out / weights)
+    start = runs.load_weights(model / "model.safetensors") if tuning == "full" else {}
+    if tuning == "lora":  # the change of the adapters that start at zero (B): a stricter scale
+        want = {k: v for k, v in want.items() if "lora_B" in k}
+    gap = runs.relative_change_gap(got, want, start)
+    assert gap <= 1e-5, f"balanced weights {gap:.2e} of the change away from the plain run's"
+    keys = runs.balance_keys(runs.log_rows(bal_out / "trainer_state.json"))
+    for key in ("mmbalance/batches/cost_before", "mmbalance/batches/cost_after", "mmbalance/vision/moved"):
+        assert key in keys, (key, sorted(keys))
+    acted = max(keys["mmbalance/vision/moved"]) > 0 or any(
+        b > a for b, a in zip(keys["mmbalance/batches/cost_before"], keys["mmbalance/batches/cost_after"])
+    )
+    assert acted, keys
+    assert not runs.balance_keys(runs.log_rows(plain_out / "trainer_state.json")).get(
+        "mmbalance/batches/cost_after"
+    )
+
+
+def test_disable_shuffling_is_refused_on_every_rank_before_the_first_step(setup):
+    done, out = _train(setup, "refused", "full", [], extra="disable_shuffling: true")
+    assert done.returncode != 0
+    text = done.stdout + done.stderr
+    assert text.count("disable_shuffling: true trains in the dataset's order") >= 2, text[-4000:]
+    assert "'loss'" not in text, "a step ran"

@@ -1,0 +1,103 @@
+"""ms-swift 4.6.0 (``swift sft``) balanced through ``mmbalance launch``, unedited.
+
+The tiny Qwen2-VL and dataset of ``test_llamafactory.py``, SFT on 2 CPU ranks
+(``NPROC_PER_NODE=2``: swift trains in a child process under torchrun, so the workers are
+balanced through the launch's ``sitecustomize``), fp32, SGD, 4 steps of 2 examples x 2 ranks x 2
+micro-batches, full and LoRA:
+
+* the balanced run ends at the weights of the plain run normalized the same way
+  (``--no-encoders --no-batches``), within 1e-5 of the change; ms-swift's own loss is already the
+  step's token sum over its global count, so the plain run is ms-swift's as it is;
+* its ``logging.jsonl`` holds the ``mmbalance/*`` keys of the batches, which show balancing
+  acting; the encoders stay as ms-swift runs them (its template encodes the images in a forward
+  pre-hook of its own), and the run says so in one warning;
+* accelerate's ``split_batches`` is refused on both ranks before the first step, by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.frameworks import runs
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    env_dir = runs.venv("swift")
+    where = tmp_path_factory.mktemp("swift")
+    model, data = runs.make_model_and_data(env_dir, where)
+    return env_dir, where, model, data
+
+
+def _sft(setup, name: str, tuning: str, launch: list[str], extra: list[str] = ()):
+    env_dir, where, model, data = setup
+    out = where / name
+    args = [
+        "--model", str(model), "--model_type", "qwen2_vl", "--template", "qwen2_vl",
+        "--dataset", str(data / "swift_vlm.jsonl"), "--split_dataset_ratio", "0", "--dataset_num_proc", "1",
+        "--load_from_cache_file", "false", "--max_length", "512", "--tuner_type", tuning,
+        "--torch_dtype", "float32", "--fp16", "false", "--bf16", "false", "--gradient_checkpointing", "false",
+        "--vit_gradient_checkpointing", "false", "--output_dir", str(out), "--add_version", "false",
+        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "4",
+        "--learning_rate", "0.1", "--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--optim", "sgd",
+        "--weight_decay", "0", "--seed", "42", "--data_seed", "42", "--logging_steps", "1",
+        "--save_strategy", "steps", "--save_steps", "1000", "--save_only_model", "true", "--report_to", "none",
+        "--dataloader_num_workers", "0", "--use_cpu", "true", "--check_model", "false", "--ddp_backend", "gloo",
+    ]  # fmt: skip
+    if tuning == "lora":
+        args += [
+            "--lora_rank",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--lora_dropout",
+            "0",
+            "--target_modules",
+            "all-linear",
+        ]
+    env = runs.environment(env_dir, NPROC_PER_NODE="2", MIN_PIXELS="784", MAX_PIXELS="3136")
+    cmd = [str(env_dir / "bin" / "mmbalance"), "launch", *launch, "--", "swift", "sft", *args, *extra]
+    return runs.run(cmd, env, where, where / f"{name}.log"), out
+
+
+def _checkpoint(out):
+    found = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert found, f"no checkpoint in {out}"
+    return found[-1]
+
+
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_launch_balances_and_ends_at_the_plain_runs_weights(setup, tuning):
+    _, _, model, _ = setup
+    plain, plain_out = _sft(setup, f"plain_{tuning}", tuning, ["--no-encoders", "--no-batches"])
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    bal, bal_out = _sft(setup, f"balanced_{tuning}", tuning, [])
+    assert bal.returncode == 0, bal.stderr[-4000:]
+    weights = "model.safetensors" if tuning == "full" else "adapter_model.safetensors"
+    want = runs.load_weights(_checkpoint(plain_out) / weights)
+    got = runs.load_weights(_checkpoint(bal_out) / weights)
+    start = runs.load_weights(model / "model.safetensors") if tuning == "full" else {}
+    if tuning == "lora":
+        want = {k: v for k, v in want.items() if "lora_B" in k}
+    gap = runs.relative_change_gap(got, want, start)
+    assert gap <= 1e-5, f"balanced weights {gap:.2e} of the change away from the plain run's"
+    keys = runs.balance_keys(runs.log_rows(bal_out / "logging.jsonl"))
+    for key in ("mmbalance/batches/cost_before", "mmbalance/batches/cost_after"):
+        assert key in keys, (key, sorted(keys))
+    assert any(
+        b > a for b, a in zip(keys["mmbalance/batches/cost_before"], keys["mmbalance/batches/cost_after"])
+    )
+    assert "ms-swift's template encodes the images" in bal.stdout + bal.stderr
+
+
+def test_split_batches_is_refused_on_every_rank_before_the_first_step(setup):
+    extra = ["--accelerator_config", json.dumps({"split_batches": True})]
+    done, _ = _sft(setup, "refused", "full", [], extra)
+    assert done.returncode != 0
+    text = done.stdout + done.stderr
+    assert text.count("accelerate is set to split_batches=True") >= 2, text[-4000:]
+    assert "'loss'" not in text, "a step ran"

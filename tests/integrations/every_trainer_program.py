@@ -1,0 +1,50 @@
+"""A training program that knows nothing of mmbalance (run by test_every_trainer.py, plain or as
+``mmbalance launch -- torchrun ... every_trainer_program.py``): transformers' Trainer on a tiny
+Qwen2-VL whose examples carry very different images, SGD, 4 steps of gradient accumulation 2.
+
+argv: OUT_DIR [--split-batches] [--exit N]. Rank 0 saves the final weights (``weights.pt``) and the
+log history (``log.json``) to OUT_DIR; ``--split-batches`` sets accelerate's ``split_batches``;
+``--exit N`` ends the program with status N after training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.integrations.trainer_encoder_balance import Examples, collate  # noqa: E402
+
+
+def main() -> int:
+    from transformers import Trainer, TrainingArguments
+
+    from tests.integrations import hf_zoo
+
+    out = sys.argv[1]
+    extra = {"accelerator_config": {"split_batches": True}} if "--split-batches" in sys.argv else {}
+    model = hf_zoo.build("qwen2_vl", seed=1)
+    args = TrainingArguments(
+        output_dir=out, max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        logging_steps=2, report_to=[], save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True, **extra,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=Examples(model), data_collator=collate)
+    trainer.train()
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "weights.pt")
+        )
+        with open(os.path.join(out, "log.json"), "w") as f:
+            json.dump(trainer.state.log_history, f)
+    if "--exit" in sys.argv:
+        return int(sys.argv[sys.argv.index("--exit") + 1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
