@@ -103,7 +103,7 @@ run: $(STAMP) $(PEERS)
 	$(VENV)/bin/mmbalance demo --json results/demo.json --plot results/demo.png
 
 test: $(STAMP) $(TF_STAMPS)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/frameworks
 	$(MAKE) --no-print-directory test-matrix
 	$(VENV)/bin/mypy
 	$(PY) -m mmbalance.bench.kernel_audit --arch sm_90

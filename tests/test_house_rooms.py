@@ -72,8 +72,9 @@ HOUSES = {
             },
         },
         may_import={"cp": ("attention", "encoders")},
-        floor=("compat", "wrappers"),  # what differs between transformers releases; the model in its wrappers
-        top=("trainer",),
+        # what differs between transformers releases; the model in its wrappers; the balance in the logs
+        floor=("compat", "wrappers", "logs"),
+        top=("trainer", "every"),
     ),  # fmt: skip
     # plan (host arithmetic, the same on every rank), the transports, the entry calls (agreement,
     # then the data moves), what drives them (a step's moves, the tensor-parallel linears)

@@ -192,6 +192,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.stats: dict[str, float] = {}
         #: seconds the last epoch's plan took (every step of the epoch at once)
         self.plan_seconds: float = 0.0
+        #: :attr:`stats` of every step of the epoch being iterated, by step (a loader runs ahead of
+        #: training, so the step a trainer finished is looked up here, not in :attr:`stats`)
+        self.epoch_stats: list[dict[str, float]] = []
         self._cache: tuple[int, EpochPlan] | None = None
 
     @property
@@ -275,7 +278,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         bounds = np.concatenate(([0], np.cumsum(np.bincount(keys, minlength=steps * g)))).tolist()
         sampled = sampled_costs(self.table[plan.indices.reshape(-1), -1], steps, self.step_size, self.num_replicas,
                                 g, self.policy, self.alpha, self.beta)  # fmt: skip
-        stats = _step_stats(plan, self.table, self.columns, self.num_replicas, sampled)
+        stats = self.epoch_stats = _step_stats(plan, self.table, self.columns, self.num_replicas, sampled)
         for s in range(steps):
             self.stats = stats[s]
             for k in range(s * g, (s + 1) * g):

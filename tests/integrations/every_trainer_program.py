@@ -34,6 +34,17 @@ def main() -> int:
         logging_steps=2, report_to=[], save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True, **extra,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=Examples(model), data_collator=collate)
+    planned = []  # the balanced sampler's stats of every epoch, when there is one (the test reads them)
+
+    from transformers import TrainerCallback
+
+    class EpochStats(TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kwargs):
+            sampler = getattr(trainer, "balanced_sampler", None)
+            if sampler is not None:
+                planned.append(list(sampler.epoch_stats))
+
+    trainer.add_callback(EpochStats())
     trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(
@@ -41,6 +52,8 @@ def main() -> int:
         )
         with open(os.path.join(out, "log.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
+        with open(os.path.join(out, "planned.json"), "w") as f:
+            json.dump(planned, f)
     if "--exit" in sys.argv:
         return int(sys.argv[sys.argv.index("--exit") + 1])
     return 0

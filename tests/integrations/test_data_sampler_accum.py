@@ -151,3 +151,44 @@ def test_grad_accum_one_is_one_micro_batch_per_step_and_dataloader():
     loader = torch.utils.data.DataLoader(torch.arange(100), batch_sampler=s)
     assert [b.tolist() for b in loader] == list(s)
     assert set(s.stats) == {"llm", "cost", "micro_cost", "cost_before", "micro_cost_before"}
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["packed", "padded"])
+def test_stats_before_are_the_steps_dealt_as_sampled(padding):
+    """``cost_before`` / ``micro_cost_before``: the step's examples dealt as ``DistributedSampler``
+    and a plain loader deal them (example ``p`` of the step to rank ``p % world``, micro-batch
+    ``(p // world) // batch``), priced here from the lengths; ``cost``: the plan's own."""
+    rng = np.random.default_rng(9)
+    lengths = rng.integers(1, 400, size=96)
+    world, batch, g, beta = 4, 3, 2, 0.001
+    s = BalancedBatchSampler(lengths, batch, world, 0, grad_accum=g, padding=padding, beta=beta, seed=5)
+    list(s)
+    plan = s.plan_epoch()
+
+    def cost(ls):
+        ls = np.asarray(ls, dtype=np.float64)
+        if not ls.size:
+            return 0.0
+        h = lambda x: x + beta * x * x
+        return ls.size * h(ls.max()) if padding else float(h(ls).sum())
+
+    def ratio(load):
+        return load.max() / load.mean()
+
+    for step, got in enumerate(s.epoch_stats):
+        idx = plan.indices[step]
+        dealt = np.zeros((g, world))
+        for k in range(g):
+            for r in range(world):
+                members = [
+                    int(idx[p]) for p in range(idx.size) if p % world == r and (p // world) // batch == k
+                ]
+                dealt[k, r] = cost(lengths[members])
+        assert got["cost_before"] == pytest.approx(ratio(dealt.sum(axis=0)), rel=1e-9)
+        assert got["micro_cost_before"] == pytest.approx(max(ratio(dealt[k]) for k in range(g)), rel=1e-9)
+        mine = np.zeros(world)
+        for r in range(world):
+            mine[r] = sum(
+                cost(lengths[idx[(plan.rank[step] == r) & (plan.micro[step] == k)]]) for k in range(g)
+            )
+        assert got["cost"] == pytest.approx(ratio(mine), rel=1e-9)

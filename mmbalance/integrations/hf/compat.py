@@ -154,7 +154,7 @@ def language_model(model) -> torch.nn.Module:
 
 
 @functools.cache
-def _class_takes_encoder_outputs(cls: type) -> bool:
+def _class_takes_encoder_outputs(cls: Any) -> bool:
     try:
         return ENCODER_OUTPUTS in inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
@@ -164,7 +164,8 @@ def _class_takes_encoder_outputs(cls: type) -> bool:
 def takes_encoder_outputs(model) -> bool:
     """Whether ``model``'s forward takes encoder outputs through ``mm_encoder_outputs``
     (transformers >= 5.18 for the families that have it)."""
-    return _class_takes_encoder_outputs(type(feature_owner(model)))
+    owner: Any = type(feature_owner(model))
+    return _class_takes_encoder_outputs(owner)
 
 
 def feature_rows(features) -> torch.Tensor:

@@ -262,7 +262,7 @@ class _EncoderKeys:
         if row:
             self.rows.append(row)
 
-    def __call__(self) -> dict[str, float]:
+    def __call__(self, state=None) -> dict[str, float]:
         rows, self.rows = self.rows, []
         keys = {k for row in rows for k in row}
         return {k: sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r) for k in keys}

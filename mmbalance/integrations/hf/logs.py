@@ -34,19 +34,20 @@ class BalanceLog:
     """The ``mmbalance/*`` keys of one trainer (:func:`balance_log` makes it and hooks it in)."""
 
     def __init__(self) -> None:
-        #: ``name -> fn() -> {key: value}``: each called at every step's end
-        self.sources: dict[str, Callable[[], dict[str, float]]] = {}
+        #: ``name -> fn(state) -> {key: value}``: each called at every step's end with Trainer's
+        #: state (``global_step`` is the step that just ended)
+        self.sources: dict[str, Callable[..., dict[str, float]]] = {}
         self.rows: list[dict[str, float]] = []
         self.last: dict[str, float] = {}
 
-    def add_source(self, name: str, fn: Callable[[], dict[str, float]]) -> None:
-        """Record ``fn()`` (keys without the prefix) at the end of every optimizer step."""
+    def add_source(self, name: str, fn: Callable[..., dict[str, float]]) -> None:
+        """Record ``fn(state)`` (keys without the prefix) at the end of every optimizer step."""
         self.sources[name] = fn
 
-    def step_end(self) -> None:
+    def step_end(self, state=None) -> None:
         row: dict[str, float] = {}
         for fn in self.sources.values():
-            for key, value in fn().items():
+            for key, value in fn(state).items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     row[PREFIX + key] = float(value)
         if row:
@@ -79,7 +80,7 @@ def _callback_class() -> type:
                 self.log = log
 
             def on_step_end(self, args, state, control, **kwargs):
-                self.log.step_end()
+                self.log.step_end(state)
 
         _CALLBACK_CLASS = BalanceLogCallback
     return _CALLBACK_CLASS

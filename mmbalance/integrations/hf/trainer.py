@@ -256,12 +256,13 @@ def balance_trainer(
     return trainer
 
 
-def _batch_keys(trainer) -> dict[str, float]:
-    """The ``mmbalance/*`` keys of the step the sampler gave last (``logs.py``)."""
+def _batch_keys(trainer, state) -> dict[str, float]:
+    """The ``mmbalance/*`` keys of the optimizer step that just ended (``logs.py``): its entry in
+    the sampler's epoch (every epoch has the sampler's number of steps)."""
     sampler = trainer.balanced_sampler
-    st = sampler.stats
-    if not st:
+    if not sampler.epoch_stats or state is None or state.global_step < 1:
         return {}
+    st = sampler.epoch_stats[(state.global_step - 1) % len(sampler.epoch_stats)]
     out = {
         "batches/cost_before": st["cost_before"], "batches/cost_after": st["cost"],
         "batches/micro_before": st["micro_cost_before"], "batches/micro_after": st["micro_cost"],
@@ -269,7 +270,14 @@ def _batch_keys(trainer) -> dict[str, float]:
     }  # fmt: skip
     cp = getattr(trainer, "cp_sampler", None)
     if trainer._mmbalance_cp is not None and cp is not None and cp.stats:
-        out.update(_cp_keys(cp.stats))
+        g = sampler.grad_accum
+        step = (state.global_step - 1) % len(sampler.epoch_stats)
+        layouts = [lay for _, lay in cp.slots()[step * g : (step + 1) * g]]
+        out.update({
+            "cp/max_degree": max((int(grp.degree) for lay in layouts for grp in lay.schedule), default=1),
+            "cp/groups": sum(len(lay.schedule) for lay in layouts) / max(len(layouts), 1),
+            "cp/largest_shard": max((int(lay.shard_tokens.max(initial=0)) for lay in layouts), default=0),
+        })  # fmt: skip
     return out
 
 
@@ -282,7 +290,7 @@ def _cp_keys(stats: dict) -> dict[str, float]:
     }
 
 
-def _stream_keys(trainer) -> dict[str, float]:
+def _stream_keys(trainer, state=None) -> dict[str, float]:
     """The ``mmbalance/*`` keys of a streamed step: its last micro-batch's post-balancing."""
     handle = getattr(trainer, "_mmbalance_stream_handle", None)
     st = handle.stats if handle is not None else {}
