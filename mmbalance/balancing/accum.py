@@ -10,7 +10,7 @@ import numpy as np
 from ._core_api import POLICY_IDS, core
 from .validate import as_count, as_lengths
 
-__all__ = ["plan_micro_batches", "sampled_costs"]
+__all__ = ["batch_costs_of", "plan_micro_batches", "sampled_costs"]
 
 
 def plan_micro_batches(
@@ -83,3 +83,25 @@ def sampled_costs(
         return np.zeros((steps, grad_accum, num_ranks))
     costs = core().batch_costs(lengths, key, int(total), POLICY_IDS[policy], float(alpha), float(beta))
     return np.asarray(costs, dtype=np.float64).reshape(steps, grad_accum, num_ranks)
+
+
+def batch_costs_of(lengths, batch, num_batches: int, policy: str, alpha: float, beta: float) -> np.ndarray:
+    """float64 ``[num_batches]``: the cost under ``policy`` of the batches that putting example
+    ``i`` (``lengths[i]``) in batch ``batch[i]`` forms (the planners' own pricing)."""
+    if policy not in POLICY_IDS:
+        raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
+    lengths = np.ascontiguousarray(as_lengths(lengths, "lengths"), dtype=np.int64)
+    batch = np.ascontiguousarray(np.asarray(batch, dtype=np.int64))
+    num_batches = as_count(num_batches, "num_batches", minimum=0)
+    if batch.shape != lengths.shape or (
+        batch.size and (batch.min() < 0 or batch.max() >= max(num_batches, 1))
+    ):
+        raise ValueError(
+            f"batch must give a batch in 0..{num_batches - 1} for each of the {lengths.size} lengths"
+        )
+    if num_batches == 0:
+        return np.zeros(0)
+    costs = core().batch_costs(
+        lengths, batch, int(num_batches), POLICY_IDS[policy], float(alpha), float(beta)
+    )
+    return np.asarray(costs, dtype=np.float64)

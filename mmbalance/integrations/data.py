@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Sampler
 
 from mmbalance.balancing import CostModel
-from mmbalance.balancing.accum import plan_micro_batches, sampled_costs
+from mmbalance.balancing.accum import batch_costs_of, plan_micro_batches, sampled_costs
 from mmbalance.balancing.plan import DEFAULT_BETA
 from mmbalance.balancing.post_balance import check_cost_range
 from mmbalance.balancing.validate import as_coefficient, as_count, as_lengths
@@ -181,6 +181,12 @@ class BalancedBatchSampler(Sampler[list[int]]):
                 f"{self.grad_accum} = {step}): the epoch would be empty"
             )
         self.num_steps: int = n // step if self.drop_last else math.ceil(n / step)
+        #: with ``order``: the micro-batches of every rank in a last, partial step of the draw,
+        #: dealt as drawn (``[rank][micro-batch] -> indices``; empty without one)
+        self.tail: list[list[list[int]]] = []
+        if order is not None and getattr(order, "steps", None) is not None:
+            self.num_steps, tail = order.steps
+            self.tail = [[[] for _ in range(tail)] for _ in range(self.num_replicas)]
         self.total_size: int = self.num_steps * step
         names = [f"phase{j}" for j in range(self.table.shape[1] - 1)] + ["llm"]
         self.columns: list[str] = names
@@ -209,7 +215,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
-        return self.num_steps * self.grad_accum
+        return self.num_steps * self.grad_accum + (len(self.tail[0]) if self.tail else 0)
 
     def plan_epoch(self) -> EpochPlan:
         """The plan of every rank for the current epoch (computed once per epoch, then cached)."""
@@ -238,8 +244,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
         return plan
 
     def _given_order(self) -> np.ndarray:
-        """This epoch's draw from ``order``: its whole steps; refused by name when it is no list of
-        dataset indices or holds no whole step. The epoch then has its number of steps."""
+        """This epoch's draw from ``order``: its whole steps (a partial last step, which ``order``
+        gives as ``order.tail(epoch)``, goes to :attr:`tail`); refused by name when it is no list of
+        dataset indices or holds no whole step. Without ``order.steps`` the epoch then has its
+        number of steps."""
         got = np.asarray(self.order(self.epoch))
         n, step = self.table.shape[0], self.step_size
         if got.ndim != 1 or (got.size and not np.issubdtype(got.dtype, np.integer)):
@@ -249,7 +257,18 @@ class BalancedBatchSampler(Sampler[list[int]]):
         if got.size and (int(got.min()) < 0 or int(got.max()) >= n):
             raise ValueError(f"order({self.epoch}) gives an index outside the dataset's 0..{n - 1}")
         steps = got.size // step
-        if steps == 0:
+        if getattr(self.order, "steps", None) is not None:
+            if steps != self.num_steps:
+                raise ValueError(
+                    f"order({self.epoch}) gives {steps} whole steps, its steps said {self.num_steps}"
+                )
+            tail = self.order.tail(self.epoch)
+            if len(tail) != self.num_replicas or len({len(t) for t in tail}) > 1:
+                raise ValueError(
+                    f"order.tail({self.epoch}) must give every rank the same number of micro-batches"
+                )
+            self.tail = [[list(map(int, mb)) for mb in t] for t in tail]
+        elif steps == 0:
             raise ValueError(
                 f"order({self.epoch}) gives {got.size} indices, less than one step ({step} = batch_size x "
                 "num_replicas x grad_accum)"
@@ -278,11 +297,47 @@ class BalancedBatchSampler(Sampler[list[int]]):
         bounds = np.concatenate(([0], np.cumsum(np.bincount(keys, minlength=steps * g)))).tolist()
         sampled = sampled_costs(self.table[plan.indices.reshape(-1), -1], steps, self.step_size, self.num_replicas,
                                 g, self.policy, self.alpha, self.beta)  # fmt: skip
-        stats = self.epoch_stats = _step_stats(plan, self.table, self.columns, self.num_replicas, sampled)
+        stats = _step_stats(plan, self.table, self.columns, self.num_replicas, sampled)
+        if self.tail:  # a last, partial step of the draw: dealt as drawn
+            stats.append(self._tail_stats())
+        self.epoch_stats = stats
         for s in range(steps):
             self.stats = stats[s]
             for k in range(s * g, (s + 1) * g):
                 yield flat[bounds[k] : bounds[k + 1]]
+        if self.tail:
+            self.stats = stats[-1]
+            yield from (list(mb) for mb in self.tail[self.rank])
+
+    def _tail_stats(self) -> dict[str, float]:
+        """:attr:`stats` of the partial last step, dealt as drawn (before and after alike)."""
+        g = len(self.tail[0])
+        key = [
+            (k * self.num_replicas + r, i)
+            for r, t in enumerate(self.tail)
+            for k, mb in enumerate(t)
+            for i in mb
+        ]
+        slots = np.asarray([k for k, _ in key], dtype=np.int64)
+        idx = np.asarray([i for _, i in key], dtype=np.int64)
+        costs = np.asarray(
+            batch_costs_of(
+                self.table[idx, -1], slots, g * self.num_replicas, self.policy, self.alpha, self.beta
+            )
+        ).reshape(g, self.num_replicas)
+
+        def ratio(load: np.ndarray) -> float:
+            mean = float(load.mean())
+            return float(load.max()) / mean if mean > 0 else 1.0
+
+        out = {}
+        for j, name in enumerate(self.columns):
+            w = np.bincount(slots % self.num_replicas, weights=self.table[idx, j].astype(np.float64),
+                            minlength=self.num_replicas)  # fmt: skip
+            out[name] = ratio(w)
+        out["cost"] = out["cost_before"] = ratio(costs.sum(axis=0))
+        out["micro_cost"] = out["micro_cost_before"] = max((ratio(c) for c in costs), default=1.0)
+        return out
 
     def __repr__(self) -> str:
         return (

@@ -186,9 +186,12 @@ def install_from_environment() -> None:
         return
 
     def switch_on() -> None:
-        from .hf import balance_every_trainer
+        try:
+            from .hf import balance_every_trainer
 
-        balance_every_trainer(**options)
+            balance_every_trainer(**options)
+        except Exception as exc:  # the program goes on as it is, and says so
+            sys.stderr.write(f"mmbalance launch: this process is not balanced: {exc}\n")
 
     if _TRIGGER in sys.modules:
         switch_on()
@@ -200,29 +203,52 @@ def install_from_environment() -> None:
 def _resolve(program: list[str]):
     """``(what to run, sys.argv[0], description)`` of PROGRAM, or ``None`` when there is none."""
     head = program[0]
-    if head == "-m":
+    if head == "-m":  # as `python -m`: the current folder first on the path
         if len(program) < 2:
             return None
         module = program[1]
+        sys.path.insert(0, os.getcwd())
         if importlib.util.find_spec(module.split(".")[0]) is None:
+            sys.path.pop(0)
             return None
-        return (
-            (lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)),
-            module,
-            f"module {module}",
-        )
+
+        def run_module():
+            return runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+        return run_module, module, f"module {module}"
     if head.endswith(".py") or (os.sep in head and os.path.isfile(head)):
         if not os.path.isfile(head):
             return None
-        return (lambda: runpy.run_path(head, run_name="__main__")), head, f"file {head}"
+        return _script(head), head, f"file {head}"
+    path = shutil.which(head)
     found = [ep for ep in metadata.entry_points(group="console_scripts") if ep.name == head]
+    if len(found) > 1 and path:  # two distributions name a script alike: the one on PATH
+        text = _text_of(path)
+        found = [ep for ep in found if ep.module in text] or found
     if found:
         ep = found[0]
         return (lambda: ep.load()()), head, f"console script {head} ({ep.value})"
-    path = shutil.which(head)
     if path and _is_python_script(path):
-        return (lambda: runpy.run_path(path, run_name="__main__")), path, f"Python script {path}"
+        return _script(path), path, f"Python script {path}"
     return None
+
+
+def _script(path: str):
+    """Run the file ``path`` as Python runs a script: its folder first on the path."""
+
+    def run():
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        return runpy.run_path(path, run_name="__main__")
+
+    return run
+
+
+def _text_of(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read(4096)
+    except OSError:
+        return ""
 
 
 def _is_python_script(path: str) -> bool:
@@ -292,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [argv0, *program[2 if program[0] == "-m" else 1 :]]
     try:
         result = run()
-        return _exit_status(result if isinstance(result, int) else None)
+        # a console script's return value is its status, as its wrapper's sys.exit(main()) gives it
+        # (a script's or module's namespace is not)
+        return _exit_status(result if program[0] != "-m" and not isinstance(result, dict) else None)
     except SystemExit as exc:
         return _exit_status(exc.code)
     except KeyboardInterrupt:

@@ -2,9 +2,11 @@
 ``mmbalance launch -- torchrun ... every_trainer_program.py``): transformers' Trainer on a tiny
 Qwen2-VL whose examples carry very different images, SGD, 4 steps of gradient accumulation 2.
 
-argv: OUT_DIR [--split-batches] [--exit N]. Rank 0 saves the final weights (``weights.pt``) and the
-log history (``log.json``) to OUT_DIR; ``--split-batches`` sets accelerate's ``split_batches``;
-``--exit N`` ends the program with status N after training.
+argv: OUT_DIR [--split-batches] [--exit N] [--examples N]. Rank 0 saves the final weights
+(``weights.pt``), the log history (``log.json``) and, where the trainer was balanced, the
+sampler's stats of every epoch (``planned.json``) to OUT_DIR; ``--split-batches`` sets
+accelerate's ``split_batches``; ``--exit N`` ends the program with status N after training;
+``--examples N`` trains on the first N examples (default 16: 2 whole steps an epoch).
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def main() -> int:
         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         logging_steps=2, report_to=[], save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True, **extra,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=Examples(model), data_collator=collate)
+    data = Examples(model)
+    if "--examples" in sys.argv:
+        data.rows = data.rows[: int(sys.argv[sys.argv.index("--examples") + 1])]
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
     planned = []  # the balanced sampler's stats of every epoch, when there is one (the test reads them)
 
     from transformers import TrainerCallback

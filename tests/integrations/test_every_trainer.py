@@ -170,9 +170,13 @@ def test_launch_help_and_the_exit_status_of_what_it_runs(tmp_path):
     (tmp_path / "failing.py").write_text("raise RuntimeError('the program failed')\n")
     done = _mmbalance("launch", "--", str(tmp_path / "failing.py"))
     assert done.returncode == 1 and "RuntimeError: the program failed" in done.stderr
+    # as Python runs them: a script's folder, and for -m the current folder, first on the path
+    (tmp_path / "helper_module.py").write_text("VALUE = 42\n")
+    (tmp_path / "uses_sibling.py").write_text("import helper_module\nprint('SIBLING', helper_module.VALUE)\n")
+    done = _mmbalance("launch", "--", str(tmp_path / "uses_sibling.py"))
+    assert done.returncode == 0 and "SIBLING 42" in done.stdout, done.stderr
     (tmp_path / "mod_here.py").write_text("import sys\nprint('MODULE', sys.argv[1:])\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
-    done = _mmbalance("launch", "--", "-m", "mod_here", "x", env=env)
+    done = _mmbalance("launch", "--", "-m", "mod_here", "x", cwd=tmp_path)
     assert done.returncode == 0 and "MODULE ['x']" in done.stdout, done.stderr
 
 
@@ -181,7 +185,7 @@ def _torchrun(tmp: Path, name: str, launch: bool, *flags: str) -> tuple[subproce
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MMBALANCE_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    run = ["torchrun", "--nproc-per-node", "2", "--master-port", str(_port()), str(PROGRAM), str(out), *flags]
+    run = ["torchrun", "--standalone", "--nproc-per-node", "2", str(PROGRAM), str(out), *flags]
     cmd = ["launch", "--", *run] if launch else None
     if cmd is None:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *run[1:]], capture_output=True,
@@ -191,20 +195,17 @@ def _torchrun(tmp: Path, name: str, launch: bool, *flags: str) -> tuple[subproce
     return done, out
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_program_launched_under_torchrun_ends_at_the_plain_runs_weights(tmp_path):
-    plain, plain_out = _torchrun(tmp_path, "plain", False)
+@pytest.mark.parametrize("examples", [16, 10], ids=["whole_steps", "a_partial_last_step"])
+def test_a_program_launched_under_torchrun_ends_at_the_plain_runs_weights(tmp_path, examples):
+    """16 examples: 2 whole steps an epoch; 10: accelerate gives every rank 3 micro-batches an
+    epoch (the last padded with examples from the start), so an epoch ends with a step of one
+    micro-batch, which the launched run trains as drawn."""
+    flags = ("--examples", str(examples))
+    plain, plain_out = _torchrun(tmp_path, "plain", False, *flags)
     assert plain.returncode == 0, plain.stderr[-4000:]
-    bal, bal_out = _torchrun(tmp_path, "balanced", True)
+    bal, bal_out = _torchrun(tmp_path, "balanced", True, *flags)
     assert bal.returncode == 0, bal.stderr[-4000:]
     want, got = torch.load(plain_out / "weights.pt"), torch.load(bal_out / "weights.pt")
     from tests.integrations import hf_zoo
@@ -214,17 +215,34 @@ def test_a_program_launched_under_torchrun_ends_at_the_plain_runs_weights(tmp_pa
     change = sum(float(((want[k] - start[k]).double() ** 2).sum()) for k in want) ** 0.5
     assert change > 0 and gap <= 1e-5 * change, (gap, change)
     rows = json.loads((bal_out / "log.json").read_text())
+    plain_rows = json.loads((plain_out / "log.json").read_text())
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == [r["step"] for r in plain_rows if "loss" in r], (
+        "the same steps, logged at the same points"
+    )
     keys = {k for row in rows for k in row if k.startswith("mmbalance/")}
     assert {"mmbalance/batches/cost_after", "mmbalance/vision/before", "mmbalance/vision/after"} <= keys, keys
+    # every logged interval averages the plans of its steps (the sampler's stats of each epoch)
+    planned = [st for epoch in json.loads((bal_out / "planned.json").read_text()) for st in epoch]
+    logged = [r for r in rows if "loss" in r]
+    last = 0
+    for row in logged:
+        mine = planned[last : row["step"]]
+        last = row["step"]
+        for key, stat in (
+            ("cost_before", "cost_before"),
+            ("cost_after", "cost"),
+            ("micro_after", "micro_cost"),
+        ):
+            want_value = sum(st[stat] for st in mine) / len(mine)
+            assert row[f"mmbalance/batches/{key}"] == pytest.approx(want_value, rel=1e-9), (key, row, mine)
     vision = [
         (r["mmbalance/vision/before"], r["mmbalance/vision/after"])
         for r in rows
         if "mmbalance/vision/before" in r
     ]
     assert all(a <= b + 1e-9 for b, a in vision) and any(a < b for b, a in vision), vision
-    assert not any(
-        k.startswith("mmbalance/") for r in json.loads((plain_out / "log.json").read_text()) for k in r
-    )
+    assert not any(k.startswith("mmbalance/") for r in plain_rows for k in r)
 
 
 @pytest.mark.distributed

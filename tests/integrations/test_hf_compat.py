@@ -192,9 +192,25 @@ def test_mask_pieces_name_every_kind_the_parser_reads():
 def test_loader_options_are_the_fields_this_release_has():
     args = transformers.TrainingArguments(output_dir="unused", report_to=[])
     options = compat.loader_options(args)
-    assert set(options) <= {"multiprocessing_context", "in_order"}
+    release = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    assert set(options) == ({"multiprocessing_context", "in_order"} if release >= (5, 15) else set()), options
     for key, value in options.items():
         assert value == getattr(args, f"dataloader_{key}")
+
+
+def test_which_losses_take_the_steps_token_count():
+    """A loss over a given count (Qwen2-VL, LLaVA, Qwen3-VL whose older forwards drop it but get it
+    back through install_loss_keywords), or a mean over each call that ignores it (Qwen2-Audio;
+    Gemma 3 before 5.17, which the source of the installed release shows)."""
+    import inspect
+
+    assert compat.loss_takes_token_count(hf_zoo.build("qwen2_vl", seed=4))
+    assert compat.loss_takes_token_count(hf_zoo.build("qwen3_vl", seed=4))
+    assert compat.loss_takes_token_count(hf_zoo.build("llava", seed=4))
+    assert not compat.loss_takes_token_count(hf_zoo.build("qwen2_audio", seed=4))
+    gemma3 = transformers.Gemma3ForConditionalGeneration
+    averages = "nn.CrossEntropyLoss()" in inspect.getsource(gemma3.forward)
+    assert compat.loss_takes_token_count(gemma3.__new__(gemma3)) is not averages
 
 
 # ------------------------------------------------------------------------------- wrappers

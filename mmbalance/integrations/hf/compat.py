@@ -22,6 +22,9 @@ from this module instead):
   then calls, answer that one call with the outputs, in the form that release returns them.
 * Qwen3-VL's ``get_image_features`` returns deepstack features per item, since 5.18. Earlier: one
   tensor per layer (:func:`feature_rows` reads both).
+* Gemma 3's forward takes the loss keywords instead of averaging over the call itself, since
+  5.17. Earlier: :func:`loss_takes_token_count` says it does not (balanced batches would change
+  its training).
 * Qwen3-VL(-MoE)'s and the Qwen2.5-Omni thinker's forwards pass their loss keywords
   (``num_items_in_batch``, ``shift_labels``) to the loss, since 5.17. Earlier:
   :func:`install_loss_keywords` hands them to the loss function.
@@ -58,6 +61,7 @@ __all__ = [
     "install_encoder_outputs_hook",
     "install_loss_keywords",
     "language_model",
+    "loss_takes_token_count",
     "loader_options",
     "mask_pieces",
     "remove_encoder_outputs_hook",
@@ -353,6 +357,7 @@ class _LossKeywords:
         self.old = model.__dict__.get("_loss_function")
         self.stock = model.loss_function
         self.handles: list = []
+        self.users = 1  # who installed it (a CP handle, balance_trainer): removed when the last is done
 
     def attach(self) -> None:
         self.handles = [
@@ -362,7 +367,11 @@ class _LossKeywords:
         self.model.loss_function = self.loss
 
     def remove(self) -> None:
-        """Restore the model's loss function and take the hooks off (idempotent)."""
+        """One installer is done with it; the last restores the model's loss function and takes the
+        hooks off (idempotent per installer)."""
+        self.users -= 1
+        if self.users > 0:
+            return
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -407,6 +416,35 @@ def _drops_loss_keywords(model) -> bool:
     return False
 
 
+# model classes that compute their loss as a mean over the call themselves (nn.CrossEntropyLoss),
+# until a release (None: every release); their ``accepts_loss_kwargs`` flag says nothing reliable
+# (Qwen3-VL sets it False and passes the count on from 5.17)
+_LOSS_MEAN_PER_CALL_UNTIL = {
+    "Qwen2AudioForConditionalGeneration": None,
+    "Gemma3ForConditionalGeneration": (5, 17),
+}
+
+
+def loss_takes_token_count(model) -> bool:
+    """Whether ``model``'s loss can be the sum of its token losses over a count it is given
+    (``num_items_in_batch``): its forward takes ``**kwargs``, and the installed release's forward
+    does not compute a mean over the call itself (Qwen2-Audio on every release, Gemma 3 before
+    5.17). Where a release's forward drops the keywords, :func:`install_loss_keywords` hands them
+    on."""
+    cls = type(model)
+    for c in cls.__mro__:
+        if c.__name__ in _LOSS_MEAN_PER_CALL_UNTIL:
+            until = _LOSS_MEAN_PER_CALL_UNTIL[c.__name__]
+            if until is None or not _since(*until):
+                return False
+            break
+    try:
+        params = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False
+    return any(p.kind is p.VAR_KEYWORD for p in params)
+
+
 def install_loss_keywords(model, module=None):
     """Make ``model``'s loss see the loss keywords its forward was called with (``num_items_in_batch``,
     ``shift_labels``) where the installed release's forward does not pass them on (Qwen3-VL,
@@ -415,11 +453,13 @@ def install_loss_keywords(model, module=None):
     lost): the loss function then takes them from the call, read by hooks on ``module`` (the
     module the loop calls, default ``model``; a peft wrapper calls the model's forward past its
     hooks). Returns the installed object (``remove()``; one per model), or ``None`` where the
-    forward passes them itself (nothing is installed)."""
+    forward passes them itself (nothing is installed). Installing it again returns the same object
+    with one more user: each ``remove()`` ends one, the last takes it off."""
     if not hasattr(type(model), "loss_function") or not _drops_loss_keywords(model):
         return None
     old = model.__dict__.get(_LOSS_ATTR)
     if old is not None:
+        old.users += 1
         return old
     hook = _LossKeywords(model, model if module is None else module)
     hook.attach()

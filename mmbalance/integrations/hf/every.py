@@ -6,16 +6,18 @@ constructed is balanced when its ``train()`` starts (the trainer is complete the
 has set its model, collator and arguments, and DDP has not wrapped the model yet):
 
 * encoders: ``apply_encoder_balance`` on the model inside the trainer's (a peft model included),
-  on several ranks, when the model is a supported multimodal model;
+  on several ranks, when the model is a supported multimodal model (with ``context_parallel`` the
+  CP groups encode their own media in the forward instead);
 * batches: :func:`~mmbalance.integrations.hf.balance_trainer` with ``order="trainer"`` (every
   optimizer step takes the examples the trainer's own loader gives it, split over the ranks and
-  micro-batches by cost; with
+  micro-batches by cost; a last, partial step of an epoch trained as drawn; with
   ``context_parallel`` dynamic context parallelism of any degree, the model switched to the
   ``mmbalance_varlen`` attention);
 * the loss normalized by the step's global token count (Trainer's ``num_items_in_batch`` reaches
   the model, ``average_tokens_across_devices``), so that balancing changes no step's gradient,
   also for a trainer that normalized per micro-batch (LLaMA-Factory's multimodal SFT sets
-  ``model_accepts_loss_kwargs = False``);
+  ``model_accepts_loss_kwargs = False``), where the model's loss takes the count
+  (``compat.loss_takes_token_count``);
 * the balance in every ``Trainer.log`` call (``logs.py``: ``mmbalance/*`` keys).
 
 What a trainer's own options make impossible is decided per case, on every rank, before the
@@ -23,25 +25,27 @@ first step (the same options on every rank give the same decision):
 
 * refused with a ``ValueError`` naming the option and the fix: accelerate's ``split_batches`` or
   ``dispatch_batches`` (one global batch per step), LLaMA-Factory's ``disable_shuffling`` (the
-  dataset's order, which balanced batches change), a model context parallelism cannot run;
+  dataset's order, which balanced batches change), a model context parallelism cannot run,
+  context parallelism where the trainer's loader ends an epoch with a partial step;
 * left as the framework runs it, with one warning that says so: encoders of a multimodal model
-  without an adapter, and encoders a framework encodes itself before the model's forward
-  (ms-swift's template pre-hook); ``group_by_length`` is replaced by the balanced sampler (whose
-  padded cost groups lengths too).
+  without an adapter, encoders a framework encodes itself before the model's forward (ms-swift's
+  template pre-hook), the batches of a model whose loss is a mean over each micro-batch whatever it
+  is given (Gemma 3, Qwen2-Audio) and of a streamed dataset without context parallelism;
+  ``group_by_length`` is replaced by the balanced sampler (whose padded cost groups lengths too).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
 import weakref
 
 from .attention import ATTENTION_NAME, register_attention
+from .compat import install_loss_keywords, loss_takes_token_count
 from .encoders import adapters_for, apply_encoder_balance
 from .logs import balance_log
 from .trainer import balance_trainer
-from .wrappers import inner_model, is_peft_model
+from .wrappers import inner_model
 
 __all__ = ["EveryTrainerHandle", "balance_every_trainer"]
 
@@ -57,8 +61,9 @@ class EveryTrainerHandle:
         self.options = dict(options)
         #: the trainers set up so far (those whose ``train()`` has started), weakly held
         self.trainers: weakref.WeakSet = weakref.WeakSet()
-        #: per trainer id: the encoder balancing handle it got (or ``None``)
-        self.encoder_handles: dict[int, object] = {}
+        #: per trainer: the encoder balancing handle it got (weakly keyed: a finished trainer and its
+        #: model are freed as usual)
+        self.encoder_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.removed = False
         self._stock: dict[str, object] = {}
 
@@ -149,8 +154,8 @@ def balance_every_trainer(*, encoders: bool = True, batches: bool = True, contex
     def train(self, *args, **kwargs):
         owner = self.__dict__.get(_MARK)
         if owner is not None and not owner.removed and self not in owner.trainers:
+            _set_up(self, owner)  # raises (a refusal) before the trainer counts as balanced
             owner.trainers.add(self)
-            _set_up(self, owner)
         return stock_train(self, *args, **kwargs)
 
     Trainer.__init__ = __init__  # type: ignore[method-assign]
@@ -161,13 +166,33 @@ def balance_every_trainer(*, encoders: bool = True, batches: bool = True, contex
 
 # ------------------------------------------------------------------------------ one trainer
 def _set_up(trainer, handle: EveryTrainerHandle) -> None:
-    """Balance ``trainer`` as ``handle.options`` say (its ``train()`` is starting)."""
+    """Balance ``trainer`` as ``handle.options`` say (its ``train()`` is starting). A refusal
+    raises before anything is changed (the encoders' balancing is removed again if a later part
+    raises)."""
+    import torch
     import torch.distributed as dist
 
     opts = handle.options
     notes: list[str] = []
     _refuse_options(trainer, opts)
     model = inner_model(trainer.model)
+    # the loss over the step's global token count where the model's loss can take it (compat.py
+    # hands the count to the losses of the releases whose forward drops it)
+    install_loss_keywords(model, trainer.model)
+    normalized = _normalize_loss(trainer, model)
+    streamed = isinstance(trainer.train_dataset, torch.utils.data.IterableDataset)
+    batches = opts["batches"]
+    if batches and not normalized:
+        batches = False
+        notes.append(
+            f"batches are left as drawn: {type(model).__name__}'s loss is a mean over each micro-batch "
+            "(it does not take the step's token count), so regrouping them would change training"
+        )
+    if batches and streamed and not opts["context_parallel"]:
+        batches = False
+        notes.append(
+            "batches of a streamed dataset are left as drawn (--context-parallel post-balances them)"
+        )
     if opts["context_parallel"] and getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
@@ -180,19 +205,24 @@ def _set_up(trainer, handle: EveryTrainerHandle) -> None:
             notes.append(why)
         else:
             enc = apply_encoder_balance(trainer.model)
-            handle.encoder_handles[id(trainer)] = enc
+            handle.encoder_handles[trainer] = enc
     elif opts["encoders"] and _multimodal(model) and not adapters_for(model):
         notes.append(f"encoders of {type(model).__name__} are not balanced (no adapter for it)")
-    if opts["batches"]:
-        if getattr(trainer.args, "group_by_length", False):
-            notes.append(
-                "group_by_length is replaced by the balanced sampler (its padded cost groups lengths too)"
-            )
-        balance_trainer(
-            trainer, cost=opts["cost"], context_parallel=opts["context_parallel"],
-            max_tokens_per_rank=opts["max_tokens_per_rank"], order="trainer",
-        )  # fmt: skip
-    _normalize_loss(trainer, model, notes)
+    try:
+        if batches:
+            if getattr(trainer.args, "group_by_length", False):
+                notes.append(
+                    "group_by_length is replaced by the balanced sampler (its padded cost groups lengths too)"
+                )
+            balance_trainer(
+                trainer, cost=opts["cost"], context_parallel=opts["context_parallel"],
+                max_tokens_per_rank=opts["max_tokens_per_rank"], order="trainer",
+            )  # fmt: skip
+    except BaseException:
+        if enc is not None:
+            enc.remove()
+            handle.encoder_handles.pop(trainer, None)
+        raise
     log = balance_log(trainer)
     if enc is not None:
         log.add_source("encoders", _EncoderKeys(enc))
@@ -232,14 +262,21 @@ def _encoders_left(trainer, model) -> str | None:
     return None
 
 
-def _normalize_loss(trainer, model, notes: list[str]) -> None:
-    """Make Trainer hand the model the step's global token count (``num_items_in_batch``) where
-    the trainer had turned that off and the model's forward takes it (its ``**kwargs``)."""
-    if getattr(trainer, "model_accepts_loss_kwargs", True) or getattr(trainer, "compute_loss_func", None):
-        return
-    params = inspect.signature(type(model).forward).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params) or is_peft_model(trainer.model):
+def _normalize_loss(trainer, model) -> bool:
+    """Whether the trainer's loss is the step's token sum over its global count, turning that on
+    where a trainer had turned it off (LLaMA-Factory does for multimodal models) and the model's
+    loss takes the count (``compat.loss_takes_token_count``). A trainer with a loss function of
+    its own (``compute_loss_func``), or with ``model_accepts_loss_kwargs`` on and a
+    ``compute_loss`` of its own (ms-swift's), says it prices the count itself."""
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return True
+    takes = loss_takes_token_count(model)
+    if not getattr(trainer, "model_accepts_loss_kwargs", True) and takes:
         trainer.model_accepts_loss_kwargs = True
+    from transformers import Trainer
+
+    own = type(trainer).compute_loss is not Trainer.compute_loss
+    return bool(getattr(trainer, "model_accepts_loss_kwargs", True)) and (takes or own)
 
 
 class _EncoderKeys:

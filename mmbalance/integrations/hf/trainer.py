@@ -241,11 +241,19 @@ def balance_trainer(
     )
     if order == "trainer":
         options["order"] = TrainerDraw(trainer, trainer._train_batch_size, args.gradient_accumulation_steps)
+        options["drop_last"] = False  # (the draw decides what an epoch holds)
     trainer.balanced_sampler = BalancedBatchSampler(lengths, trainer._train_batch_size, **options)
     trainer._mmbalance_options = options
     trainer._mmbalance_cp = None
     if context_parallel:
         assert max_tokens_per_rank is not None
+        if trainer.balanced_sampler.tail:
+            raise ValueError(
+                "context_parallel with order='trainer': the trainer's loader ends each epoch with a partial step "
+                f"({len(trainer.balanced_sampler.tail[0])} of {args.gradient_accumulation_steps} micro-batches), "
+                "which context parallelism does not lay out; set dataloader_drop_last=True or pick a "
+                "per_device_train_batch_size and gradient_accumulation_steps that divide the epoch"
+            )
         trainer._mmbalance_cp = (int(max_tokens_per_rank), cost_model_of(inner_model(trainer.model), cost))
         # the first epoch's slots now: a step that cannot fit the budget is refused here, not in
         # the middle of an epoch (later epochs are checked when they start)
@@ -305,14 +313,22 @@ class TrainerDraw:
     """Each epoch's draw of a trainer's own training loader (``order`` of the balanced sampler):
     the dataset indices of every optimizer step, as the trainer would have given them to all
     ranks (and the balanced loader then reads the examples through that loader's dataset and
-    collator, as the trainer would: a framework's own columns included). The loader is the one the trainer's class builds (its ``get_train_dataloader``: a
-    framework's own sampler included), asked for its indices only (nothing is loaded); every
-    rank's share of the epoch is gathered (one small gather when the epoch starts), and step ``s``
-    is every rank's micro-batches ``s * grad_accum .. (s + 1) * grad_accum - 1``."""
+    collator, as the trainer would: a framework's own columns included). The loader is the one the
+    trainer's class builds (its ``get_train_dataloader``: a framework's own sampler included), asked
+    for its batches' indices only (nothing is loaded); every rank's share of the epoch is gathered
+    (one small gather when the epoch starts). Step ``s`` is every rank's micro-batches
+    ``s * grad_accum .. (s + 1) * grad_accum - 1``, laid out as they are dealt (a rank's ``j``-th
+    example of the step at position ``j * ranks + rank``, what the sampler's ``cost_before``
+    prices); a last, partial step (fewer than ``grad_accum`` micro-batches left) is the sampler's
+    ``tail``, trained as drawn."""
 
     def __init__(self, trainer, batch_size: int, grad_accum: int):
         self.loader = type(trainer).get_train_dataloader(trainer)
-        self.per_step = int(batch_size) * int(grad_accum)  # a rank's examples per step
+        self.batch_size, self.grad_accum = int(batch_size), int(grad_accum)
+        batches = len(self.loader)  # this rank's micro-batches of an epoch (every rank the same)
+        #: whole steps of an epoch, and the micro-batches of its last, partial step
+        self.steps = (batches // self.grad_accum, batches % self.grad_accum)
+        self._tails: dict[int, list] = {}
 
     def _set_epoch(self, epoch: int) -> None:
         seen: set[int] = set()
@@ -337,13 +353,28 @@ class TrainerDraw:
             raise ValueError(
                 "order='trainer': the trainer's training loader has no batch sampler to read its draw from"
             )
-        mine = [int(i) for batch in batches for i in batch]
+        mine = [[int(i) for i in batch] for batch in batches]
         every = gather_objects(mine) if dist.is_available() and dist.is_initialized() else [mine]
-        steps = min(len(m) for m in every) // self.per_step
-        p = self.per_step
-        return np.asarray(
-            [i for s in range(steps) for m in every for i in m[s * p : (s + 1) * p]], dtype=np.int64
-        )
+        full, _ = self.steps
+        g, b, world = self.grad_accum, self.batch_size, len(every)
+        per = g * b
+        out = np.empty(full * per * world, dtype=np.int64)
+        for s in range(full):
+            block = out[s * per * world : (s + 1) * per * world]
+            for r, theirs in enumerate(every):
+                vals = [i for mb in theirs[s * g : (s + 1) * g] for i in mb]
+                if len(vals) != per:
+                    raise ValueError(
+                        f"order='trainer': rank {r}'s loader gives step {s} of epoch {epoch} {len(vals)} examples, "
+                        f"not grad_accum x batch_size = {per}"
+                    )
+                block[np.arange(per) * world + r] = vals
+        self._tails[epoch] = [theirs[full * g :] for theirs in every]
+        return out
+
+    def tail(self, epoch: int) -> list:
+        """Every rank's micro-batches of the partial last step of ``epoch`` (after ``self(epoch)``)."""
+        return self._tails.pop(epoch)
 
 
 def _warn_tokens(trainer) -> int:
@@ -462,7 +493,13 @@ def _balanced_train_dataloader(self):
             "sampler was built for): call balance_trainer again"
         )
     if sampler.batch_size != self._train_batch_size:  # auto_find_batch_size lowered it: same lengths
-        sampler = BalancedBatchSampler(sampler.table, self._train_batch_size, **self._mmbalance_options)
+        options = dict(self._mmbalance_options)
+        if isinstance(options.get("order"), TrainerDraw):  # the trainer's own draw at the new size
+            options["order"] = TrainerDraw(
+                self, self._train_batch_size, self.args.gradient_accumulation_steps
+            )
+        self._mmbalance_options = options
+        sampler = BalancedBatchSampler(sampler.table, self._train_batch_size, **options)
         self.balanced_sampler = sampler
     draw = sampler.order
     if isinstance(draw, TrainerDraw):  # the trainer's own loader's dataset and collator, as they are

@@ -69,8 +69,11 @@ def install_attention_check(model, module=None) -> None:
     ``mmbalance_varlen``, instead of returning a wrong loss. Every rank checks its own forward (the
     same model on every rank: every rank raises; ``shard`` checks the same with its agreement).
     The hook goes on ``module``, the module the loop calls (default ``model``; a peft wrapper calls
-    the model's forward past its hooks). Idempotent; :func:`remove_attention_check`."""
+    the model's forward past its hooks). One hook however often it is installed;
+    :func:`remove_attention_check` once per installation."""
     module = model if module is None else module
+    users = module.__dict__.get("_mmbalance_attention_check_users", 0)
+    module.__dict__["_mmbalance_attention_check_users"] = users + 1
     if module.__dict__.get("_mmbalance_attention_check") is not None:
         return
 
@@ -84,7 +87,12 @@ def install_attention_check(model, module=None) -> None:
 
 
 def remove_attention_check(module) -> None:
-    """Undo :func:`install_attention_check` on ``module`` (idempotent)."""
+    """Undo one :func:`install_attention_check` on ``module``: the last installer's removal takes
+    the hook off."""
+    users = module.__dict__.get("_mmbalance_attention_check_users", 0) - 1
+    module.__dict__["_mmbalance_attention_check_users"] = max(users, 0)
+    if users > 0:
+        return
     handle = module.__dict__.pop("_mmbalance_attention_check", None)
     if handle is not None:
         handle.remove()
