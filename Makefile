@@ -63,10 +63,11 @@ $(TF_STAMPS): .venv-tf%/.installed: pyproject.toml scripts/requirements.py | $(S
 
 # tests/integrations, distributed ones included, on every release of the matrix
 test-matrix: $(STAMP) $(TF_STAMPS)
-	@for v in $(TF_MATRIX); do \
+	@failed=""; for v in $(TF_MATRIX); do \
 	  echo "== tests/integrations on transformers $$v"; \
-	  PYTHONPATH=$(CURDIR) .venv-tf$$v/bin/python -m pytest -q -p no:cacheprovider tests/integrations || exit 1; \
-	done
+	  PYTHONPATH=$(CURDIR) .venv-tf$$v/bin/python -m pytest -q -p no:cacheprovider tests/integrations || failed="$$failed $$v"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "tests/integrations failed on transformers$$failed"; exit 1; fi
 
 # The frameworks people start training from, each in an environment of its own (they pin torch and
 # transformers differently): LLaMA-Factory 0.9.5 (transformers 5.6.0) and ms-swift 4.6.0 (5.19.0),

@@ -164,8 +164,8 @@ def test_feeding_refuses_pixels_beside_their_features_and_unknown_streams():
 # ------------------------------------------------------------------------------- the loss
 def test_the_loss_gets_the_forwards_keywords():
     """Qwen3-VL's forward drops ``num_items_in_batch`` in some releases; with the keywords installed
-    the loss is the token-loss sum over the given count on every release, and ``remove()``
-    restores the model's loss function."""
+    the loss is the token-loss sum over the given count on every release, and the last
+    ``remove()`` of its users restores the model's loss function."""
     model = hf_zoo.build("qwen3_vl", seed=4)
     batch = hf_zoo.batch("qwen3_vl", model, [[(4, 4)]], seed=5)
     count = 3 * int((batch["labels"][0, 1:] != -100).sum())
@@ -175,7 +175,10 @@ def test_the_loss_gets_the_forwards_keywords():
     got = model(**batch, num_items_in_batch=count).loss
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     if hook is not None:
-        hook.remove()
+        hook.remove()  # one of its two users is done: it stays on, and the count still reaches the loss
+        assert "_loss_function" in model.__dict__ and model._forward_pre_hooks
+        torch.testing.assert_close(model(**batch, num_items_in_batch=count).loss, want, rtol=1e-6, atol=1e-6)
+        hook.remove()  # the last: the model's own loss function is back
     assert (
         "_loss_function" not in model.__dict__ and not model._forward_pre_hooks and not model._forward_hooks
     )
