@@ -82,6 +82,23 @@ def load_weights(path: Path) -> dict:
     return out
 
 
+# what the runs measured, printed at the end of the session (conftest.py): one line per balanced run
+MEASURED: list[str] = []
+
+
+def record(run: str, gap: float, keys: dict[str, list[float]]) -> None:
+    """Keep ``run``'s weights gap and the balance its logs show for the session's summary."""
+    before = keys.get("mmbalance/batches/cost_before", [])
+    after = keys.get("mmbalance/batches/cost_after", [])
+    moved = keys.get("mmbalance/vision/moved", [])
+    line = f"{run}: weights {gap:.2e} of the change from the plain run's; {len(before)} logged intervals"
+    if before and after:
+        line += f", batch cost max/mean before {max(before):.4g} after {max(after):.4g}"
+    if moved:
+        line += f", vision items encoded on another rank up to {max(moved):.0%} of a step's"
+    MEASURED.append(line)
+
+
 def relative_change_gap(got: dict, want: dict, start: dict) -> float:
     """``|got - want| / |want - start|`` over the tensors of ``want`` (``start`` missing a tensor:
     it started at zero, as LoRA's ``B`` does)."""

@@ -94,6 +94,7 @@ def test_launch_balances_and_ends_at_the_plain_runs_weights(setup, tuning):
     gap = runs.relative_change_gap(got, want, start)
     assert gap <= 1e-5, f"balanced weights {gap:.2e} of the change away from the plain run's"
     keys = runs.balance_keys(runs.log_rows(bal_out / "trainer_state.json"))
+    runs.record(f"llamafactory {tuning}", gap, keys)
     for key in ("mmbalance/batches/cost_before", "mmbalance/batches/cost_after", "mmbalance/vision/moved"):
         assert key in keys, (key, sorted(keys))
     acted = max(keys["mmbalance/vision/moved"]) > 0 or any(

@@ -86,6 +86,7 @@ def test_launch_balances_and_ends_at_the_plain_runs_weights(setup, tuning):
     gap = runs.relative_change_gap(got, want, start)
     assert gap <= 1e-5, f"balanced weights {gap:.2e} of the change away from the plain run's"
     keys = runs.balance_keys(runs.log_rows(bal_out / "logging.jsonl"))
+    runs.record(f"swift {tuning}", gap, keys)
     for key in ("mmbalance/batches/cost_before", "mmbalance/batches/cost_after"):
         assert key in keys, (key, sorted(keys))
     assert any(
