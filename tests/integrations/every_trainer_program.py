@@ -2,11 +2,15 @@
 ``mmbalance launch -- torchrun ... every_trainer_program.py``): transformers' Trainer on a tiny
 Qwen2-VL whose examples carry very different images, SGD, 4 steps of gradient accumulation 2.
 
-argv: OUT_DIR [--split-batches] [--exit N] [--examples N]. Rank 0 saves the final weights
+argv: OUT_DIR [--split-batches] [--exit N] [--examples N] [--hard-exit]. Rank 0 saves the final weights
 (``weights.pt``), the log history (``log.json``) and, where the trainer was balanced, the
 sampler's stats of every epoch (``planned.json``) to OUT_DIR; ``--split-batches`` sets
 accelerate's ``split_batches``; ``--exit N`` ends the program with status N after training;
-``--examples N`` trains on the first N examples (default 16: 2 whole steps an epoch).
+``--examples N`` trains on the first N examples (default 16: 2 whole steps an epoch);
+``--hard-exit`` leaves with ``os._exit`` after a barrier, skipping the interpreter's teardown: a
+plain gloo program whose DDP reducer outlives the run can abort there (SIGABRT, "terminate called
+without an active exception"; the torch bug of the README's "The gloo teardown hang"), which
+mmbalance covers in the processes it balances but not in a plain reference run.
 """
 
 from __future__ import annotations
@@ -65,4 +69,13 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "--hard-exit" in sys.argv:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
