@@ -186,7 +186,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.tail: list[list[list[int]]] = []
         if order is not None and getattr(order, "steps", None) is not None:
             self.num_steps, tail = order.steps
-            self.tail = [[[] for _ in range(tail)] for _ in range(self.num_replicas)]
+            if tail:
+                self.tail = [[[] for _ in range(tail)] for _ in range(self.num_replicas)]
         self.total_size: int = self.num_steps * step
         names = [f"phase{j}" for j in range(self.table.shape[1] - 1)] + ["llm"]
         self.columns: list[str] = names
@@ -267,7 +268,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
                 raise ValueError(
                     f"order.tail({self.epoch}) must give every rank the same number of micro-batches"
                 )
-            self.tail = [[list(map(int, mb)) for mb in t] for t in tail]
+            self.tail = [[list(map(int, mb)) for mb in t] for t in tail] if len(tail[0]) else []
         elif steps == 0:
             raise ValueError(
                 f"order({self.epoch}) gives {got.size} indices, less than one step ({step} = batch_size x "
@@ -324,20 +325,12 @@ class BalancedBatchSampler(Sampler[list[int]]):
             batch_costs_of(
                 self.table[idx, -1], slots, g * self.num_replicas, self.policy, self.alpha, self.beta
             )
-        ).reshape(g, self.num_replicas)
-
-        def ratio(load: np.ndarray) -> float:
-            mean = float(load.mean())
-            return float(load.max()) / mean if mean > 0 else 1.0
-
-        out = {}
-        for j, name in enumerate(self.columns):
-            w = np.bincount(slots % self.num_replicas, weights=self.table[idx, j].astype(np.float64),
-                            minlength=self.num_replicas)  # fmt: skip
-            out[name] = ratio(w)
-        out["cost"] = out["cost_before"] = ratio(costs.sum(axis=0))
-        out["micro_cost"] = out["micro_cost_before"] = max((ratio(c) for c in costs), default=1.0)
-        return out
+        ).reshape(1, g, self.num_replicas)
+        step = EpochPlan(
+            indices=idx[None], rank=(slots % self.num_replicas)[None], micro=(slots // self.num_replicas)[None],
+            costs=costs,
+        )  # fmt: skip
+        return _step_stats(step, self.table, self.columns, self.num_replicas, costs)[0]
 
     def __repr__(self) -> str:
         return (

@@ -192,3 +192,60 @@ def test_stats_before_are_the_steps_dealt_as_sampled(padding):
                 cost(lengths[idx[(plan.rank[step] == r) & (plan.micro[step] == k)]]) for k in range(g)
             )
         assert got["cost"] == pytest.approx(ratio(mine), rel=1e-9)
+
+
+class _Draw:
+    """An ``order`` as ``balance_trainer(order="trainer")`` builds one: the epoch's whole steps in
+    sampling order, ``steps = (whole steps, micro-batches of the partial last one)`` and the partial
+    step's micro-batches of every rank."""
+
+    def __init__(self, draw: list[int], tail: list[list[list[int]]], steps: int):
+        self.draw, self._tail = draw, tail
+        self.steps = (steps, len(tail[0]))
+
+    def __call__(self, epoch):
+        return np.asarray(self.draw)
+
+    def tail(self, epoch):
+        return self._tail
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole_steps", "a_partial_last_step"])
+def test_a_given_order_keeps_every_steps_examples_and_one_stats_entry_a_step(partial):
+    """With ``order``, every step holds exactly the examples the order gives it (only their split
+    over ranks and micro-batches changes), a partial last step is yielded as drawn, and the epoch's
+    stats hold one entry per step the loader yields: none for a partial step that is not there."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 300, size=40)
+    world, batch, g = 2, 2, 2
+    step = world * batch * g
+    draw = rng.permutation(40)[: 3 * step].tolist()
+    tail = [[[int(draw[0]), 31]], [[32, 33]]] if partial else [[], []]
+    yielded = {}
+    for rank in range(world):
+        s = BalancedBatchSampler(lengths, batch, world, rank, grad_accum=g, order=_Draw(draw, tail, 3))
+        got = list(s)
+        assert len(got) == len(s) == 3 * g + (1 if partial else 0)
+        assert len(s.epoch_stats) == 3 + (1 if partial else 0)
+        yielded[rank] = got
+    for k in range(3):  # step k: both ranks' micro-batches together are the order's step k
+        mine = sorted(i for r in range(world) for mb in yielded[r][k * g : (k + 1) * g] for i in mb)
+        assert mine == sorted(draw[k * step : (k + 1) * step])
+    if partial:
+        assert [yielded[r][-1] for r in range(world)] == [tail[r][0] for r in range(world)]
+
+
+def test_a_given_order_is_refused_by_name():
+    lengths = np.arange(1, 21)
+    with pytest.raises(TypeError, match="order must be callable"):
+        BalancedBatchSampler(lengths, 2, 2, 0, order=[1, 2, 3])
+    for bad, match in (
+        (lambda e: np.array([0, 1, 2, 40]), "outside the dataset"),
+        (lambda e: np.array([[0, 1], [2, 3]]), "1-D list of dataset indices"),
+        (lambda e: np.array([0, 1]), "less than one step"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            list(BalancedBatchSampler(lengths, 2, 2, 0, order=bad))
+    liar = _Draw(list(range(8)), [[], []], 3)  # 2 whole steps of 4, its steps say 3
+    with pytest.raises(ValueError, match="its steps said 3"):
+        list(BalancedBatchSampler(lengths, 2, 2, 0, order=liar))

@@ -226,6 +226,7 @@ def test_a_program_launched_under_torchrun_ends_at_the_plain_runs_weights(tmp_pa
     assert {"mmbalance/batches/cost_after", "mmbalance/vision/before", "mmbalance/vision/after"} <= keys, keys
     # every logged interval averages the plans of its steps (the sampler's stats of each epoch)
     planned = [st for epoch in json.loads((bal_out / "planned.json").read_text()) for st in epoch]
+    assert len(planned) == steps[-1], "one planned entry for every step trained, none for a step not there"
     logged = [r for r in rows if "loss" in r]
     last = 0
     for row in logged:
