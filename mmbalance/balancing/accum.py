@@ -13,6 +13,12 @@ from .validate import as_count, as_lengths
 __all__ = ["batch_costs_of", "plan_micro_batches", "sampled_costs"]
 
 
+def _policy_id(policy: str) -> int:
+    if policy not in POLICY_IDS:
+        raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
+    return POLICY_IDS[policy]
+
+
 def plan_micro_batches(
     lengths,
     steps: int,
@@ -31,8 +37,7 @@ def plan_micro_batches(
     of every example, and float64 ``[steps, grad_accum, num_ranks]`` the cost of every micro-batch
     under ``policy`` (a micro-batch costs ``count * h(longest)`` when ``padded``).
     """
-    if policy not in POLICY_IDS:
-        raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
+    policy_id = _policy_id(policy)
     lengths = np.ascontiguousarray(as_lengths(lengths, "lengths"), dtype=np.int64)
     return core().plan_accum(
         lengths,
@@ -40,7 +45,7 @@ def plan_micro_batches(
         as_count(step_size, "step_size", minimum=0),
         as_count(num_ranks, "num_ranks"),
         as_count(grad_accum, "grad_accum"),
-        POLICY_IDS[policy],
+        policy_id,
         float(alpha),
         float(beta),
         bool(padded),
@@ -62,8 +67,7 @@ def sampled_costs(
     as ``DistributedSampler`` and a plain loader deal them: example ``p`` of a step to rank
     ``p % num_ranks``, in micro-batch ``(p // num_ranks) // (step_size // (num_ranks * grad_accum))``.
     What :func:`plan_micro_batches` is measured against (its ``costs``)."""
-    if policy not in POLICY_IDS:
-        raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
+    _policy_id(policy)  # refused before the shapes are
     lengths = np.ascontiguousarray(as_lengths(lengths, "lengths"), dtype=np.int64)
     steps = as_count(steps, "steps", minimum=0)
     step_size = as_count(step_size, "step_size", minimum=0)
@@ -78,18 +82,14 @@ def sampled_costs(
     p = np.arange(step_size, dtype=np.int64)
     within = (p // num_ranks // max(batch, 1)) * num_ranks + p % num_ranks  # slot * ranks + rank
     key = (np.arange(steps, dtype=np.int64)[:, None] * (grad_accum * num_ranks) + within).reshape(-1)
-    total = steps * grad_accum * num_ranks
-    if total == 0:
-        return np.zeros((steps, grad_accum, num_ranks))
-    costs = core().batch_costs(lengths, key, int(total), POLICY_IDS[policy], float(alpha), float(beta))
-    return np.asarray(costs, dtype=np.float64).reshape(steps, grad_accum, num_ranks)
+    costs = batch_costs_of(lengths, key, steps * grad_accum * num_ranks, policy, alpha, beta)
+    return costs.reshape(steps, grad_accum, num_ranks)
 
 
 def batch_costs_of(lengths, batch, num_batches: int, policy: str, alpha: float, beta: float) -> np.ndarray:
     """float64 ``[num_batches]``: the cost under ``policy`` of the batches that putting example
     ``i`` (``lengths[i]``) in batch ``batch[i]`` forms (the planners' own pricing)."""
-    if policy not in POLICY_IDS:
-        raise ValueError(f"policy must be one of {sorted(POLICY_IDS)}, got {policy!r}")
+    policy_id = _policy_id(policy)
     lengths = np.ascontiguousarray(as_lengths(lengths, "lengths"), dtype=np.int64)
     batch = np.ascontiguousarray(np.asarray(batch, dtype=np.int64))
     num_batches = as_count(num_batches, "num_batches", minimum=0)
@@ -101,7 +101,5 @@ def batch_costs_of(lengths, batch, num_batches: int, policy: str, alpha: float, 
         )
     if num_batches == 0:
         return np.zeros(0)
-    costs = core().batch_costs(
-        lengths, batch, int(num_batches), POLICY_IDS[policy], float(alpha), float(beta)
-    )
+    costs = core().batch_costs(lengths, batch, int(num_batches), policy_id, float(alpha), float(beta))
     return np.asarray(costs, dtype=np.float64)

@@ -99,6 +99,26 @@ def record(run: str, gap: float, keys: dict[str, list[float]]) -> None:
     MEASURED.append(line)
 
 
+def tuned_weights_gap(plain_dir: Path, balanced_dir: Path, model_dir: Path, tuning: str) -> float:
+    """The balanced run's trainable weights (saved in ``balanced_dir``) against the plain run's
+    (``plain_dir``), relative to the plain run's change from the start (``model_dir``'s weights):
+    the whole model for ``tuning == "full"``, else the LoRA adapters' ``B`` matrices, which start at
+    zero (a stricter scale than the whole adapter's change)."""
+    weights = "model.safetensors" if tuning == "full" else "adapter_model.safetensors"
+    want = load_weights(plain_dir / weights)
+    got = load_weights(balanced_dir / weights)
+    start = load_weights(model_dir / "model.safetensors") if tuning == "full" else {}
+    if tuning != "full":
+        want = {k: v for k, v in want.items() if "lora_B" in k}
+    return relative_change_gap(got, want, start)
+
+
+def balanced_batches(keys: dict[str, list[float]]) -> bool:
+    """Whether the logged keys show some step's worst rank made cheaper by balancing."""
+    before = keys.get("mmbalance/batches/cost_before", [])
+    return any(b > a for b, a in zip(before, keys.get("mmbalance/batches/cost_after", [])))
+
+
 def relative_change_gap(got: dict, want: dict, start: dict) -> float:
     """``|got - want| / |want - start|`` over the tensors of ``want`` (``start`` missing a tensor:
     it started at zero, as LoRA's ``B`` does)."""

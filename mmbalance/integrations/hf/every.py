@@ -44,7 +44,7 @@ from .attention import ATTENTION_NAME, register_attention
 from .compat import install_loss_keywords, loss_takes_token_count
 from .encoders import adapters_for, apply_encoder_balance
 from .logs import balance_log
-from .trainer import balance_trainer
+from .trainer import balance_trainer, check_cp_budget
 from .wrappers import inner_model
 
 __all__ = ["EveryTrainerHandle", "balance_every_trainer"]
@@ -118,16 +118,7 @@ def balance_every_trainer(*, encoders: bool = True, batches: bool = True, contex
         raise ValueError(
             "context_parallel=True needs batches=True (its slots are the balanced micro-batches)"
         )
-    if context_parallel and max_tokens_per_rank is None:
-        raise ValueError(
-            "context_parallel=True needs max_tokens_per_rank (tokens a rank may hold in a forward)"
-        )
-    if max_tokens_per_rank is not None and (
-        isinstance(max_tokens_per_rank, bool)
-        or not isinstance(max_tokens_per_rank, int)
-        or max_tokens_per_rank < 1
-    ):
-        raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
+    check_cp_budget(context_parallel, max_tokens_per_rank)
     if _ACTIVE:
         raise ValueError("balance_every_trainer is on already: remove() its handle first")
     from transformers import Trainer

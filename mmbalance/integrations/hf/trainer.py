@@ -44,7 +44,7 @@ from .cp import (
 from .logs import balance_log
 from .wrappers import inner_model
 
-__all__ = ["balance_trainer"]
+__all__ = ["balance_trainer", "check_cp_budget"]
 
 
 def _lengths_of(trainer, dataset) -> np.ndarray:
@@ -80,6 +80,21 @@ def _packed(trainer) -> bool:
         return True
     args = trainer.args
     return bool(getattr(args, "padding_free", False) or getattr(args, "packing", False))
+
+
+def check_cp_budget(context_parallel: bool, max_tokens_per_rank) -> None:
+    """Refuse ``context_parallel`` without ``max_tokens_per_rank``, and a ``max_tokens_per_rank``
+    that is not an int >= 1 (``balance_trainer`` and ``balance_every_trainer`` take both)."""
+    if context_parallel and max_tokens_per_rank is None:
+        raise ValueError(
+            "context_parallel=True needs max_tokens_per_rank (tokens a rank may hold in a forward)"
+        )
+    if max_tokens_per_rank is not None and (
+        isinstance(max_tokens_per_rank, bool)
+        or not isinstance(max_tokens_per_rank, int)
+        or max_tokens_per_rank < 1
+    ):
+        raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
 
 
 def balance_trainer(
@@ -180,16 +195,7 @@ def balance_trainer(
         raise TypeError(f"context_parallel must be a bool, got {type(context_parallel).__name__}")
     if order not in ("sampler", "trainer"):
         raise ValueError(f"order must be 'sampler' or 'trainer', got {order!r}")
-    if context_parallel and max_tokens_per_rank is None:
-        raise ValueError(
-            "context_parallel=True needs max_tokens_per_rank (tokens a rank may hold in a forward)"
-        )
-    if max_tokens_per_rank is not None and (
-        isinstance(max_tokens_per_rank, bool)
-        or not isinstance(max_tokens_per_rank, int)
-        or max_tokens_per_rank < 1
-    ):
-        raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
+    check_cp_budget(context_parallel, max_tokens_per_rank)
     args = trainer.args
     acc = trainer.accelerator
     for name in ("split_batches", "dispatch_batches"):
