@@ -131,6 +131,31 @@ def test_trainers_built_after_the_call_are_balanced_and_remove_restores(tmp_path
     handle.remove()  # idempotent
 
 
+def test_a_refused_set_up_leaves_the_trainer_and_its_model_as_they_were(tmp_path):
+    """A refusal at ``train()`` (here accelerate's ``split_batches``, found by ``balance_trainer``
+    after the loss keywords went on and the model was switched to ``mmbalance_varlen``) takes back
+    what was changed before it: the attention, the loss keywords (Qwen3-VL's forward drops them
+    before 5.17), the trainer's ``model_accepts_loss_kwargs``; the trainer is not counted."""
+    from tests.integrations import hf_zoo
+
+    model = hf_zoo.build("qwen3_vl", seed=1)
+    attention = model.config._attn_implementation
+    args = _args(tmp_path, accelerator_config={"split_batches": True})
+    with balance_every_trainer(encoders=False, context_parallel=True, max_tokens_per_rank=64) as handle:
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_rows(), data_collator=_collate)
+        trainer.model_accepts_loss_kwargs = False  # as LLaMA-Factory sets it for multimodal models
+        with pytest.raises(ValueError, match="split_batches=True"):
+            trainer.train()
+        assert model.config._attn_implementation == attention
+        assert (
+            "_loss_function" not in model.__dict__
+            and not model._forward_pre_hooks
+            and not model._forward_hooks
+        )
+        assert trainer.model_accepts_loss_kwargs is False
+        assert not hasattr(trainer, "balanced_sampler") and trainer not in handle.trainers
+
+
 def test_bad_options_are_refused_by_name():
     with pytest.raises(TypeError, match="encoders must be a bool"):
         balance_every_trainer(encoders="yes")

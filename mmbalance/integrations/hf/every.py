@@ -158,18 +158,40 @@ def balance_every_trainer(*, encoders: bool = True, batches: bool = True, contex
 # ------------------------------------------------------------------------------ one trainer
 def _set_up(trainer, handle: EveryTrainerHandle) -> None:
     """Balance ``trainer`` as ``handle.options`` say (its ``train()`` is starting). A refusal
-    raises before anything is changed (the encoders' balancing is removed again if a later part
-    raises)."""
-    import torch
-    import torch.distributed as dist
-
+    raises with the trainer and its model as they were (the changes made before it, the loss
+    keywords, the attention switch and the encoders' balancing, are taken back)."""
     opts = handle.options
     notes: list[str] = []
     _refuse_options(trainer, opts)
     model = inner_model(trainer.model)
+    undo: list = []  # what a refusal below takes back, last first: no half-balanced trainer is left
+    try:
+        enc = _set_up_parts(trainer, model, handle, notes, undo)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+    log = balance_log(trainer)
+    if enc is not None:
+        log.add_source("encoders", _EncoderKeys(enc))
+    if notes:
+        warnings.warn(f"mmbalance: {type(trainer).__name__}: " + "; ".join(notes), stacklevel=3)
+
+
+def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], undo: list):
+    """:func:`_set_up`'s changes, each with its undo appended to ``undo`` as it is made; returns
+    the encoder balancing handle (or ``None``)."""
+    import torch
+    import torch.distributed as dist
+
+    opts = handle.options
     # the loss over the step's global token count where the model's loss can take it (compat.py
     # hands the count to the losses of the releases whose forward drops it)
-    install_loss_keywords(model, trainer.model)
+    keywords = install_loss_keywords(model, trainer.model)
+    if keywords is not None:
+        undo.append(keywords.remove)
+    accepts = trainer.__dict__.get("model_accepts_loss_kwargs", _UNSET)
+    undo.append(lambda: _restore_attribute(trainer, "model_accepts_loss_kwargs", accepts))
     normalized = _normalize_loss(trainer, model)
     streamed = isinstance(trainer.train_dataset, torch.utils.data.IterableDataset)
     batches = opts["batches"]
@@ -184,9 +206,11 @@ def _set_up(trainer, handle: EveryTrainerHandle) -> None:
         notes.append(
             "batches of a streamed dataset are left as drawn (--context-parallel post-balances them)"
         )
-    if opts["context_parallel"] and getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+    attention = getattr(model.config, "_attn_implementation", None)
+    if opts["context_parallel"] and attention != ATTENTION_NAME:
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
+        undo.append(lambda: model.set_attn_implementation(attention))
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     enc = None
     # with context parallelism the CP groups encode their own media in the forward (balance_trainer)
@@ -197,28 +221,31 @@ def _set_up(trainer, handle: EveryTrainerHandle) -> None:
         else:
             enc = apply_encoder_balance(trainer.model)
             handle.encoder_handles[trainer] = enc
+            undo.append(enc.remove)
+            undo.append(lambda: handle.encoder_handles.pop(trainer, None))
     elif opts["encoders"] and _multimodal(model) and not adapters_for(model):
         notes.append(f"encoders of {type(model).__name__} are not balanced (no adapter for it)")
-    try:
-        if batches:
-            if getattr(trainer.args, "group_by_length", False):
-                notes.append(
-                    "group_by_length is replaced by the balanced sampler (its padded cost groups lengths too)"
-                )
-            balance_trainer(
-                trainer, cost=opts["cost"], context_parallel=opts["context_parallel"],
-                max_tokens_per_rank=opts["max_tokens_per_rank"], order="trainer",
-            )  # fmt: skip
-    except BaseException:
-        if enc is not None:
-            enc.remove()
-            handle.encoder_handles.pop(trainer, None)
-        raise
-    log = balance_log(trainer)
-    if enc is not None:
-        log.add_source("encoders", _EncoderKeys(enc))
-    if notes:
-        warnings.warn(f"mmbalance: {type(trainer).__name__}: " + "; ".join(notes), stacklevel=3)
+    if batches:
+        if getattr(trainer.args, "group_by_length", False):
+            notes.append(
+                "group_by_length is replaced by the balanced sampler (its padded cost groups lengths too)"
+            )
+        balance_trainer(
+            trainer, cost=opts["cost"], context_parallel=opts["context_parallel"],
+            max_tokens_per_rank=opts["max_tokens_per_rank"], order="trainer",
+        )  # fmt: skip
+    return enc
+
+
+_UNSET = object()
+
+
+def _restore_attribute(obj, name: str, value) -> None:
+    """Put back an instance attribute as it was (``_UNSET``: there was none)."""
+    if value is _UNSET:
+        obj.__dict__.pop(name, None)
+    else:
+        obj.__dict__[name] = value
 
 
 def _refuse_options(trainer, opts: dict) -> None:
