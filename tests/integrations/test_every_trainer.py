@@ -132,28 +132,49 @@ def test_trainers_built_after_the_call_are_balanced_and_remove_restores(tmp_path
 
 
 def test_a_refused_set_up_leaves_the_trainer_and_its_model_as_they_were(tmp_path):
-    """A refusal at ``train()`` (here accelerate's ``split_batches``, found by ``balance_trainer``
-    after the loss keywords went on and the model was switched to ``mmbalance_varlen``) takes back
-    what was changed before it: the attention, the loss keywords (Qwen3-VL's forward drops them
-    before 5.17), the trainer's ``model_accepts_loss_kwargs``; the trainer is not counted."""
+    """A refusal at ``train()`` takes back what was changed before it: the attention switched to
+    ``mmbalance_varlen``, the loss keywords (Qwen3-VL's forward drops them before 5.17), the
+    trainer's ``model_accepts_loss_kwargs`` and the balanced sampler; the trainer is not counted.
+    Two refusals: accelerate's ``split_batches`` (found before ``balance_trainer`` changes
+    anything) and, with 24 examples in micro-batches of 2 and accumulation 5, a partial last step
+    under context parallelism (found after it made its sampler)."""
     from tests.integrations import hf_zoo
 
     model = hf_zoo.build("qwen3_vl", seed=1)
     attention = model.config._attn_implementation
-    args = _args(tmp_path, accelerator_config={"split_batches": True})
-    with balance_every_trainer(encoders=False, context_parallel=True, max_tokens_per_rank=64) as handle:
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=_rows(), data_collator=_collate)
-        trainer.model_accepts_loss_kwargs = False  # as LLaMA-Factory sets it for multimodal models
-        with pytest.raises(ValueError, match="split_batches=True"):
-            trainer.train()
-        assert model.config._attn_implementation == attention
-        assert (
-            "_loss_function" not in model.__dict__
-            and not model._forward_pre_hooks
-            and not model._forward_hooks
-        )
-        assert trainer.model_accepts_loss_kwargs is False
-        assert not hasattr(trainer, "balanced_sampler") and trainer not in handle.trainers
+    for name, extra, match in (
+        ("split", {"accelerator_config": {"split_batches": True}}, "split_batches=True"),
+        ("partial", {"gradient_accumulation_steps": 5}, "ends each epoch with a partial step"),
+    ):
+        with balance_every_trainer(encoders=False, context_parallel=True, max_tokens_per_rank=64) as handle:
+            trainer = transformers.Trainer(model=model, args=_args(tmp_path / name, **extra), train_dataset=_rows(),
+                                           data_collator=_collate)  # fmt: skip
+            trainer.model_accepts_loss_kwargs = False  # as LLaMA-Factory sets it for multimodal models
+            with pytest.raises(ValueError, match=match):
+                trainer.train()
+            assert model.config._attn_implementation == attention, name
+            assert "_loss_function" not in model.__dict__, name
+            assert not model._forward_pre_hooks and not model._forward_hooks, name
+            assert trainer.model_accepts_loss_kwargs is False, name
+            assert not hasattr(trainer, "balanced_sampler") and trainer not in handle.trainers, name
+
+
+def test_the_switch_with_context_parallelism_trains_on_the_trainers_draw(tmp_path):
+    """``balance_every_trainer(context_parallel=True)`` (``mmbalance launch --context-parallel``) on
+    a draw of whole steps: the trainer trains with the CP sampler and logs the CP keys."""
+    with balance_every_trainer(encoders=False, context_parallel=True, max_tokens_per_rank=64):
+        trainer = transformers.Trainer(model=_tiny(), args=_args(tmp_path, gradient_accumulation_steps=2),
+                                       train_dataset=_rows(), data_collator=_collate)  # fmt: skip
+        trainer.train()
+    assert trainer.balanced_sampler.tail == [] and trainer.cp_sampler is not None
+    assert trainer.state.global_step == 2
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    slots = trainer.cp_sampler.slots()
+    for row in rows:  # logging_steps=1: each row is its step's slots' schedule
+        step = slots[(row["step"] - 1) * 2 : row["step"] * 2]
+        assert row["mmbalance/cp/max_degree"] == max(g.degree for _, lay in step for g in lay.schedule), row
+        assert row["mmbalance/cp/groups"] == sum(len(lay.schedule) for _, lay in step) / 2, row
+        assert "mmbalance/batches/plan_ms" in row
 
 
 def test_bad_options_are_refused_by_name():

@@ -43,7 +43,7 @@ import weakref
 from .attention import ATTENTION_NAME, register_attention
 from .compat import install_loss_keywords, loss_takes_token_count
 from .encoders import adapters_for, apply_encoder_balance
-from .logs import balance_log
+from .logs import balance_log, mean_rows
 from .trainer import balance_trainer, check_cp_budget
 from .wrappers import inner_model
 
@@ -319,5 +319,4 @@ class _EncoderKeys:
 
     def __call__(self, state=None) -> dict[str, float]:
         rows, self.rows = self.rows, []
-        keys = {k for row in rows for k in row}
-        return {k: sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r) for k in keys}
+        return mean_rows(rows)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["PREFIX", "BalanceLog", "balance_log"]
+__all__ = ["PREFIX", "BalanceLog", "balance_log", "mean_rows"]
 
 PREFIX = "mmbalance/"
 _ATTR = "_mmbalance_log"
@@ -56,13 +56,14 @@ class BalanceLog:
     def keys(self) -> dict[str, float]:
         """The averages over the steps since the last call (then forgotten), or that call's."""
         if self.rows:
-            names = sorted({k for row in self.rows for k in row})
-            self.last = {
-                k: sum(row[k] for row in self.rows if k in row) / sum(1 for row in self.rows if k in row)
-                for k in names
-            }
-            self.rows = []
+            self.last, self.rows = mean_rows(self.rows), []
         return dict(self.last)
+
+
+def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over the rows that hold it."""
+    names = sorted({k for row in rows for k in row})
+    return {k: sum(row[k] for row in rows if k in row) / sum(1 for row in rows if k in row) for k in names}
 
 
 _CALLBACK_CLASS: type | None = None

@@ -184,8 +184,6 @@ def balance_trainer(
         raise TypeError(
             f"trainer must be a transformers.Trainer (or a subclass), got {type(trainer).__name__}"
         )
-    import torch
-
     dataset = trainer.train_dataset
     if dataset is None:
         raise ValueError("trainer.train_dataset is None: balance_trainer needs the training data")
@@ -196,7 +194,6 @@ def balance_trainer(
     if order not in ("sampler", "trainer"):
         raise ValueError(f"order must be 'sampler' or 'trainer', got {order!r}")
     check_cp_budget(context_parallel, max_tokens_per_rank)
-    args = trainer.args
     acc = trainer.accelerator
     for name in ("split_batches", "dispatch_batches"):
         if getattr(acc, name, False):
@@ -205,7 +202,28 @@ def balance_trainer(
                 "balanced batches are already per rank: set it to False in args.accelerator_config"
             )
     # the step's global token count reaches the loss on every release (compat.py)
-    install_loss_keywords(inner_model(trainer.model), trainer.model)
+    keywords = install_loss_keywords(inner_model(trainer.model), trainer.model)
+    try:
+        return _balance(trainer, lengths, cost, padding, context_parallel, max_tokens_per_rank, order)
+    except BaseException:  # a refusal leaves the trainer as it was
+        if keywords is not None:
+            keywords.remove()
+        for name in (
+            "balanced_sampler",
+            "_mmbalance_options",
+            "_mmbalance_cp",
+            "cp_sampler",
+            "_mmbalance_stream",
+        ):
+            trainer.__dict__.pop(name, None)
+        raise
+
+
+def _balance(trainer, lengths, cost, padding, context_parallel, max_tokens_per_rank, order):
+    """:func:`balance_trainer` after its argument checks."""
+    import torch
+
+    dataset, args = trainer.train_dataset, trainer.args
     streaming = isinstance(dataset, torch.utils.data.IterableDataset)
     if not streaming:
         try:
@@ -272,26 +290,30 @@ def balance_trainer(
 
 def _batch_keys(trainer, state) -> dict[str, float]:
     """The ``mmbalance/*`` keys of the optimizer step that just ended (``logs.py``): its entry in
-    the sampler's epoch (every epoch has the sampler's number of steps)."""
+    the sampler's epoch (every epoch has the sampler's number of steps); under context parallelism
+    (whose loader iterates the CP sampler's slots, not the balanced sampler) the CP schedule of
+    the step's slots."""
     sampler = trainer.balanced_sampler
-    if not sampler.epoch_stats or state is None or state.global_step < 1:
+    if state is None or state.global_step < 1:
         return {}
-    st = sampler.epoch_stats[(state.global_step - 1) % len(sampler.epoch_stats)]
-    out = {
-        "batches/cost_before": st["cost_before"], "batches/cost_after": st["cost"],
-        "batches/micro_before": st["micro_cost_before"], "batches/micro_after": st["micro_cost"],
-        "batches/plan_ms": 1e3 * sampler.plan_seconds / max(sampler.num_steps, 1),
-    }  # fmt: skip
+    out = {"batches/plan_ms": 1e3 * sampler.plan_seconds / max(sampler.num_steps, 1)}
+    if sampler.epoch_stats:
+        st = sampler.epoch_stats[(state.global_step - 1) % len(sampler.epoch_stats)]
+        out.update({
+            "batches/cost_before": st["cost_before"], "batches/cost_after": st["cost"],
+            "batches/micro_before": st["micro_cost_before"], "batches/micro_after": st["micro_cost"],
+        })  # fmt: skip
     cp = getattr(trainer, "cp_sampler", None)
     if trainer._mmbalance_cp is not None and cp is not None and cp.stats:
-        g = sampler.grad_accum
-        step = (state.global_step - 1) % len(sampler.epoch_stats)
+        g, step = sampler.grad_accum, (state.global_step - 1) % max(sampler.num_steps, 1)
         layouts = [lay for _, lay in cp.slots()[step * g : (step + 1) * g]]
         out.update({
             "cp/max_degree": max((int(grp.degree) for lay in layouts for grp in lay.schedule), default=1),
             "cp/groups": sum(len(lay.schedule) for lay in layouts) / max(len(layouts), 1),
             "cp/largest_shard": max((int(lay.shard_tokens.max(initial=0)) for lay in layouts), default=0),
         })  # fmt: skip
+    elif not sampler.epoch_stats:
+        return {}
     return out
 
 
