@@ -199,6 +199,9 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
         try:
             for rank in range(nproc):
                 env_r = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                           # every line in the log as it is written, and a hung rank's stacks there when
+                           # it is stopped below
+                           PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
                 logs.append(open(os.path.join(tmp, f"rank{rank}.log"), "w+"))  # noqa: SIM115 - closed below
@@ -220,6 +223,13 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
                     break  # the rest are killed below; the failed rank's error is the report
                 time.sleep(0.1)
         finally:
+            if timed_out:  # every thread's Python stack into its log before the kill
+                stopped = [p for p in procs if p.poll() is None]
+                for proc in stopped:
+                    os.kill(proc.pid, signal.SIGABRT)
+                end = time.monotonic() + 10
+                while time.monotonic() < end and any(p.poll() is None for p in stopped):
+                    time.sleep(0.1)
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -230,7 +240,7 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
                 outs.append(log.read())
                 log.close()
     if timed_out:
-        tails = "".join(f"--- rank {r}\n{out[-2000:]}" for r, out in enumerate(outs))
+        tails = "".join(f"--- rank {r}\n{out[-6000:]}" for r, out in enumerate(outs))
         raise AssertionError(f"{script} {' '.join(args)} did not finish in {timeout:.0f} s:\n{tails}")
     for rank, (proc, out) in enumerate(zip(procs, outs)):
         if proc.returncode != 0 and proc.returncode != -signal.SIGKILL:  # a rank that failed by itself first
