@@ -182,6 +182,15 @@ def _free_port() -> int:
 LAUNCH_GRACE = 60.0
 
 
+#: torch's message when rank 0's store cannot take the port chosen for it: another process bound
+#: it between ``_free_port`` and the store (a race of that pattern, before any code of the script ran)
+_PORT_TAKEN = "EADDRINUSE"
+
+
+class _PortTaken(Exception):
+    pass
+
+
 def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict | None = None,
            grace: float = LAUNCH_GRACE) -> str:  # fmt: skip
     """Run the Python file ``script`` on ``nproc`` ranks with the environment ``torchrun`` gives its
@@ -190,9 +199,22 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
     The workers are started here rather than through torchrun, whose workers live in sessions of
     their own: a timeout here kills every worker, so a hung example fails the test instead of
     leaving the suite waiting on pipes that a stray worker holds open. Once a rank has failed, the
-    others get ``grace`` seconds to end before they are killed (the test fails either way). Returns
-    rank 0's stdout.
+    others get ``grace`` seconds to end before they are killed (the test fails either way). A run
+    whose rank 0 could not bind the port chosen for its store (taken by another process in
+    between) runs again on a new port, up to three times. A rank still running at the timeout
+    writes every thread's Python stack into its log (faulthandler, SIGABRT) before the kill, and
+    the report shows each log's end. Returns rank 0's stdout.
     """
+    for attempt in range(3):
+        try:
+            return _launch_once(script, args, nproc, timeout, env, grace)
+        except _PortTaken:
+            if attempt == 2:
+                raise AssertionError(f"{script}: rank 0's store found its port taken three times") from None
+    raise AssertionError("unreachable")
+
+
+def _launch_once(script, args, nproc: int, timeout: float, env: dict | None, grace: float) -> str:
     port = str(_free_port())
     procs, logs = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -244,6 +266,8 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
         raise AssertionError(f"{script} {' '.join(args)} did not finish in {timeout:.0f} s:\n{tails}")
     for rank, (proc, out) in enumerate(zip(procs, outs)):
         if proc.returncode != 0 and proc.returncode != -signal.SIGKILL:  # a rank that failed by itself first
+            if rank == 0 and _PORT_TAKEN in out and "TCPStore" in out:
+                raise _PortTaken
             raise AssertionError(f"rank {rank}'s process {describe_exit(proc.returncode)}:\n{out[-3000:]}")
     for rank, (proc, out) in enumerate(zip(procs, outs)):
         assert proc.returncode == 0, f"rank {rank}'s process {describe_exit(proc.returncode)}:\n{out[-3000:]}"

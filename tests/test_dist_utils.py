@@ -154,3 +154,52 @@ def test_launch_returns_rank_0s_output(tmp_path):
     script = tmp_path / "ok.py"
     script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
     assert launch(script, nproc=2, timeout=120).strip() == "rank 0 of 2"
+
+
+def test_a_hung_launch_reports_where_each_rank_waits(tmp_path):
+    """At the timeout every rank still running writes its Python stack into its log, and the
+    report carries it (and the output printed before, unbuffered)."""
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import os, time\n"
+        "print('rank', os.environ['RANK'], 'before the wait')\n"
+        "def waits_for_a_peer():\n"
+        "    time.sleep(600)\n"
+        "waits_for_a_peer()\n"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="did not finish in 3 s") as info:
+        launch(script, nproc=2, timeout=3)
+    assert time.monotonic() - t0 < 60
+    report = str(info.value)
+    for rank in (0, 1):
+        part = report.split(f"--- rank {rank}\n")[1].split("--- rank")[0]
+        assert f"rank {rank} before the wait" in part
+        assert "in waits_for_a_peer" in part and "hangs.py" in part
+
+
+def test_launch_runs_again_when_the_stores_port_was_taken(tmp_path):
+    """rank 0 failing to bind its store's port (another process took it after ``_free_port``) is
+    the launch's race, not the script's: the run starts again on a new port; any other failure of
+    rank 0 is reported at once."""
+    marker = tmp_path / "taken-once"
+    script = tmp_path / "port.py"
+    script.write_text(
+        "import os, sys\n"
+        f"marker = {str(marker)!r}\n"
+        "if os.environ['RANK'] == '0' and not os.path.exists(marker):\n"
+        "    open(marker, 'w').close()\n"
+        "    sys.exit('torch.distributed.DistNetworkError: TCPStore: port ' + os.environ['MASTER_PORT'] + "
+        "', code: -98, name: EADDRINUSE, message: address already in use')\n"
+        "print('rank', os.environ['RANK'], 'ran')\n"
+    )
+    assert launch(script, nproc=2, timeout=120, grace=2).strip() == "rank 0 ran"
+    assert marker.exists()
+    other = tmp_path / "other.py"
+    other.write_text(
+        "import os, sys\nif os.environ['RANK'] == '0':\n    sys.exit('EADDRINUSE from the script itself')\n"
+    )
+    with pytest.raises(
+        AssertionError, match="rank 0's process exited with code 1[\\s\\S]*from the script itself"
+    ):
+        launch(other, nproc=2, timeout=120, grace=2)
