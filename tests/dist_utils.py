@@ -205,13 +205,12 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
     writes every thread's Python stack into its log (faulthandler, SIGABRT) before the kill, and
     the report shows each log's end. Returns rank 0's stdout.
     """
-    for attempt in range(3):
+    for _ in range(3):
         try:
             return _launch_once(script, args, nproc, timeout, env, grace)
         except _PortTaken:
-            if attempt == 2:
-                raise AssertionError(f"{script}: rank 0's store found its port taken three times") from None
-    raise AssertionError("unreachable")
+            pass
+    raise AssertionError(f"{script}: rank 0's store found its port taken three times")
 
 
 def _launch_once(script, args, nproc: int, timeout: float, env: dict | None, grace: float) -> str:

@@ -169,6 +169,7 @@ def test_the_switch_with_context_parallelism_trains_on_the_trainers_draw(tmp_pat
     assert trainer.balanced_sampler.tail == [] and trainer.cp_sampler is not None
     assert trainer.state.global_step == 2
     rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
     slots = trainer.cp_sampler.slots()
     for row in rows:  # logging_steps=1: each row is its step's slots' schedule
         step = slots[(row["step"] - 1) * 2 : row["step"] * 2]
