@@ -25,14 +25,17 @@ STANDS_IN = {"torch": "2.11.0", "triton": "3.6.0", "numpy": "2.0.0", "matplotlib
 pytestmark = pytest.mark.slow
 
 
-def stub_wheel(name: str, version: str, out: Path) -> Path:
-    """A wheel of ``name`` ``version`` holding its metadata and an empty package."""
+def stub_wheel(name: str, version: str, out: Path, body: str = "", console_scripts: str = "") -> Path:
+    """A wheel of ``name`` ``version`` holding its metadata and a package whose ``__init__`` is
+    ``__version__`` and ``body``; ``console_scripts``: lines ``cmd = module:function``."""
     dist = f"{name}-{version}.dist-info"
     files = {
-        f"{name}/__init__.py": f'__version__ = "{version}"\n',
+        f"{name}/__init__.py": f'__version__ = "{version}"\n{body}',
         f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
+    if console_scripts:
+        files[f"{dist}/entry_points.txt"] = f"[console_scripts]\n{console_scripts}\n"
 
     def record(text: str) -> str:
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
