@@ -12,6 +12,7 @@ run in which gloo failed to connect the new group (a race in its rendezvous, bef
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -191,6 +192,52 @@ class _PortTaken(Exception):
     pass
 
 
+def _session(pid: int) -> list[int]:
+    """The processes of the session ``pid`` leads, ``pid`` first (Linux ``/proc``; ``[pid]`` where
+    there is none)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit() and int(entry) != pid and _stat(int(entry))[2] == pid:
+            found.append(int(entry))
+    return [pid, *sorted(found)]
+
+
+def _stat(pid: int) -> tuple[str, str, int]:
+    """``pid``'s name, state and session (``("", "", -1)`` once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return "", "", -1
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return stat[stat.find("(") + 1 : stat.rfind(")")], fields[0], int(fields[3])
+
+
+def _dump_stacks(proc: subprocess.Popen, log) -> None:
+    """Every process of ``proc``'s session (the rank and what it started: DataLoader workers) writes
+    its threads' Python stacks into ``log`` (faulthandler, SIGABRT), one process at a time so the
+    dumps do not interleave; the session is stopped first, so what one dump shows is what the
+    others were doing when the timeout came, not their reaction to the first one's end."""
+    pids = _session(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGSTOP)
+    for pid in pids:
+        name, _, _ = _stat(pid)
+        log.write(f"\n--- the launcher, at the timeout: the stacks of process {pid} ({name or 'gone'}), "
+                  f"{'the rank' if pid == proc.pid else 'started by the rank'}\n")  # fmt: skip
+        log.flush()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGCONT)
+        end = time.monotonic() + 5
+        while (
+            time.monotonic() < end
+            and _stat(pid)[1] not in ("", "Z")
+            and (pid != proc.pid or proc.poll() is None)
+        ):
+            time.sleep(0.05)
+
+
 def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict | None = None,
            grace: float = LAUNCH_GRACE) -> str:  # fmt: skip
     """Run the Python file ``script`` on ``nproc`` ranks with the environment ``torchrun`` gives its
@@ -201,9 +248,10 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
     leaving the suite waiting on pipes that a stray worker holds open. Once a rank has failed, the
     others get ``grace`` seconds to end before they are killed (the test fails either way). A run
     whose rank 0 could not bind the port chosen for its store (taken by another process in
-    between) runs again on a new port, up to three times. A rank still running at the timeout
-    writes every thread's Python stack into its log (faulthandler, SIGABRT) before the kill, and
-    the report shows each log's end. Returns rank 0's stdout.
+    between) runs again on a new port, up to three times. A rank still running at the timeout, and
+    every process it started (DataLoader workers), writes every thread's Python stack into its log
+    (faulthandler, SIGABRT) before the kill, and the report shows each log's end. Returns rank 0's
+    stdout.
     """
     for _ in range(3):
         try:
@@ -244,13 +292,11 @@ def _launch_once(script, args, nproc: int, timeout: float, env: dict | None, gra
                     break  # the rest are killed below; the failed rank's error is the report
                 time.sleep(0.1)
         finally:
-            if timed_out:  # every thread's Python stack into its log before the kill
-                stopped = [p for p in procs if p.poll() is None]
-                for proc in stopped:
-                    os.kill(proc.pid, signal.SIGABRT)
-                end = time.monotonic() + 10
-                while time.monotonic() < end and any(p.poll() is None for p in stopped):
-                    time.sleep(0.1)
+            if timed_out:  # every thread's Python stack into its log before the kill, of the rank and
+                # of every process it started (DataLoader workers: each rank leads a session of its own)
+                for proc, log in zip(procs, logs):
+                    if proc.poll() is None:
+                        _dump_stacks(proc, log)
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -261,7 +307,7 @@ def _launch_once(script, args, nproc: int, timeout: float, env: dict | None, gra
                 outs.append(log.read())
                 log.close()
     if timed_out:
-        tails = "".join(f"--- rank {r}\n{out[-6000:]}" for r, out in enumerate(outs))
+        tails = "".join(f"--- rank {r}\n{out[-12000:]}" for r, out in enumerate(outs))
         raise AssertionError(f"{script} {' '.join(args)} did not finish in {timeout:.0f} s:\n{tails}")
     for rank, (proc, out) in enumerate(zip(procs, outs)):
         if proc.returncode != 0 and proc.returncode != -signal.SIGKILL:  # a rank that failed by itself first

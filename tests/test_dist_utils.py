@@ -163,8 +163,12 @@ def test_a_hung_launch_reports_where_each_rank_waits(tmp_path):
     script.write_text(
         "import os, time\n"
         "print('rank', os.environ['RANK'], 'before the wait')\n"
+        "def a_loader_worker_waits():\n"
+        "    time.sleep(600)\n"
         "def waits_for_a_peer():\n"
         "    time.sleep(600)\n"
+        "if os.fork() == 0:\n"  # a process the rank started (as a DataLoader worker is) hangs too
+        "    a_loader_worker_waits()\n"
         "waits_for_a_peer()\n"
     )
     t0 = time.monotonic()
@@ -176,6 +180,9 @@ def test_a_hung_launch_reports_where_each_rank_waits(tmp_path):
         part = report.split(f"--- rank {rank}\n")[1].split("--- rank")[0]
         assert f"rank {rank} before the wait" in part
         assert "in waits_for_a_peer" in part and "hangs.py" in part
+        rank_part, worker_part = part.split("started by the rank")
+        assert "the rank\n" in rank_part and "in waits_for_a_peer" in rank_part, part
+        assert "in a_loader_worker_waits" in worker_part and "waits_for_a_peer" not in worker_part, part
 
 
 def test_launch_runs_again_when_the_stores_port_was_taken(tmp_path):
