@@ -48,9 +48,10 @@ peers: $(PEERS)
 # once and reused, layered on .venv (scripts/layer_venv.py: .venv's packages come after its own),
 # so pip takes torch 2.13.0 and whatever else .venv already satisfies from there and installs only
 # what the release needs differently (transformers itself, for older releases huggingface_hub and
-# tokenizers): about 150 MB instead of 2.7 GB with a torch and triton of its own. The requirements are the
-# package's test requirements (scripts/requirements.py reads them from pyproject.toml) with that
-# transformers. The tests import the package from the checkout, whose compiled core .venv has built.
+# tokenizers): about 150 MB instead of 2.7 GB with a torch and triton of its own. The requirements
+# are the package's test requirements (scripts/requirements.py reads them from pyproject.toml) with
+# that transformers. The tests import the package from the checkout, whose compiled core .venv has
+# built.
 TF_MATRIX := 5.6.0 5.10.4 5.16.1 5.19.0
 TF_STAMPS := $(TF_MATRIX:%=.venv-tf%/.installed)
 

@@ -45,21 +45,16 @@ def main(argv: list[str]) -> int:
     for dist in metadata.distributions(path=[str(base_lib)]):
         for ep in dist.entry_points.select(group="console_scripts"):
             target = bin_dir / ep.name
-            if target.exists():
+            if target.exists() or not ep.attr:  # its own script; a console script names a function
                 continue
-            module, _, attr = ep.value.partition(":")
-            attr = attr.strip()
-            if not attr:
-                continue
-            head = attr.split(".")[0]
             target.write_text(
                 WRAPPER.format(
                     python=new / "bin" / "python",
                     dist=dist.metadata["Name"],
                     base=base,
-                    module=module.strip(),
-                    head=head,
-                    call=attr,
+                    module=ep.module,
+                    head=ep.attr.split(".")[0],
+                    call=ep.attr,
                 )  # fmt: skip
             )
             target.chmod(0o755)

@@ -230,11 +230,7 @@ def _dump_stacks(proc: subprocess.Popen, log) -> None:
             os.kill(pid, signal.SIGABRT)
             os.kill(pid, signal.SIGCONT)
         end = time.monotonic() + 5
-        while (
-            time.monotonic() < end
-            and _stat(pid)[1] not in ("", "Z")
-            and (pid != proc.pid or proc.poll() is None)
-        ):
+        while time.monotonic() < end and _stat(pid)[1] not in ("", "Z"):  # until it is gone or a zombie
             time.sleep(0.05)
 
 
