@@ -2,18 +2,25 @@
 # Everything a GPU machine should run, in about 10 minutes (the time bounds below add up to 9.8),
 # with the machine's own torch and no network access:
 #
-#   OUT=/some/folder scripts/gpu_check.sh        # from anywhere; JSON rows and logs to $OUT when set
+#   OUT=/some/folder scripts/gpu_check.sh [PART ...]   # from anywhere; JSON rows and logs to $OUT
+#
+# PART: tests, kernels, hf (the default: all three), tiles (the Triton kernels' tile sweep, about
+# 6 minutes: a session of its own). The install runs first whatever the parts.
 #
 # 1. install the checkout without touching torch: no dependencies, no build isolation (the core is
 #    compiled with the machine's pybind11 and setuptools); wheels found in .gpu_wheels/ first, also
-#    without dependencies (a transformers >= 5.6 where the machine's is older, or peft for the
-#    integration's LoRA tests: fetch them here with `pip download --no-deps -d .gpu_wheels peft`
+#    without dependencies (a transformers >= 5.6 where the machine's is older, pybind11 where it has
+#    none, or peft for the integration's LoRA tests: fetch them here with
+#    `pip download --no-deps -d .gpu_wheels "transformers==5.19.0" pybind11 setuptools wheel peft`
 #    and carry the folder);
 # 2. `pytest -m gpu tests` (kernels, ops, collectives and the Hugging Face integration);
 # 3. `mmbalance bench attention varlen --quick` on CUDA (TFLOP/s against SDPA and flash-attn,
 #    bandwidth against a copy);
 # 4. `mmbalance bench hf --device cuda`: one training step of Qwen2-VL-2B's language model on 8k
-#    tokens, mmbalance_varlen against sdpa (and flash_attention_2 where installed).
+#    tokens, mmbalance_varlen against sdpa (and flash_attention_2 where installed);
+# 5. (tiles) `python -m mmbalance.bench.attention.tiles`: every candidate tiling of the forward, dq
+#    and dk/dv kernels per shape, audited for the GPU's architecture, checked against the torch
+#    reference and timed against the table's choice and SDPA; the winners printed as table entries.
 #
 # Every part runs under its own time limit and the script goes on after a failure, so one run
 # gives every figure it can; it exits 1 when any part failed.
@@ -26,11 +33,18 @@ py="${PYTHON:-python3}"
 start=$(date +%s)
 failed=()
 part() { echo; echo "== $1 ($(($(date +%s) - start)) s)"; }
+parts=" ${*:-tests kernels hf} "
+for p in $parts; do
+  case "$p" in tests|kernels|hf|tiles) ;; *) echo "unknown part '$p': choose from tests kernels hf tiles"; exit 2 ;; esac
+done
+wants() { [[ "$parts" == *" $1 "* ]]; }
 
 part "install the checkout (torch untouched)"
 if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
   "$py" -m pip install -q --no-deps --no-index .gpu_wheels/*.whl || failed+=("carried wheels")
 fi
+"$py" -c "import pybind11, setuptools, wheel" 2> /dev/null \
+  || echo "pybind11, setuptools or wheel missing here (the core builds with them): carry their wheels in .gpu_wheels/"
 torch_before=$("$py" -c "import torch; print(torch.__version__)")
 if ! timeout 150 "$py" -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1; then
   tail -20 "$out/install.log"
@@ -57,20 +71,35 @@ except ImportError:
     print("flash-attn: not installed")
 EOF
 
-part "pytest -m gpu tests"
-timeout -s INT -k 20 200 "$py" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
-  > "$out/gpu-tests.log" 2>&1 || failed+=("pytest -m gpu")
-tail -15 "$out/gpu-tests.log"
+if wants tests; then
+  part "pytest -m gpu tests"
+  timeout -s INT -k 20 200 "$py" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
+    > "$out/gpu-tests.log" 2>&1 || failed+=("pytest -m gpu")
+  tail -15 "$out/gpu-tests.log"
+fi
 
-part "mmbalance bench attention varlen --quick --device cuda"
-timeout 130 "$py" -m mmbalance.cli bench attention varlen --quick --device cuda --json "$out/bench.jsonl" \
-  > "$out/bench-kernels.log" 2>&1 || failed+=("bench attention varlen")
-grep -E "^(attention|varlen|pack|unpack|segment)" "$out/bench-kernels.log" | head -60
+if wants kernels; then
+  part "mmbalance bench attention varlen --quick --device cuda"
+  timeout 130 "$py" -m mmbalance.cli bench attention varlen --quick --device cuda --json "$out/bench.jsonl" \
+    > "$out/bench-kernels.log" 2>&1 || failed+=("bench attention varlen")
+  grep -E "^(attention|varlen|pack|unpack|segment)" "$out/bench-kernels.log" | head -60
+fi
 
-part "mmbalance bench hf --device cuda"
-timeout 90 "$py" -m mmbalance.cli bench hf --device cuda --json "$out/bench.jsonl" \
-  > "$out/bench-hf.log" 2>&1 || failed+=("bench hf")
-grep -E "hf_train_step" "$out/bench-hf.log"
+if wants hf; then
+  part "mmbalance bench hf --device cuda"
+  timeout 90 "$py" -m mmbalance.cli bench hf --device cuda --json "$out/bench.jsonl" \
+    > "$out/bench-hf.log" 2>&1 || failed+=("bench hf")
+  grep -E "hf_train_step" "$out/bench-hf.log"
+fi
+
+if wants tiles; then
+  # no candidate starts after 300 s; the rows so far are in tiles.jsonl shape by shape
+  part "python -m mmbalance.bench.attention.tiles --device cuda"
+  timeout 390 "$py" -m mmbalance.bench.attention.tiles --device cuda --budget-s 300 --json "$out/tiles.jsonl" \
+    > "$out/tiles.log" 2>&1 || failed+=("tiles")
+  grep -E "^(d128|d64)|tiles_fwd_bwd|winners" -A0 "$out/tiles.log" | head -40
+  sed -n '/== winners/,$p' "$out/tiles.log"
+fi
 
 part "done"
 echo "rows: $out/bench.jsonl; logs: $out"

@@ -101,7 +101,13 @@ HOUSES = {
         "mmbalance.bench",
         flow=("input", "measure", "command"),
         rooms={
-            "attention": {"long": "measure", "ring": "measure", "blocks": "command", "__main__": "command"},
+            "attention": {
+                "long": "measure",
+                "ring": "measure",
+                "blocks": "command",
+                "tiles": "command",
+                "__main__": "command",
+            },
             "cp": {
                 "data": "input",
                 "schemes": "input",
@@ -124,6 +130,7 @@ HOUSES = {
                 "__main__": "command",
             },
         },
+        may_import={"attention": ("kernel_audit",)},
         floor=("harness", "profile", "regress"),
         no_prefix_families=True,
     ),  # fmt: skip

@@ -244,8 +244,9 @@ def fwd_config(
 ) -> dict:
     """Tile sizes and warps of the forward kernel, chosen per architecture for zero spills.
 
-    ``capability`` is ``major * 10 + minor`` (default: the device's); the kernel audit calls this
-    with 80 and 90 and holds every variant it launches to zero spills. 16-bit inputs on sm_90: one
+    ``capability`` is ``major * 10 + minor`` (default: the device's, or the interpreter's small
+    tiles under ``TRITON_INTERPRET`` and off CUDA); the kernel audit calls this with 80 and 90 and
+    holds every variant it launches to zero spills. 16-bit inputs on sm_90: one
     warpgroup per 64 x 64 tile for every variant. ``window``: a sliding-window variant (a third key
     loop, more live registers); ``softcap``: the tanh-logit variant. The
     ``overflow`` entry is the configuration of the tail launch that runs only when a host
@@ -253,7 +254,7 @@ def fwd_config(
     ends): one pipeline stage and narrow key tiles, so its extra loop never spills.
     float32 uses IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
     """
-    if INTERPRET or (device.type != "cuda" and capability is None):
+    if capability is None and (INTERPRET or device.type != "cuda"):
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if capability is None:
         capability = device_capability(device)
@@ -286,8 +287,9 @@ def bwd_config(
 ) -> dict:
     """Tiles of the dq kernel (``dq_*``) and the dk/dv kernel (``kv_*``), zero spills on sm_80/sm_90.
 
-    ``capability`` is ``major * 10 + minor`` (default: the device's); the kernel audit calls this
-    with 80 and 90 and holds every variant it lists to zero spills with it. 16-bit inputs: one
+    ``capability`` is ``major * 10 + minor`` (default: the device's, or the interpreter's small
+    tiles as in :func:`fwd_config`); the kernel audit calls this with 80 and 90 and holds every
+    variant it lists to zero spills with it. 16-bit inputs: one
     table serves every variant; at head dim 128 sm_90 runs one warpgroup a program, sm_80 two.
     float32 with a window or softcap (IEEE FMA products, whose register allocation is fragile)
     takes narrower tiles, per architecture. ``overflow`` overrides entries for the tail launches
@@ -298,7 +300,7 @@ def bwd_config(
     """
     # a table row: dq tiles and warps, dk/dv tiles and warps, and one pipeline depth for both
     names = ("dq_BLOCK_M", "dq_BLOCK_N", "dq_warps", "kv_BLOCK_M", "kv_BLOCK_N", "kv_warps", "stages")
-    interpret = INTERPRET or (device.type != "cuda" and capability is None)
+    interpret = capability is None and (INTERPRET or device.type != "cuda")
     arch = 0 if interpret else device_capability(device) if capability is None else capability
     if interpret:
         tiles = (16, 16, 4, 16, 16, 4, 1)

@@ -52,7 +52,7 @@ def test_the_audit_lists_the_attention_variants_once():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(kernel_audit._ptxas(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
+@pytest.mark.skipif(kernel_audit.ptxas_path(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
 @pytest.mark.parametrize(
     "arch,only",
     # the plain causal variants with their overflow tails on both architectures (the tail once

@@ -83,7 +83,7 @@ def test_a_broken_kernel_import_is_a_failed_row(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(kernel_audit._ptxas(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
+@pytest.mark.skipif(kernel_audit.ptxas_path(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
 def test_audit_compiles_varlen_kernels_to_128_bit_accesses(tmp_path, arch="sm_90"):
     """A fresh process (the audit needs compilable, not interpreted, kernels)."""
     out = tmp_path / "audit.json"
@@ -132,7 +132,7 @@ def test_audit_all_keeps_the_order_and_fails_a_row_per_broken_kernel(monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(kernel_audit._ptxas(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
+@pytest.mark.skipif(kernel_audit.ptxas_path(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
 def test_parallel_audit_gives_the_serial_report(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     reports = []

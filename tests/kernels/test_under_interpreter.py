@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
         "kernels/test_varlen_kernels.py",
         "kernels/test_attention_kernels.py",
         "kernels/test_attention_features.py",
+        "kernels/test_attention_tiles.py",
         "pyops/test_attention_op_features_triton.py",
     ],
 )

@@ -113,7 +113,7 @@ def _inputs(cfg: BlockConfig, device: str, requires_grad: bool):
     return [t.requires_grad_(requires_grad) for t in (q, k, v)], cu
 
 
-def _sdpa(cfg: BlockConfig, device: str):
+def sdpa_runner(cfg: BlockConfig, device: str):
     """SDPA as a user runs it: a batch of equal lengths batched with its own causal flag; mixed
     lengths padded to the longest with a mask (causal and keys past each sequence's end); a window
     as a band mask."""
@@ -164,7 +164,7 @@ def _providers(cfg: BlockConfig, device: str) -> dict:
 
         return run
 
-    providers = {"mmbalance": ours("auto"), "torch_sdpa": _sdpa(cfg, device)}
+    providers = {"mmbalance": ours("auto"), "torch_sdpa": sdpa_runner(cfg, device)}
     if device.startswith("cuda"):
         providers["mmbalance_triton"] = ours("triton")
         if not torch_flash_unsupported_reasons(_describe(cfg, device)):

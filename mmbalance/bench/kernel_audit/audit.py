@@ -116,7 +116,7 @@ def _tool(name: str) -> str | None:
     return shutil.which(name)
 
 
-def _ptxas(capability: int) -> str | None:
+def ptxas_path(capability: int) -> str | None:
     """The ptxas Triton itself uses for this target (it picks a newer one for sm_90+)."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
@@ -147,7 +147,7 @@ def resource_usage(ptx: str, cubin: bytes, arch: str, capability: int) -> dict:
             m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", res.stdout)
             if m:
                 out["registers"], out["stack_bytes"], out["local_bytes"] = map(int, m.groups())
-        ptxas = _ptxas(capability)
+        ptxas = ptxas_path(capability)
         if ptxas:
             # the flags Triton compiles with, so the spill report matches its cubin
             cmd = [
@@ -170,7 +170,7 @@ def resource_usage(ptx: str, cubin: bytes, arch: str, capability: int) -> dict:
     return out
 
 
-def _normalise(entry: dict) -> dict:
+def normalise_entry(entry: dict) -> dict:
     cfg = dict(entry)
     cfg.setdefault("num_warps", 4)
     cfg.setdefault("num_stages", 3)
@@ -190,11 +190,25 @@ def discover(only: str | None = None, capability: int = 90) -> tuple[list[dict],
         from .variants import variants
     except Exception as e:  # noqa: BLE001 - a broken kernel module is a failed row, not a crash
         return [], [{"name": "mmbalance.bench.kernel_audit.variants", "error": f"import failed: {e!r}"}]
-    configs = [_normalise(entry) for entry in variants(capability)]
+    configs = [normalise_entry(entry) for entry in variants(capability)]
     return [cfg for cfg in configs if only is None or only in cfg["name"]], []
 
 
-def _arch(arch: str) -> tuple[int, str]:
+def attention_entry(pass_: str, name: str, dtype, head_dim: int, features: dict, cfg: dict, **kw) -> dict:
+    """An entry for one attention kernel launched with ``cfg`` (``pass_``: ``"fwd"``, ``"dq"`` or
+    ``"kv"``), normalised for :func:`audit_all`: ``variants.fwd_entry``/``bwd_entry`` with
+    ``features`` and ``kw`` (``group``, ``has_runs``, ``overflow``). For sweeps of launch
+    configurations (``bench/attention/tiles.py``); the kernels load here, on first use."""
+    from .variants import bwd_entry, fwd_entry
+
+    if pass_ == "fwd":
+        return normalise_entry(fwd_entry(name, dtype, head_dim, features, cfg, **kw))
+    if pass_ not in ("dq", "kv"):
+        raise ValueError(f"pass_ must be 'fwd', 'dq' or 'kv', got {pass_!r}")
+    return normalise_entry(bwd_entry(name, pass_, dtype, head_dim, features, cfg, **kw))
+
+
+def parse_arch(arch: str) -> tuple[int, str]:
     m = re.fullmatch(r"sm_(\d+)a?", arch)
     if not m:
         raise ValueError(f"--arch must look like sm_90 or sm_80, got {arch!r}")
@@ -332,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    capability, ptxas_arch = _arch(args.arch)
+    capability, ptxas_arch = parse_arch(args.arch)
     configs, rows = discover(args.only, capability)
     rows += audit_all(configs, capability, ptxas_arch, args.jobs)
     print(f"kernel audit: {args.arch} ({ptxas_arch}), triton {triton.__version__}, {len(configs)} entries")

@@ -31,6 +31,8 @@ from mmbalance.kernels.attention_common import block_d, bwd_config, dot_precisio
 
 __all__ = [
     "FWD_FEATURES",
+    "fwd_entry",
+    "bwd_entry",
     "BWD_FEATURES",
     "variants",
     "varlen_variants",
@@ -146,24 +148,34 @@ def _short(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
-def _fwd_entry(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool) -> dict:
+def fwd_entry(
+    name: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    features: dict,
+    cfg: dict,
+    *,
+    group: int = 1,
+    has_runs: bool = True,
+    overflow: bool = False,
+) -> dict:
+    """The audit entry of one forward kernel: ``features`` its switches (``CAUSAL``, ``WIN_LEFT``,
+    ``WIN_RIGHT``, ``SOFTCAP``, ``SINKS``), ``cfg`` the launch (``BLOCK_M``, ``BLOCK_N``,
+    ``num_warps``, ``num_stages``); tensor cores expected for 16-bit inputs, no spills."""
     kernel = attention_fwd.attn_fwd_kernel
-    features = FWD_FEATURES[suffix]
-    cfg = _config(fwd_config, features, dtype, head_dim, capability, overflow)
-    mask = "causal" if features["CAUSAL"] else "full"
-    types = {name: "*i32" for name in ("cu_q_ptr", "cu_k_ptr", "q_runs_ptr", "k_runs_ptr")}
+    types = {n: "*i32" for n in ("cu_q_ptr", "cu_k_ptr", "q_runs_ptr", "k_runs_ptr")}
     types.update(lse_ptr="*fp32", sinks_ptr="*fp32", qk_scale="fp32", softcap_log2e="fp32")
     return dict(
-        name=f"attn_fwd_{_short(dtype)}_d{head_dim}_{mask}{suffix}_runs" + ("_overflow" if overflow else ""),
+        name=name,
         kernel=kernel,
         signature=_signature(kernel, _short(dtype), types),
         constexprs=dict(
-            GROUP=1,
+            GROUP=group,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d(head_dim),
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"],
-            HAS_RUNS=True,
+            HAS_RUNS=has_runs,
             DOT_PRECISION=dot_precision(dtype),
             OVERFLOW=overflow,
             SINKS=bool(features.get("SINKS", False)),
@@ -174,6 +186,14 @@ def _fwd_entry(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, 
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+
+
+def _fwd_entry(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool) -> dict:
+    features = FWD_FEATURES[suffix]
+    cfg = _config(fwd_config, features, dtype, head_dim, capability, overflow)
+    mask = "causal" if features["CAUSAL"] else "full"
+    name = f"attn_fwd_{_short(dtype)}_d{head_dim}_{mask}{suffix}_runs" + ("_overflow" if overflow else "")
+    return fwd_entry(name, dtype, head_dim, features, cfg, overflow=overflow)
 
 
 def attention_fwd_variants(capability: int) -> list[dict]:
@@ -200,6 +220,44 @@ _BWD_TYPES.update({name: "*i32" for name in ("cu_q_ptr", "cu_k_ptr", "q_runs_ptr
 _BWD_TYPES.update(qk_scale="fp32", sm_scale="fp32", softcap_log2e="fp32")
 
 
+def bwd_entry(
+    name: str,
+    prefix: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    features: dict,
+    cfg: dict,
+    *,
+    group: int = 2,
+    has_runs: bool = True,
+    overflow: bool = False,
+) -> dict:
+    """The audit entry of one backward pass, ``prefix`` ``"dq"`` or ``"kv"`` (dk/dv), launched with
+    ``cfg``'s ``<prefix>_BLOCK_M``, ``_BLOCK_N``, ``_warps`` and ``_stages``; ``features`` as in
+    :func:`fwd_entry` (sinks need nothing in the backward)."""
+    kernel = attention_bwd.attn_bwd_dq_kernel if prefix == "dq" else attention_bwd_dkdv.attn_bwd_dkdv_kernel
+    return dict(
+        name=name,
+        kernel=kernel,
+        signature=_signature(kernel, _short(dtype), _BWD_TYPES),
+        constexprs=dict(
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d(head_dim),
+            HAS_RUNS=has_runs,
+            DOT_PRECISION=dot_precision(dtype),
+            OVERFLOW=overflow,
+            **_mask_constexprs(features),
+            BLOCK_M=cfg[f"{prefix}_BLOCK_M"],
+            BLOCK_N=cfg[f"{prefix}_BLOCK_N"],
+        ),  # fmt: skip
+        num_warps=cfg[f"{prefix}_warps"],
+        num_stages=cfg[f"{prefix}_stages"],
+        # float32 runs IEEE FMA products by design: no tensor cores expected there
+        expect={"spill_bytes": 0, "mma": dtype != torch.float32},
+    )
+
+
 def _bwd_entries(
     dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool
 ) -> list[dict]:
@@ -207,24 +265,18 @@ def _bwd_entries(
     features = BWD_FEATURES[suffix]
     cfg = _config(bwd_config, features, dtype, head_dim, capability, overflow)
     mask = "causal" if features["CAUSAL"] else "full"
-    common = dict(
-        GROUP=2, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HAS_RUNS=True,
-        DOT_PRECISION=dot_precision(dtype), OVERFLOW=overflow, **_mask_constexprs(features),
-    )  # fmt: skip
-    passes = ((attention_bwd.attn_bwd_dq_kernel, "dq"), (attention_bwd_dkdv.attn_bwd_dkdv_kernel, "kv"))
+    tail = "_overflow" if overflow else ""
     return [
-        dict(
-            name=f"attn_bwd_{prefix}_{_short(dtype)}_d{head_dim}_{mask}{suffix}_runs_gqa"
-            + ("_overflow" if overflow else ""),
-            kernel=kernel,
-            signature=_signature(kernel, _short(dtype), _BWD_TYPES),
-            constexprs=dict(common, BLOCK_M=cfg[f"{prefix}_BLOCK_M"], BLOCK_N=cfg[f"{prefix}_BLOCK_N"]),
-            num_warps=cfg[f"{prefix}_warps"],
-            num_stages=cfg[f"{prefix}_stages"],
-            # float32 runs IEEE FMA products by design: no tensor cores expected there
-            expect={"spill_bytes": 0, "mma": dtype != torch.float32},
-        )
-        for kernel, prefix in passes
+        bwd_entry(
+            f"attn_bwd_{prefix}_{_short(dtype)}_d{head_dim}_{mask}{suffix}_runs_gqa{tail}",
+            prefix,
+            dtype,
+            head_dim,
+            features,
+            cfg,
+            overflow=overflow,
+        )  # fmt: skip
+        for prefix in ("dq", "kv")
     ]
 
 

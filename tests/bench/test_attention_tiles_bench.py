@@ -1,0 +1,216 @@
+"""The tile sweep (``python -m mmbalance.bench.attention.tiles``): its candidates, its check, its
+command on CPU (the interpreter, small shapes) and its audit for sm_90.
+
+The GPU timings need a GPU; here the same code path runs under Triton's interpreter, so the sweep
+that a GPU session runs once has run end to end before: candidates checked against the reference,
+a wrong one dropped, rows written, winners printed, the budget and the parallel warm-up honoured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmbalance.bench.attention import tiles
+from mmbalance.bench.kernel_audit import audit as kernel_audit
+from mmbalance.kernels.attention_common import bwd_config, fwd_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], interpret: bool = True, code: str | None = None, timeout: int = 300):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "mmbalance.bench.attention.tiles"]
+    return subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------ candidates
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim,softcap", [(128, False), (128, True), (64, False)])
+def test_candidates_start_with_the_table_and_repeat_nothing(capability, dtype, head_dim, softcap):
+    f = fwd_config(head_dim, torch.device("cuda"), dtype, capability=capability, softcap=softcap)
+    b = bwd_config(head_dim, torch.device("cuda"), dtype, capability=capability, softcap=softcap)
+    fwd = tiles.fwd_candidates(head_dim, dtype, capability, softcap=softcap)
+    assert fwd[0] == {k: f[k] for k in tiles.FWD_KEYS}
+    bwd = tiles.bwd_candidates(head_dim, dtype, capability, softcap=softcap)
+    assert set(bwd) == {"dq", "kv"}
+    for pass_, keys in tiles.PASS_KEYS.items():
+        assert bwd[pass_][0] == {k: b[k] for k in keys}
+    for cands in (fwd, bwd["dq"], bwd["kv"]):
+        assert len(cands) > 4
+        labels = [tuple(sorted(c.items())) for c in cands]
+        assert len(set(labels)) == len(labels)
+        for c in cands:
+            m, n, w, s = c.values()
+            assert m in (16, 32, 64, 128) and n in (16, 32, 64, 128) and w in (4, 8) and s in (1, 2, 3)
+
+
+def test_the_sweeps_shapes_are_the_ones_of_the_acceptance():
+    gpu = {n: s for n, s in tiles.SHAPES.items() if not n.startswith("smoke")}
+    assert {(s.n_seqs, s.seqlen, s.head_dim, s.causal) for s in gpu.values()} == {
+        (8, 2048, 128, False), (8, 2048, 128, True), (32, 512, 64, True)}  # fmt: skip
+    assert gpu["d128-causal-softcap"].softcap > 0 and gpu["d128-causal-sinks"].sinks
+    for s in tiles.SHAPES.values():
+        assert s.plain is None or (tiles.SHAPES[s.plain].softcap == 0 and not tiles.SHAPES[s.plain].sinks)
+
+
+def test_acceptance_rule():
+    eps = torch.finfo(torch.bfloat16).eps
+    assert tiles.accepted(0.0, 0.0, torch.bfloat16)
+    assert tiles.accepted(2 * 0.01 + eps, 0.01, torch.bfloat16)
+    assert not tiles.accepted(2 * 0.01 + 2 * eps, 0.01, torch.bfloat16)
+    assert not tiles.accepted(math.nan, 0.0, torch.float32)
+    assert not tiles.accepted(1e-5, 1e-7, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--jobs", "0"], "--jobs must be at least 1"),
+        (["--warm-jobs", "-1"], "--warm-jobs must be at least 0"),
+        (["--limit", "0"], "--limit must be at least 1"),
+        (["--budget-s", "0"], "--budget-s must be positive"),
+        (["--shapes", "d128-causal", "bogus"], "--shapes: unknown ['bogus']"),
+        (["--device", "tpu"], "--device must be cuda or cpu"),
+        (["--arch", "hopper", "--audit-only"], "--arch must look like sm_90"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_flag(argv, message, capsys):
+    assert tiles.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_process_with_the_compiled_kernels_loaded_is_told_to_start_afresh(capsys):
+    import mmbalance.kernels.dispatch  # noqa: F401 - loaded as the test process has them
+    from mmbalance.kernels.dispatch import INTERPRET
+
+    argv = ["--audit-only"] if INTERPRET else ["--device", "cpu"]
+    assert tiles.main(argv) == 2
+    assert "run in a fresh process" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ the command
+@pytest.mark.slow
+def test_the_sweep_runs_end_to_end_under_the_interpreter(tmp_path):
+    out = tmp_path / "tiles.jsonl"
+    proc = _run(["--device", "cpu", "--shapes", "smoke-causal", "smoke-causal-sinks", "--limit", "2",
+                 "--json", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(out)
+    for shape in ("smoke-causal", "smoke-causal-sinks"):
+        mine = [r for r in rows if r["shape"] == shape]
+        for op in ("tiles_fwd", "tiles_bwd_dq", "tiles_bwd_kv"):
+            ran = [r for r in mine if r["op"] == op]
+            assert [r["provider"] for r in ran] == ["table", "candidate"], (shape, op)
+            assert ran[0]["tiles"] == "M16 N16 w4 s1"  # the interpreter's table
+            for r in ran:
+                assert r["status"] == "unaudited" and r["rel_err"] < 1e-5 and r["time_ms"] > 0
+                assert r["vs_table"] > 0 and r["tflops"] > 0
+        together = {r["provider"]: r for r in mine if r["op"] == "tiles_fwd_bwd"}
+        assert set(together) == (
+            {"table", "best", "torch_sdpa"} if shape == "smoke-causal" else {"table", "best"}
+        )
+        assert together["best"]["tiles"].startswith("fwd M")
+    sinks = {
+        r["provider"]: r for r in rows if r["shape"] == "smoke-causal-sinks" and r["op"] == "tiles_fwd_bwd"
+    }
+    assert sinks["best"]["vs_plain"] > 0 and "vs_sdpa" not in sinks["best"]
+    assert "== winners" in proc.stdout and "smoke-causal-sinks: fwd {'BLOCK_M'" in proc.stdout
+
+
+_CORRUPT = """
+import sys
+import mmbalance.bench.attention.tiles as T
+fwd, bwd = T._Case.fwd, T._Case.bwd
+def bad_fwd(self, cfg, out=None, lse=None):
+    o, l = fwd(self, cfg, out, lse)
+    if cfg["BLOCK_N"] == 32:
+        o[5, 0, 3] += 0.01  # one element of one row
+    return o, l
+def bad_bwd(self, cfg, out, lse):
+    g = bwd(self, cfg, out, lse)
+    if cfg["kv_BLOCK_N"] == 64:
+        g[1][7, 0, 1] += 0.01
+    return g
+T._Case.fwd, T._Case.bwd = bad_fwd, bad_bwd
+sys.exit(T.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_candidate_off_the_reference_is_dropped_and_the_budget_honoured(tmp_path):
+    out = tmp_path / "tiles.jsonl"
+    proc = _run(["--device", "cpu", "--shapes", "smoke-causal", "--limit", "2", "--json", str(out)],
+                code=_CORRUPT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["op"], r["provider"]): r for r in _rows(out)}
+    dropped = rows[("tiles_fwd", "candidate")]
+    assert dropped["tiles"] == "M16 N32 w4 s1" and dropped["status"].startswith("check: error")
+    assert math.isnan(dropped["time_ms"])
+    assert rows[("tiles_bwd_kv", "candidate")]["status"].startswith("check: error")
+    assert rows[("tiles_bwd_dq", "candidate")]["status"] == "unaudited"  # untouched: kept
+    best = rows[("tiles_fwd_bwd", "best")]["tiles"]
+    assert "fwd M16 N16" in best and "kv M16 N16" in best and "dq M16 N32" in best
+    # with no time left only the tables run
+    out2 = tmp_path / "budget.jsonl"
+    proc = _run(["--device", "cpu", "--shapes", "smoke-full", "--limit", "3", "--budget-s", "1e-9",
+                 "--json", str(out2)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows2 = _rows(out2)
+    assert {r["status"] for r in rows2 if r["provider"] == "candidate"} == {"budget"}
+    assert sum(r["provider"] == "candidate" for r in rows2) == 6
+    assert all(
+        r["status"] == "unaudited" for r in rows2 if r["provider"] == "table" and r["op"] != "tiles_fwd_bwd"
+    )
+
+
+_WARM = """
+import torch
+import multiprocessing
+import mmbalance.bench.attention.tiles as T
+shape = T.SHAPES["smoke-causal"]
+good = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+bad = dict(BLOCK_M=48, BLOCK_N=16, num_warps=4, num_stages=1)  # not a power of two
+table = T._table_cfg(T._case(shape, "cpu", torch.float32, with_reference=False), "bwd")
+with multiprocessing.get_context("spawn").Pool(2) as pool:
+    errors = T._warm(pool, shape, torch.float32, "cpu", [("fwd", good), ("fwd", bad), ("dq", table)])
+assert list(errors) == [1], errors
+print("warm errors:", errors)
+"""
+
+
+@pytest.mark.slow
+def test_the_warm_up_launches_each_candidate_in_the_pool_and_reports_failures():
+    proc = _run([], code=_WARM)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "warm errors: {1: " in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(kernel_audit.ptxas_path(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
+def test_audit_only_compiles_the_candidates_for_sm90(tmp_path):
+    out = tmp_path / "audit.jsonl"
+    proc = _run(["--audit-only", "--arch", "sm_90", "--shapes", "d64-causal-short", "--limit", "2", "--jobs", "2",
+                 "--json", str(out)], interpret=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(out)
+    assert [r["op"] for r in rows] == ["tiles_audit_fwd"] * 2 + ["tiles_audit_dq"] * 2 + ["tiles_audit_kv"] * 2
+    assert [r["provider"] for r in rows] == ["table", "candidate"] * 3
+    for r in rows:
+        assert r["registers"] > 0 and r["tensor_cores"] == "wgmma", r
+        assert r["status"] == "ok" or r["status"].startswith("audit: spill"), r
+    assert all(r["status"] == "ok" for r in rows if r["provider"] == "table")
