@@ -107,8 +107,9 @@ def test_a_process_with_the_compiled_kernels_loaded_is_told_to_start_afresh(caps
 @pytest.mark.slow
 def test_the_sweep_runs_end_to_end_under_the_interpreter(tmp_path):
     out = tmp_path / "tiles.jsonl"
+    # --warm-jobs: the pool of spawned processes a GPU run compiles in, here through `python -m`
     proc = _run(["--device", "cpu", "--shapes", "smoke-causal", "smoke-causal-sinks", "--limit", "2",
-                 "--json", str(out)])  # fmt: skip
+                 "--warm-jobs", "2", "--json", str(out)])  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _rows(out)
     for shape in ("smoke-causal", "smoke-causal-sinks"):
@@ -208,7 +209,9 @@ def test_audit_only_compiles_the_candidates_for_sm90(tmp_path):
                  "--json", str(out)], interpret=False)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _rows(out)
-    assert [r["op"] for r in rows] == ["tiles_audit_fwd"] * 2 + ["tiles_audit_dq"] * 2 + ["tiles_audit_kv"] * 2
+    assert [r["op"] for r in rows] == ["tiles_audit_fwd"] * 2 + ["tiles_audit_dq"] * 2 + [
+        "tiles_audit_kv"
+    ] * 2
     assert [r["provider"] for r in rows] == ["table", "candidate"] * 3
     for r in rows:
         assert r["registers"] > 0 and r["tensor_cores"] == "wgmma", r

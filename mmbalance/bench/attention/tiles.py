@@ -421,7 +421,12 @@ def sweep_shape(
         table = tables["fwd" if pass_ == "fwd" else "bwd"]
         # the table's configuration (its overflow tail included) with the candidate's entries
         launches.append((pass_, cand, dict(table, **cand), status))
-    warm_errors = _warm(pool, shape, dtype, device, [(p, cfg) for p, _, cfg, _ in launches]) if pool else {}
+    warm_errors: dict[int, str] = {}
+    if pool is not None:  # past the deadline only the tables run: nothing else to compile
+        late = time.monotonic() > deadline
+        warm = [i for i, (p, cand, _, _) in enumerate(launches) if not late or cand is cands[p][0]]
+        errors = _warm(pool, shape, dtype, device, [(launches[i][0], launches[i][2]) for i in warm])
+        warm_errors = {warm[j]: e for j, e in errors.items()}
     table_err: dict[str, float] = {}
     best: dict[str, tuple[float, dict]] = {}
     timed: dict[str, float] = {}
