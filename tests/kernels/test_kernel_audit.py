@@ -131,6 +131,24 @@ def test_audit_all_keeps_the_order_and_fails_a_row_per_broken_kernel(monkeypatch
     assert kernel_audit._JOB == ([], 0, "")  # nothing kept from the run
 
 
+def test_a_compiler_that_kills_its_process_fails_its_row_only(monkeypatch):
+    """A crash in the compiler (here: the process exits mid-entry) neither hangs the parallel
+    audit nor loses the other rows: the unfinished entries are compiled again one process each."""
+
+    def fake_audit(cfg, capability, ptxas_arch):
+        if cfg["name"] == "crash":
+            os._exit(3)
+        return {"name": cfg["name"], "pid": os.getpid()}
+
+    monkeypatch.setattr(kernel_audit, "audit_one", fake_audit)
+    names = ["a", "b", "crash", "c", "d", "e"]
+    rows = kernel_audit.audit_all([{"name": n, "module": "m"} for n in names], 90, "sm_90a", jobs=2)
+    assert [r["name"] for r in rows] == names
+    assert rows[2]["error"] == "compile failed: the compiling process died"
+    assert all("error" not in r and r["pid"] != os.getpid() for i, r in enumerate(rows) if i != 2)
+    assert kernel_audit._JOB == ([], 0, "")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(kernel_audit.ptxas_path(90) is None, reason="no ptxas (Triton's bundled one or on PATH)")
 def test_parallel_audit_gives_the_serial_report(tmp_path):

@@ -312,19 +312,41 @@ def _audit_index(i: int) -> dict:
 def audit_all(configs: list[dict], capability: int, ptxas_arch: str, jobs: int = 1) -> list[dict]:
     """One row per entry, in the entries' order; ``jobs > 1`` compiles in that many forked
     processes (compilation is CPU-bound and single-threaded; the entries are read from the parent
-    after the fork, so nothing unpicklable crosses)."""
+    after the fork, so nothing unpicklable crosses). A compiling process that dies (a crash in the
+    compiler) fails its entry, not the audit: the entries it left unfinished are compiled again,
+    each in a process of its own, and the one that kills its process again is an error row."""
     global _JOB
     jobs = max(1, min(jobs, len(configs)))
     if jobs == 1 or sys.platform != "linux":
         return [_audit_or_fail(cfg, capability, ptxas_arch) for cfg in configs]
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     _JOB = (configs, capability, ptxas_arch)
+    rows: dict[int, dict] = {}
     try:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            return pool.map(_audit_index, range(len(configs)), chunksize=1)
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            futures = {i: pool.submit(_audit_index, i) for i in range(len(configs))}
+            for i, fut in futures.items():
+                try:
+                    rows[i] = fut.result()
+                except BrokenProcessPool:
+                    break
+        for i in range(len(configs)):  # after a death: one process each, so only the culprit fails
+            if i in rows:
+                continue
+            with ProcessPoolExecutor(1, mp_context=context) as alone:
+                try:
+                    rows[i] = alone.submit(_audit_index, i).result()
+                except BrokenProcessPool:
+                    cfg = configs[i]
+                    rows[i] = {"name": cfg["name"], "module": cfg["module"],
+                               "error": "compile failed: the compiling process died"}  # fmt: skip
     finally:
         _JOB = ([], 0, "")
+    return [rows[i] for i in range(len(configs))]
 
 
 def main(argv: list[str] | None = None) -> int:
