@@ -102,6 +102,7 @@ HOUSES = {
         flow=("input", "measure", "command"),
         rooms={
             "attention": {
+                "batch": "input",
                 "long": "measure",
                 "ring": "measure",
                 "blocks": "command",

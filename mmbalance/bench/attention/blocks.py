@@ -31,50 +31,9 @@ import numpy as np
 import torch
 
 from ..harness import Row, base_parser, device_name, draw_lengths, host_us, report, time_fn
+from .batch import BlockConfig, sdpa_runner
 from .long import bench_long, long_worker
 from .ring import RingConfig, bench_ring
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockConfig:
-    n_seqs: int
-    seqlen: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    causal: bool
-    dtype: torch.dtype
-    window: int = -1  # window_left in positions (-1: none); a window of W tokens is W - 1
-    lengths: tuple[int, ...] | None = None  # varlen: the sequences' lengths (seqlen: the longest)
-
-    @property
-    def name(self) -> str:
-        mask = "causal" if self.causal else "full"
-        if self.window >= 0:
-            mask += f"-w{self.window + 1}"
-        batch = (
-            f"shipped{len(self.lengths)}x<={self.seqlen}"
-            if self.lengths
-            else f"B{self.n_seqs}xL{self.seqlen}"
-        )
-        return f"{batch}xH{self.heads}/{self.kv_heads}xD{self.head_dim}-{mask}"
-
-    @property
-    def all_lengths(self) -> list[int]:
-        return list(self.lengths) if self.lengths else [self.seqlen] * self.n_seqs
-
-    def flops_fwd(self) -> float:
-        """``4 * pairs * H * D``: the allowed (query, key) pairs only (padding is not work)."""
-        pairs = 0.0
-        for n in self.all_lengths:
-            if not self.causal:
-                pairs += n * n
-            elif self.window < 0 or self.window >= n - 1:
-                pairs += n * (n + 1) / 2
-            else:  # the first window+1 queries see every earlier key, the rest window+1 keys each
-                w = self.window + 1
-                pairs += w * (w + 1) / 2 + (n - w) * w
-        return 4.0 * pairs * self.heads * self.head_dim
 
 
 def block_configs(full: bool, device: str) -> list[BlockConfig]:
@@ -111,42 +70,6 @@ def _inputs(cfg: BlockConfig, device: str, requires_grad: bool):
     v = torch.randn(tokens, cfg.kv_heads, cfg.head_dim, generator=g).to(device, cfg.dtype)
     cu = torch.tensor([0, *np.cumsum(cfg.all_lengths).tolist()], dtype=torch.int32, device=device)
     return [t.requires_grad_(requires_grad) for t in (q, k, v)], cu
-
-
-def sdpa_runner(cfg: BlockConfig, device: str):
-    """SDPA as a user runs it: a batch of equal lengths batched with its own causal flag; mixed
-    lengths padded to the longest with a mask (causal and keys past each sequence's end); a window
-    as a band mask."""
-    lengths = cfg.all_lengths
-    b, n = len(lengths), cfg.seqlen
-    uniform = cfg.lengths is None
-    mask = None
-    if not uniform or cfg.window >= 0:
-        pos = torch.arange(n, device=device)
-        allowed = torch.ones(n, n, dtype=torch.bool, device=device)
-        if cfg.causal:
-            allowed &= pos[None, :] <= pos[:, None]
-        if cfg.window >= 0:
-            allowed &= pos[None, :] >= pos[:, None] - cfg.window
-        keys = pos[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, n]
-        mask = (allowed[None] & keys[:, None, :])[:, None]  # [B, 1, n, n]
-    masking: dict = {"is_causal": cfg.causal} if mask is None else {"attn_mask": mask}
-    index = torch.cat([torch.arange(length, device=device) + i * n for i, length in enumerate(lengths)])
-
-    def run(q, k, v, cu):
-        if uniform:  # equal lengths are a batch already: views, nothing copied
-            qb, kb, vb = (t.view(b, n, t.shape[1], cfg.head_dim).transpose(1, 2) for t in (q, k, v))
-            out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, **masking, enable_gqa=True)
-            return out.transpose(1, 2).reshape(q.shape)
-        padded = []
-        for t in (q, k, v):
-            x = t.new_zeros((b * n, *t.shape[1:]))
-            x = x.index_copy(0, index, t)
-            padded.append(x.view(b, n, t.shape[1], cfg.head_dim).transpose(1, 2))
-        out = torch.nn.functional.scaled_dot_product_attention(*padded, **masking, enable_gqa=True)
-        return out.transpose(1, 2).reshape(b * n, cfg.heads, cfg.head_dim).index_select(0, index)
-
-    return run
 
 
 def _providers(cfg: BlockConfig, device: str) -> dict:
