@@ -4,8 +4,9 @@
 #
 #   OUT=/some/folder scripts/gpu_check.sh [PART ...]   # from anywhere; JSON rows and logs to $OUT
 #
-# PART: tests, kernels, hf (the default: all three), tiles (the Triton kernels' tile sweep, about
-# 6 minutes: a session of its own). The install runs first whatever the parts.
+# PART: tests, kernels, hf, host (the default: all four), tiles (the Triton kernels' tile sweep, about
+# 6 minutes: a session of its own). The install runs first whatever the parts. TILES_BUDGET_S
+# (default 300) bounds the sweep.
 #
 # 1. install the checkout without touching torch: no dependencies, no build isolation (the core is
 #    compiled with the machine's pybind11 and setuptools); wheels found in .gpu_wheels/ first, also
@@ -18,12 +19,15 @@
 #    bandwidth against a copy);
 # 4. `mmbalance bench hf --device cuda`: one training step of Qwen2-VL-2B's language model on 8k
 #    tokens, mmbalance_varlen against sdpa (and flash_attention_2 where installed);
-# 5. (tiles) `python -m mmbalance.bench.attention.tiles`: every candidate tiling of the forward, dq
+# 5. (host) scripts/host_profile.py: host time of one eager call of the varlen ops and an attention
+#    block against a torch op and a raw Triton launch, and where it goes (cProfile);
+# 6. (tiles) `python -m mmbalance.bench.attention.tiles`: every candidate tiling of the forward, dq
 #    and dk/dv kernels per shape, audited for the GPU's architecture, checked against the torch
 #    reference and timed against the table's choice and SDPA; the winners printed as table entries.
 #
 # Every part runs under its own time limit and the script goes on after a failure, so one run
-# gives every figure it can; it exits 1 when any part failed.
+# gives every figure it can; it exits 1 when any part failed. TESTS_LIMIT_S and KERNELS_LIMIT_S
+# (default 200 and 130) bound the tests and the kernel benchmarks.
 set -uo pipefail
 export PYTHONUNBUFFERED=1  # a part cut off by its time limit keeps what it printed
 cd "$(dirname "$0")/.."
@@ -33,9 +37,9 @@ py="${PYTHON:-python3}"
 start=$(date +%s)
 failed=()
 part() { echo; echo "== $1 ($(($(date +%s) - start)) s)"; }
-parts=" ${*:-tests kernels hf} "
+parts=" ${*:-tests kernels hf host} "
 for p in $parts; do
-  case "$p" in tests|kernels|hf|tiles) ;; *) echo "unknown part '$p': choose from tests kernels hf tiles"; exit 2 ;; esac
+  case "$p" in tests|kernels|hf|host|tiles) ;; *) echo "unknown part '$p': choose from tests kernels hf host tiles"; exit 2 ;; esac
 done
 wants() { [[ "$parts" == *" $1 "* ]]; }
 
@@ -73,14 +77,15 @@ EOF
 
 if wants tests; then
   part "pytest -m gpu tests"
-  timeout -s INT -k 20 200 "$py" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
+  timeout -s INT -k 20 "${TESTS_LIMIT_S:-200}" "$py" -m pytest -q -m gpu tests -p no:cacheprovider --timeout 90 \
+    --durations 12 --junitxml "$out/gpu-tests.xml" \
     > "$out/gpu-tests.log" 2>&1 || failed+=("pytest -m gpu")
-  tail -15 "$out/gpu-tests.log"
+  grep -E "^(FAILED|ERROR)" "$out/gpu-tests.log" | head -40; tail -32 "$out/gpu-tests.log"
 fi
 
 if wants kernels; then
   part "mmbalance bench attention varlen --quick --device cuda"
-  timeout 130 "$py" -m mmbalance.cli bench attention varlen --quick --device cuda --json "$out/bench.jsonl" \
+  timeout "${KERNELS_LIMIT_S:-130}" "$py" -m mmbalance.cli bench attention varlen --quick --device cuda --json "$out/bench.jsonl" \
     > "$out/bench-kernels.log" 2>&1 || failed+=("bench attention varlen")
   grep -E "^(attention|varlen|pack|unpack|segment)" "$out/bench-kernels.log" | head -60
 fi
@@ -92,10 +97,18 @@ if wants hf; then
   grep -E "hf_train_step" "$out/bench-hf.log"
 fi
 
+if wants host; then
+  part "scripts/host_profile.py"
+  timeout 60 "$py" scripts/host_profile.py > "$out/host.log" 2>&1 || failed+=("host profile")
+  grep -E " us a call" "$out/host.log"
+fi
+
 if wants tiles; then
-  # no candidate starts after 300 s; the rows so far are in tiles.jsonl shape by shape
-  part "python -m mmbalance.bench.attention.tiles --device cuda"
-  timeout 390 "$py" -m mmbalance.bench.attention.tiles --device cuda --budget-s 300 --json "$out/tiles.jsonl" \
+  # no candidate starts after the budget; the rows so far are in tiles.jsonl shape by shape
+  budget="${TILES_BUDGET_S:-300}"
+  part "python -m mmbalance.bench.attention.tiles --device cuda --budget-s $budget"
+  timeout $((budget + 90)) "$py" -m mmbalance.bench.attention.tiles --device cuda --budget-s "$budget" \
+    ${TILES_SHAPES:+--shapes $TILES_SHAPES} --json "$out/tiles.jsonl" \
     > "$out/tiles.log" 2>&1 || failed+=("tiles")
   grep -E "^(d128|d64)|tiles_fwd_bwd|winners" -A0 "$out/tiles.log" | head -40
   sed -n '/== winners/,$p' "$out/tiles.log"

@@ -60,7 +60,9 @@ def _model(cfg: StepConfig):
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )  # fmt: skip
     torch.manual_seed(cfg.seed)
-    model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=getattr(torch, dtype))
+    # built on the device: 1.5 B parameters' random initialization takes the GPU a fraction of a second
+    with torch.device(cfg.device):
+        model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=getattr(torch, dtype))
     return model.to(cfg.device).train()
 
 

@@ -1,0 +1,96 @@
+"""Where an eager call's host time goes: the varlen ops and an attention block on tiny inputs.
+
+    python scripts/host_profile.py [--device cuda|cpu] [--calls N] [--top K]
+
+Each call runs ``--calls`` times back to back on a tiny input (the device synchronized before and
+after, not counted), beside two floors measured in the same run: one torch op (``add_``) and a raw
+launch of a trivial Triton kernel. Then cProfile shows the ``--top`` functions by own time for the
+varlen ops and the forced Triton attention block, so a host cost over the target (25 us a call) can
+be traced to the line that pays it. On CPU it runs the reference paths (a dry run of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _nothing(x_ptr):
+    tl.store(x_ptr, tl.load(x_ptr))
+
+
+def _per_call_us(fn, device: str, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calls", type=int, default=1000)
+    p.add_argument("--top", type=int, default=18)
+    args = p.parse_args()
+    dev = args.device
+
+    import mmbalance.pyops as P
+    from mmbalance.pyops.attention_ops import attention_block
+
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    seqlens = torch.tensor([3, 8, 0, 5], device=dev)
+    cu = P.cu_seqlens_from_lengths(seqlens)
+    packed = torch.randn(16, 64, device=dev).to(dtype)
+    padded = P.unpack(packed, cu, 8)
+    order = torch.tensor([2, 0, 3, 1], device=dev)
+    q, k, v = (torch.randn(16, h, 64, device=dev).to(dtype) for h in (4, 2, 2))
+    cu32 = torch.tensor([0, 7, 16], dtype=torch.int32, device=dev)
+
+    def block(backend):
+        return lambda: attention_block(q, k, v, cu32, cu32, 9, 9, causal=True, backend=backend)[0]
+
+    calls = {
+        "floor: torch add_": lambda: packed.add_(0),
+        "pack": lambda: P.pack(padded, seqlens, 16),
+        "unpack": lambda: P.unpack(packed, cu, 8),
+        "segment_gather": lambda: P.segment_gather(packed, cu, order, 16),
+        "attention_block auto": block("auto"),
+    }
+    if dev == "cuda":
+        one = torch.zeros(1, device=dev)
+        calls["floor: raw triton launch"] = lambda: _nothing[(1,)](one)
+        calls["attention_block triton"] = block("triton")
+    with torch.no_grad():
+        for name, fn in calls.items():
+            print(f"{name:28s} {_per_call_us(fn, dev, args.calls):8.1f} us a call", flush=True)
+        for name in ("pack", "segment_gather", "attention_block triton"):
+            if name not in calls:
+                continue
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                calls[name]()
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
+            print(f"\n== {name}: {args.calls} calls, by own time")
+            print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
+
+
+if __name__ == "__main__":
+    main()
