@@ -78,7 +78,8 @@ def main() -> None:
     with torch.no_grad():
         for name, fn in calls.items():
             print(f"{name:28s} {_per_call_us(fn, dev, args.calls):8.1f} us a call", flush=True)
-        for name in ("pack", "segment_gather", "attention_block triton"):
+        profiles = ["pack", "segment_gather", "attention_block triton"]
+        for name in profiles:
             if name not in calls:
                 continue
             prof = cProfile.Profile()
@@ -90,6 +91,62 @@ def main() -> None:
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
             print(f"\n== {name}: {args.calls} calls, by own time")
             print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
+    if dev == "cuda":
+        _forward_backward(args)
+
+
+def _forward_backward(args) -> None:
+    """Forward + backward through autograd at a real size (32 x 512 tokens, 16/4 heads of 64):
+    the time per step with a sync after each, the host time per step without, and where the host
+    time goes; a step whose host time exceeds its GPU time is host-bound."""
+    import warnings
+
+    from mmbalance.pyops.attention_ops import attention_block
+
+    dev, dtype = "cuda", torch.bfloat16
+    b, n = 32, 512
+    cu = torch.arange(0, b * n + 1, n, dtype=torch.int32, device=dev)
+    leaves = [torch.randn(b * n, h, 64, device=dev, dtype=dtype, requires_grad=True) for h in (16, 4, 4)]
+    grad = torch.randn(b * n, 16, 64, device=dev, dtype=dtype)
+    for backend in ("triton", "torch_flash"):
+
+        def step(backend=backend):
+            out = attention_block(*leaves, cu, cu, n, n, causal=True, backend=backend)[0]
+            torch.autograd.grad(out, leaves, grad)
+
+        try:
+            step()
+        except ValueError as e:
+            print(f"\n== fwd+bwd {backend}: cannot run ({e})")
+            continue
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            step()
+            torch.cuda.synchronize()
+        synced = (time.perf_counter() - t0) / 20 * 1e3
+        t0 = time.perf_counter()
+        for _ in range(20):
+            step()
+        host = (time.perf_counter() - t0) / 20 * 1e3
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+        torch.cuda.set_sync_debug_mode(0)
+        syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught})
+        print(f"\n== fwd+bwd {backend} B{b}xL{n}xH16/4xD64 causal: {synced:.3f} ms a step synced, "
+              f"{host:.3f} ms of host time a step; host syncs: {syncs or 'none'}")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
 
 
 if __name__ == "__main__":
