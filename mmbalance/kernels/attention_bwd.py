@@ -400,7 +400,10 @@ def attn_bwd(
         return dq, dk, dv
     feats = feature_args(causal, window_left, window_right, softcap, softmax_scale)
     window = feats["WIN_LEFT"] or feats["WIN_RIGHT"]
-    cfg = dict(config or bwd_config(head_dim, dev, q.dtype, window=window, softcap=feats["SOFTCAP"]))
+    cfg = dict(
+        config
+        or bwd_config(head_dim, dev, q.dtype, window=window, softcap=feats["SOFTCAP"], causal=bool(causal))
+    )
     if "stages" in cfg:  # one pipeline depth for both passes
         cfg.setdefault("dq_stages", cfg["stages"])
         cfg.setdefault("kv_stages", cfg.pop("stages"))

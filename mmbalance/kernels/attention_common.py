@@ -241,14 +241,19 @@ def fwd_config(
     capability: int | None = None,
     window: bool = False,
     softcap: bool = False,
+    causal: bool = True,
 ) -> dict:
     """Tile sizes and warps of the forward kernel, chosen per architecture for zero spills.
 
     ``capability`` is ``major * 10 + minor`` (default: the device's, or the interpreter's small
     tiles under ``TRITON_INTERPRET`` and off CUDA); the kernel audit calls this with 80 and 90 and
-    holds every variant it launches to zero spills. 16-bit inputs on sm_90: one
-    warpgroup per 64 x 64 tile for every variant. ``window``: a sliding-window variant (a third key
-    loop, more live registers); ``softcap``: the tanh-logit variant. The
+    holds every variant it launches to zero spills. 16-bit inputs on sm_90 (the tile sweep,
+    ``python -m mmbalance.bench.attention.tiles``, on an H200 with Triton 3.6): one warpgroup per
+    64 x 64 tile, three pipeline stages at head dim 64 (7.6% faster than two at 32 x 512 causal);
+    at head dim 128 two stages for masked variants, and 128 x 128 tiles with two warpgroups and
+    three stages for full attention without a window or softcap (8.4% faster than 64 x 64 at
+    8 x 2048). ``window``: a sliding-window variant (a third key loop, more live registers);
+    ``softcap``: the tanh-logit variant; ``causal``: the causal mask (``False``: full). The
     ``overflow`` entry is the configuration of the tail launch that runs only when a host
     ``max_seqlen_q`` understated a sequence (same ``BLOCK_M``, so it starts where the main grid
     ends): one pipeline stage and narrow key tiles, so its extra loop never spills.
@@ -264,10 +269,14 @@ def fwd_config(
     if block_d(head_dim) > 128:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     if capability >= 90:
-        # one warpgroup per 64 query rows: 8% (causal) and 2% (full) faster than 128 x 64 with
-        # 8 warps and 3 stages on an H200, and a third of the shared memory
-        cfg: dict[str, Any] = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-        cfg["overflow"] = dict(BLOCK_N=32, num_warps=4, num_stages=1)
+        cfg: dict[str, Any]
+        if block_d(head_dim) <= 64:
+            cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+        elif not causal and not window and not softcap:
+            cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+        else:
+            cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+        cfg["overflow"] = dict(BLOCK_N=32, num_warps=cfg["num_warps"], num_stages=1)
         return cfg
     cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     if window:  # sm_80 (no wgmma, fragments held in registers): narrower key tiles
@@ -284,13 +293,19 @@ def bwd_config(
     capability: int | None = None,
     window: bool = False,
     softcap: bool = False,
+    causal: bool = True,
 ) -> dict:
     """Tiles of the dq kernel (``dq_*``) and the dk/dv kernel (``kv_*``), zero spills on sm_80/sm_90.
 
     ``capability`` is ``major * 10 + minor`` (default: the device's, or the interpreter's small
     tiles as in :func:`fwd_config`); the kernel audit calls this with 80 and 90 and holds every
-    variant it lists to zero spills with it. 16-bit inputs: one
-    table serves every variant; at head dim 128 sm_90 runs one warpgroup a program, sm_80 two.
+    variant it lists to zero spills with it. 16-bit inputs: at head dim 128 sm_90 runs one
+    warpgroup a program, sm_80 two. On sm_90 (the tile sweep on an H200, Triton 3.6) both passes
+    take 64 x 64 tiles in one warpgroup at head dim 64, dq two pipeline stages and dk/dv one (12%
+    faster than the sm_80 row); at head dim 128 dq the same, dk/dv 32 x 64 tiles with two stages
+    (64 x 64 with one stage was 1.5% faster there but spills with Triton 3.9), and full attention
+    without a window or softcap runs dk/dv on 64 x 128 tiles with two warpgroups (4.7% faster).
+    ``causal``: the causal mask (``False``: full).
     float32 with a window or softcap (IEEE FMA products, whose register allocation is fragile)
     takes narrower tiles, per architecture. ``overflow`` overrides entries for the tail launches
     that run only when a host ``max_seqlen`` understated a sequence: the dq tail keeps ``dq_BLOCK_M`` (it starts where the
@@ -298,28 +313,39 @@ def bwd_config(
     loops never spill. Pipeline depths are per pass (``dq_stages``, ``kv_stages``). float32 uses
     IEEE products (FMA, not tensor cores) on 4-byte tiles: small tiles, one stage.
     """
-    # a table row: dq tiles and warps, dk/dv tiles and warps, and one pipeline depth for both
-    names = ("dq_BLOCK_M", "dq_BLOCK_N", "dq_warps", "kv_BLOCK_M", "kv_BLOCK_N", "kv_warps", "stages")
+    # a table row: dq tiles, warps and pipeline depth, then dk/dv's
+    names = (
+        "dq_BLOCK_M",
+        "dq_BLOCK_N",
+        "dq_warps",
+        "dq_stages",
+        "kv_BLOCK_M",
+        "kv_BLOCK_N",
+        "kv_warps",
+        "kv_stages",
+    )
     interpret = capability is None and (INTERPRET or device.type != "cuda")
     arch = 0 if interpret else device_capability(device) if capability is None else capability
+    plain_full = not causal and not window and not softcap
     if interpret:
-        tiles = (16, 16, 4, 16, 16, 4, 1)
+        tiles = (16, 16, 4, 1, 16, 16, 4, 1)
     else:
         if dtype == torch.float32 and (window or softcap):
-            tiles = (16, 16, 8, 32, 16, 8, 1) if arch >= 90 else (16, 16, 8, 16, 32, 8, 1)
+            tiles = (16, 16, 8, 1, 32, 16, 8, 1) if arch >= 90 else (16, 16, 8, 1, 16, 32, 8, 1)
         elif dtype == torch.float32:
-            tiles = (16, 32, 8, 16, 32, 8, 1)
+            tiles = (16, 32, 8, 1, 16, 32, 8, 1)
+        elif block_d(head_dim) <= 64 and arch >= 90:
+            tiles = (64, 64, 4, 2, 64, 64, 4, 1)
         elif block_d(head_dim) <= 64:
-            tiles = (128, 32, 8, 32, 64, 4, 2)
+            tiles = (128, 32, 8, 2, 32, 64, 4, 2)
         elif block_d(head_dim) <= 128 and arch >= 90:
             # one warpgroup per program: 8 warps took 2.2x (causal) to 2.5x (full) as long on an H200
-            tiles = (64, 64, 4, 32, 64, 4, 2)
+            tiles = (64, 64, 4, 2, 64, 128, 8, 1) if plain_full else (64, 64, 4, 2, 32, 64, 4, 2)
         elif block_d(head_dim) <= 128:
-            tiles = (64, 64, 8, 32, 64, 8, 2)  # sm_80 holds mma.sync fragments in registers: 4 warps spill
+            tiles = (64, 64, 8, 2, 32, 64, 8, 2)  # sm_80 holds mma.sync fragments in registers: 4 warps spill
         else:
-            tiles = (32, 32, 8, 16, 32, 8, 1)
+            tiles = (32, 32, 8, 1, 16, 32, 8, 1)
     cfg: dict[str, Any] = dict(zip(names, tiles))
-    cfg["dq_stages"] = cfg["kv_stages"] = cfg.pop("stages")
     if interpret:
         return cfg
     overflow: dict[str, int] = {}
@@ -327,6 +353,8 @@ def bwd_config(
         overflow["dq_BLOCK_N"] = 32
     elif dtype == torch.float32 and cfg["dq_BLOCK_N"] == 32 and arch >= 90:
         overflow["dq_BLOCK_N"] = 16  # the float32 dq tail spills 64 bytes at 32 on sm_90
+        if not causal and not window:
+            overflow["dq_warps"] = 4  # and the full-attention one 16 bytes with 8 warps
     elif dtype == torch.float32 and softcap and not window and arch < 90:
         overflow["dq_BLOCK_N"] = 32  # and the float32 softcap dq tail 8 bytes at 16 on sm_80
     if cfg["kv_warps"] == 4 and 64 < block_d(head_dim) <= 128:

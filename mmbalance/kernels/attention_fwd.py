@@ -377,7 +377,12 @@ def attn_fwd(
         return out, lse
     feats = feature_args(causal, window_left, window_right, softcap, softmax_scale)
     window = feats["WIN_LEFT"] or feats["WIN_RIGHT"]
-    cfg = dict(config or fwd_config(head_dim, q.device, q.dtype, window=window, softcap=feats["SOFTCAP"]))
+    cfg = dict(
+        config
+        or fwd_config(
+            head_dim, q.device, q.dtype, window=window, softcap=feats["SOFTCAP"], causal=bool(causal)
+        )
+    )
     has_runs = q_runs is not None
     if sinks is not None:
         sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()

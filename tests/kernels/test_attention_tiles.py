@@ -12,6 +12,8 @@ needs CUDA or ``TRITON_INTERPRET=1`` at import (``test_under_interpreter.py`` ru
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -53,9 +55,9 @@ def test_the_tiles_cover_every_pass_and_the_tables_choice():
 
     assert {t for run in RUNS for t in [run[0]]} == set(TILES["fwd"])
     assert {run[1] for run in RUNS} == set(TILES["dq"]) and {run[2] for run in RUNS} == set(TILES["kv"])
-    for head_dim in (64, 128):
-        f = fwd_config(head_dim, torch.device("cuda"), torch.bfloat16, capability=90)
-        b = bwd_config(head_dim, torch.device("cuda"), torch.bfloat16, capability=90)
+    for head_dim, causal in itertools.product((64, 128), (True, False)):
+        f = fwd_config(head_dim, torch.device("cuda"), torch.bfloat16, capability=90, causal=causal)
+        b = bwd_config(head_dim, torch.device("cuda"), torch.bfloat16, capability=90, causal=causal)
         assert (f["BLOCK_M"], f["BLOCK_N"]) in TILES["fwd"]
         assert (b["dq_BLOCK_M"], b["dq_BLOCK_N"]) in TILES["dq"]
         assert (b["kv_BLOCK_M"], b["kv_BLOCK_N"]) in TILES["kv"]

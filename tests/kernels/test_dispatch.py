@@ -18,6 +18,20 @@ def test_auto_takes_the_first_backend_that_can_run(monkeypatch):
     assert select_backend("op", ORDER, "auto", 0, env="OP_BACKEND") == "safe"
 
 
+def test_a_preference_reorders_auto_only(monkeypatch):
+    monkeypatch.delenv("OP_BACKEND", raising=False)
+    prefer = lambda x: ("safe", "unknown")  # names it does not know are ignored
+    assert select_backend("op", ORDER, None, 1, prefer=prefer) == "safe"
+    assert select_backend("op", ORDER, "fast", 1, prefer=prefer) == "fast"  # a forced choice holds
+    # a preferred backend that cannot run gives way to the next that can, in the op's order
+    slow = Backend("slow", lambda x: [])
+    assert select_backend("op", (SAFE, FAST, slow), None, 0, prefer=lambda x: ("fast",)) == "safe"
+    assert select_backend("op", (slow, FAST, SAFE), None, 0, prefer=lambda x: ("fast", "safe")) == "safe"
+    with pytest.raises(ValueError) as err:  # the refusal still lists every backend
+        select_backend("op", (FAST,), None, 0, prefer=lambda x: ("fast",))
+    assert "`fast` cannot run it because:" in str(err.value)
+
+
 def test_a_forced_backend_that_cannot_run_says_why():
     assert select_backend("op", ORDER, "safe", 1) == "safe"
     with pytest.raises(ValueError) as err:

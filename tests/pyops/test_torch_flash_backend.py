@@ -72,6 +72,27 @@ def test_a_plain_packed_call_runs_on_torch_flash(fake_gpu):
     assert select_attention_backend("torch_flash", _cuda_call()) == "torch_flash"
 
 
+def test_auto_puts_triton_before_flashattention2_on_hopper_at_head_dim_128(fake_gpu, monkeypatch):
+    """On sm_90 the Triton kernels outran torch's FlashAttention-2 at head dim 128 (measured on an
+    H200): auto tries them first there, forward and backward; elsewhere the order stays."""
+    import dataclasses
+
+    d128 = _cuda_call(q_shape=(10, 8, 128), k_shape=(10, 2, 128))
+    assert select_attention_backend("auto", d128) == "triton"
+    assert select_attention_backend("auto", dataclasses.replace(d128, backward=True)) == "triton"
+    assert select_attention_backend("auto", _cuda_call()) == "torch_flash"  # head dim 64
+    assert select_attention_backend("torch_flash", d128) == "torch_flash"  # a forced choice holds
+    monkeypatch.setenv("MMBALANCE_ATTN_BACKEND", "torch_flash")
+    assert select_attention_backend("auto", d128) == "torch_flash"
+    monkeypatch.delenv("MMBALANCE_ATTN_BACKEND")
+    monkeypatch.setattr(B, "_capability", lambda device: (8, 0))  # Ampere: FlashAttention-2 first
+    assert select_attention_backend("auto", d128) == "torch_flash"
+    monkeypatch.setattr(B, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(B, "torch_flash_impl", lambda: "FA3")  # Hopper's own FlashAttention
+    assert select_attention_backend("auto", d128) == "torch_flash"
+    assert B.auto_order(d128) == ("flash_attn", "torch_flash", "triton", "reference")
+
+
 @pytest.mark.parametrize(
     ("features", "words"),
     [

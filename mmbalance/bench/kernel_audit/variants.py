@@ -110,10 +110,11 @@ def merge_variants() -> list[dict]:
 
 
 # ------------------------------------------------------------------------------- attention forward
-# Feature switches of the audited variants: the plain causal kernel, then each feature alone and
+# Feature switches of the audited variants: the plain causal kernel, full attention, then each feature alone and
 # all of them together (the overflow tail of each is audited too; it compiles separately).
 FWD_FEATURES: dict[str, dict] = {
     "": dict(CAUSAL=True),
+    "_full": dict(CAUSAL=False),
     "_window": dict(CAUSAL=True, WIN_LEFT=True),
     "_window2": dict(CAUSAL=False, WIN_LEFT=True, WIN_RIGHT=True),
     "_softcap": dict(CAUSAL=True, SOFTCAP=True),
@@ -124,6 +125,7 @@ FWD_FEATURES: dict[str, dict] = {
 # Feature switches of the audited backward variants (sinks need nothing in the backward).
 BWD_FEATURES: dict[str, dict] = {
     "": dict(CAUSAL=True),
+    "_full": dict(CAUSAL=False),
     "_window": dict(CAUSAL=True, WIN_LEFT=True),
     "_window2": dict(CAUSAL=False, WIN_LEFT=True, WIN_RIGHT=True),
     "_softcap": dict(CAUSAL=True, SOFTCAP=True),
@@ -140,8 +142,16 @@ def _config(pick, features: dict, dtype: torch.dtype, head_dim: int, capability:
     ``sm_<capability>``; for an overflow tail, the tail launch's own."""
     window = bool(features.get("WIN_LEFT") or features.get("WIN_RIGHT"))
     cfg = pick(head_dim, torch.device("cuda"), dtype, capability=capability, window=window,
-               softcap=features.get("SOFTCAP", False))  # fmt: skip
+               softcap=features.get("SOFTCAP", False), causal=bool(features.get("CAUSAL", False)))  # fmt: skip
     return dict(cfg, **cfg.get("overflow", {})) if overflow else cfg
+
+
+def _mask_name(suffix: str) -> str:
+    """The mask and features in an entry's name: ``causal``, ``full``, ``causal_window``..."""
+    if suffix == "_full":
+        return "full"
+    features = FWD_FEATURES.get(suffix) or BWD_FEATURES[suffix]
+    return ("causal" if features["CAUSAL"] else "full") + suffix
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -191,8 +201,9 @@ def fwd_entry(
 def _fwd_entry(dtype: torch.dtype, head_dim: int, capability: int, suffix: str, overflow: bool) -> dict:
     features = FWD_FEATURES[suffix]
     cfg = _config(fwd_config, features, dtype, head_dim, capability, overflow)
-    mask = "causal" if features["CAUSAL"] else "full"
-    name = f"attn_fwd_{_short(dtype)}_d{head_dim}_{mask}{suffix}_runs" + ("_overflow" if overflow else "")
+    name = f"attn_fwd_{_short(dtype)}_d{head_dim}_{_mask_name(suffix)}_runs" + (
+        "_overflow" if overflow else ""
+    )
     return fwd_entry(name, dtype, head_dim, features, cfg, overflow=overflow)
 
 
@@ -264,11 +275,10 @@ def _bwd_entries(
     """The dq and dk/dv entries of one variant, with the configuration ``bwd_config`` picks."""
     features = BWD_FEATURES[suffix]
     cfg = _config(bwd_config, features, dtype, head_dim, capability, overflow)
-    mask = "causal" if features["CAUSAL"] else "full"
     tail = "_overflow" if overflow else ""
     return [
         bwd_entry(
-            f"attn_bwd_{prefix}_{_short(dtype)}_d{head_dim}_{mask}{suffix}_runs_gqa{tail}",
+            f"attn_bwd_{prefix}_{_short(dtype)}_d{head_dim}_{_mask_name(suffix)}_runs_gqa{tail}",
             prefix,
             dtype,
             head_dim,

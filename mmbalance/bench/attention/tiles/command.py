@@ -133,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         soft = shape.softcap > 0
         cands: dict[str, list[dict]] = {
-            "fwd": fwd_candidates(shape.head_dim, dtype, capability, softcap=soft, interpret=interpret),
-            **bwd_candidates(shape.head_dim, dtype, capability, softcap=soft, interpret=interpret),
+            "fwd": fwd_candidates(
+                shape.head_dim, dtype, capability, softcap=soft, interpret=interpret, causal=shape.causal
+            ),
+            **bwd_candidates(
+                shape.head_dim, dtype, capability, softcap=soft, interpret=interpret, causal=shape.causal
+            ),
         }
         if args.limit:
             cands = {p: c[: args.limit] for p, c in cands.items()}

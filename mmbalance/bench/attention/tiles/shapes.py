@@ -93,7 +93,13 @@ def _table_first(table: dict, grid: list[dict], keys: tuple[str, ...]) -> list[d
 
 
 def fwd_candidates(
-    head_dim: int, dtype: torch.dtype, capability: int, *, softcap: bool = False, interpret: bool = False
+    head_dim: int,
+    dtype: torch.dtype,
+    capability: int,
+    *,
+    softcap: bool = False,
+    interpret: bool = False,
+    causal: bool = True,
 ) -> list[dict]:
     """Forward launches to try (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``), the
     table's choice for ``sm_<capability>`` first. ``interpret``: the interpreter's (tile shapes
@@ -103,7 +109,9 @@ def fwd_candidates(
     if interpret:  # the table's choice there: fwd_config without a capability off CUDA
         table = fwd_config(head_dim, torch.device("cpu"), dtype)
         return _table_first(table, _grid(FWD_KEYS, (16, 64, 128), (16, 32, 128), (4,), (1,)), FWD_KEYS)
-    table = fwd_config(head_dim, torch.device("cuda"), dtype, capability=capability, softcap=softcap)
+    table = fwd_config(
+        head_dim, torch.device("cuda"), dtype, capability=capability, softcap=softcap, causal=causal
+    )
     if dtype == torch.float32:  # IEEE FMA products on 4-byte tiles
         grid = _grid(FWD_KEYS, (16, 32, 64), (16, 32), (4, 8), (1,))
     else:
@@ -112,7 +120,13 @@ def fwd_candidates(
 
 
 def bwd_candidates(
-    head_dim: int, dtype: torch.dtype, capability: int, *, softcap: bool = False, interpret: bool = False
+    head_dim: int,
+    dtype: torch.dtype,
+    capability: int,
+    *,
+    softcap: bool = False,
+    interpret: bool = False,
+    causal: bool = True,
 ) -> dict[str, list[dict]]:
     """Backward launches to try per pass, ``{"dq": [...], "kv": [...]}`` with each pass's four
     ``bwd_config`` keys, the table's choice first (see :func:`fwd_candidates`)."""
@@ -125,7 +139,9 @@ def bwd_candidates(
             "kv": _grid(PASS_KEYS["kv"], (16, 32, 64), (16, 64, 128), (4,), (1,)),
         }
     else:
-        table = bwd_config(head_dim, torch.device("cuda"), dtype, capability=capability, softcap=softcap)
+        table = bwd_config(
+            head_dim, torch.device("cuda"), dtype, capability=capability, softcap=softcap, causal=causal
+        )
         if dtype == torch.float32:
             grids = {
                 "dq": _grid(PASS_KEYS["dq"], (16, 32), (16, 32), (4, 8), (1,)),
@@ -147,9 +163,11 @@ def distinct_tiles(
     tiles: dict[str, set[tuple[int, int]]] = {"fwd": set(), "dq": set(), "kv": set()}
     for shape in GPU_SHAPES:
         soft = shape.softcap > 0
-        for c in fwd_candidates(shape.head_dim, dtype, capability, softcap=soft):
+        for c in fwd_candidates(shape.head_dim, dtype, capability, softcap=soft, causal=shape.causal):
             tiles["fwd"].add((c["BLOCK_M"], c["BLOCK_N"]))
-        for p, cands in bwd_candidates(shape.head_dim, dtype, capability, softcap=soft).items():
+        for p, cands in bwd_candidates(
+            shape.head_dim, dtype, capability, softcap=soft, causal=shape.causal
+        ).items():
             for c in cands:
                 tiles[p].add((c[f"{p}_BLOCK_M"], c[f"{p}_BLOCK_N"]))
     return {p: sorted(t) for p, t in tiles.items()}
