@@ -91,7 +91,7 @@ from .attention_ref import (
     merge_attention_states_ref,
     sinks_grad,
 )
-from .varlen import _direct as _varlen_direct
+from .varlen import direct_eligible
 
 __all__ = [
     "attention_block",
@@ -372,7 +372,7 @@ torch.library.register_autograd("mmbalance::attention_block_fwd", _fwd_backward,
 # through; both paths run the same implementation and the same checks.
 def _direct(q: Tensor) -> bool:
     """Whether a call on ``q`` runs its implementation straight (see above)."""
-    return _varlen_direct(q) and not torch.is_autocast_enabled("cuda")
+    return direct_eligible(q) and not torch.is_autocast_enabled("cuda")
 
 
 class _AttentionDirect(torch.autograd.Function):

@@ -48,6 +48,7 @@ __all__ = [
     "segment_ids_from_cu_seqlens",
     "gathered_cu_seqlens",
     "inverse_permutation",
+    "direct_eligible",
 ]
 
 
@@ -77,7 +78,7 @@ def _rows(x: Tensor, lead: int) -> Tensor:
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def _direct(x) -> bool:
+def direct_eligible(x) -> bool:
     """Whether a call on ``x`` runs its kernel straight (see above): not while a dispatch or torch
     function mode is active (``make_fx``, ``FlopCounterMode``, debug modes must see the op)."""
     return (
@@ -187,7 +188,7 @@ def pack(padded: Tensor, seqlens: Tensor, total_tokens: int) -> Tensor:
     run on CPU always and on CUDA with ``MMBALANCE_DEBUG=1``. Backward: ``unpack`` of the gradient.
     """
     _ref.check_size("total_tokens", total_tokens)
-    if _direct(padded):
+    if direct_eligible(padded):
         return _call_direct(_pack_impl, _pack_setup, _pack_backward, padded, seqlens, total_tokens)
     return torch.ops.mmbalance.pack(padded, seqlens, total_tokens)
 
@@ -265,7 +266,7 @@ def unpack(packed: Tensor, cu_seqlens: Tensor, max_seqlen: int, pad_value: float
     _ref.check_size("max_seqlen", max_seqlen)
     if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
         raise TypeError(f"pad_value must be a float, got {type(pad_value).__name__}")
-    if _direct(packed):
+    if direct_eligible(packed):
         return _call_direct(_unpack_impl, _unpack_setup, _unpack_backward, packed, cu_seqlens, max_seqlen,
                             float(pad_value))  # fmt: skip
     return torch.ops.mmbalance.unpack(packed, cu_seqlens, max_seqlen, float(pad_value))
@@ -380,7 +381,7 @@ def segment_gather(packed: Tensor, cu_seqlens: Tensor, order: Tensor, out_tokens
     always and on CUDA with ``MMBALANCE_DEBUG=1``. Backward: :func:`segment_scatter`.
     """
     _ref.check_size("out_tokens", out_tokens)
-    if _direct(packed):
+    if direct_eligible(packed):
         return _call_direct(_segment_gather_impl, _segments_setup, _segment_gather_backward, packed, cu_seqlens,
                             order, out_tokens)  # fmt: skip
     return torch.ops.mmbalance.segment_gather(packed, cu_seqlens, order, out_tokens)
@@ -399,7 +400,7 @@ def segment_scatter(src: Tensor, cu_seqlens: Tensor, order: Tensor, total_tokens
         ``[total_tokens, *]``; segments not in ``order`` are zero (the gather's adjoint).
     """
     _ref.check_size("total_tokens", total_tokens)
-    if _direct(src):
+    if direct_eligible(src):
         return _call_direct(_segment_scatter_impl, _segments_setup, _segment_scatter_backward, src, cu_seqlens,
                             order, total_tokens)  # fmt: skip
     return torch.ops.mmbalance.segment_scatter(src, cu_seqlens, order, total_tokens)

@@ -2,7 +2,7 @@
 ``pyops/varlen.py``): the same values, gradients and double backward as the dispatched ops, and the
 cases that must keep the dispatch (compiling, ``MMBALANCE_DEBUG``, tensor subclasses, CPU).
 
-On a CPU the direct path is forced (``_direct`` patched), so the implementation it runs is the
+On a CPU the direct path is forced (``direct_eligible`` patched), so the implementation it runs is the
 reference; what is checked is the plumbing: autograd through :class:`_Direct`, the registered
 backward, and that nothing differs from the custom op's answers.
 """
@@ -38,7 +38,7 @@ def test_direct_calls_equal_the_dispatched_ops(op, monkeypatch):
     s, cu, x, o = _case()
     want_in = x.clone().requires_grad_()
     want = CALLS[op](s, cu, want_in, o)
-    monkeypatch.setattr(V, "_direct", lambda t: True)
+    monkeypatch.setattr(V, "direct_eligible", lambda t: True)
     got_in = x.clone().requires_grad_()
     got = CALLS[op](s, cu, got_in, o)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -56,7 +56,7 @@ def test_direct_calls_equal_the_dispatched_ops(op, monkeypatch):
 
 
 def test_direct_gradients_check_in_float64(monkeypatch):
-    monkeypatch.setattr(V, "_direct", lambda t: True)
+    monkeypatch.setattr(V, "direct_eligible", lambda t: True)
     s, cu, x, o = _case()
     for fn in (
         lambda t: P.unpack(t, cu, 6, 0.0),
@@ -68,7 +68,7 @@ def test_direct_gradients_check_in_float64(monkeypatch):
 
 
 def test_without_grad_the_implementation_runs_alone(monkeypatch):
-    monkeypatch.setattr(V, "_direct", lambda t: True)
+    monkeypatch.setattr(V, "direct_eligible", lambda t: True)
     called = []
     real = V._Direct.apply
     monkeypatch.setattr(V._Direct, "apply", lambda *a: called.append(1) or real(*a))
@@ -83,14 +83,14 @@ def test_without_grad_the_implementation_runs_alone(monkeypatch):
 
 def test_who_takes_the_direct_path(monkeypatch):
     cpu = torch.zeros(2)
-    assert not V._direct(cpu)  # CPU tensors: the dispatched op (its reference path and value checks)
+    assert not V.direct_eligible(cpu)  # CPU tensors: the dispatched op (its reference path and value checks)
     meta = torch.zeros(2, device="meta")
-    assert not V._direct(meta)
+    assert not V.direct_eligible(meta)
 
     class Sub(torch.Tensor):
         pass
 
-    assert not V._direct(cpu.as_subclass(Sub))
+    assert not V.direct_eligible(cpu.as_subclass(Sub))
 
     class FakeCuda(torch.Tensor):  # a plain type that says it is on CUDA
         pass
@@ -98,9 +98,9 @@ def test_who_takes_the_direct_path(monkeypatch):
     monkeypatch.setattr(V, "_PLAIN", (torch.Tensor, torch.nn.Parameter, FakeCuda))
     fake = torch.zeros(2).as_subclass(FakeCuda)
     monkeypatch.setattr(FakeCuda, "is_cuda", property(lambda self: True))
-    assert V._direct(fake)
+    assert V.direct_eligible(fake)
     monkeypatch.setenv("MMBALANCE_DEBUG", "1")  # the value checks run in the dispatched op
-    assert not V._direct(fake)
+    assert not V.direct_eligible(fake)
 
 
 def test_dispatch_modes_see_the_op(monkeypatch):
@@ -114,6 +114,6 @@ def test_dispatch_modes_see_the_op(monkeypatch):
     monkeypatch.setattr(V, "_PLAIN", (torch.Tensor, torch.nn.Parameter, FakeCuda))
     monkeypatch.setattr(FakeCuda, "is_cuda", property(lambda self: True))
     fake = torch.zeros(2).as_subclass(FakeCuda)
-    assert V._direct(fake)
+    assert V.direct_eligible(fake)
     with FlopCounterMode(display=False):
-        assert not V._direct(fake)
+        assert not V.direct_eligible(fake)
