@@ -136,8 +136,10 @@ def _forward_backward(args) -> None:
             step()
         torch.cuda.set_sync_debug_mode(0)
         syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught})
-        print(f"\n== fwd+bwd {backend} B{b}xL{n}xH16/4xD64 causal: {synced:.3f} ms a step synced, "
-              f"{host:.3f} ms of host time a step; host syncs: {syncs or 'none'}")
+        print(
+            f"\n== fwd+bwd {backend} B{b}xL{n}xH16/4xD64 causal: {synced:.3f} ms a step synced, "
+            f"{host:.3f} ms of host time a step; host syncs: {syncs or 'none'}"
+        )
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(20):

@@ -339,6 +339,84 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+# ------------------------------------------------------------------------------ workers' lifeline
+# Every worker process a command starts ends when the command does, however the command ends: a
+# worker watches its parent (a thread that polls ``os.getppid``) and, where the process that started
+# it was started by the main thread, also asks Linux to signal it at the parent's death
+# (``PR_SET_PDEATHSIG``), which acts at once even while the worker holds the GIL in native code (a
+# Triton compile). The kernel sends that signal when the *thread* that started the process exits,
+# hence the main-thread condition: a pool started from a helper thread relies on the watch alone.
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc_prctl():
+    """libc's ``prctl`` (Linux), or ``None``; looked up before any fork so a child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+
+
+def lifeline() -> tuple[int, bool]:
+    """What a worker needs to end with this process: ``(pid, started by the main thread)``; pass it
+    to the worker and call :func:`die_with_parent` with it there."""
+    return os.getpid(), threading.current_thread() is threading.main_thread()
+
+
+def die_with_parent(parent: int, main_thread: bool, sig: int | None = None, interval: float = 0.5) -> None:
+    """Make this worker end when its parent ``parent`` (a pid from :func:`lifeline`) does: with
+    ``sig`` (default SIGKILL) from the kernel at once where the parent started it from its main
+    thread (Linux), and from a watch thread within ``interval`` seconds everywhere. A parent
+    already gone ends this process now."""
+    import signal
+
+    sig = int(signal.SIGKILL if sig is None else sig)
+    if main_thread and _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), sig)
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), sig)
+                time.sleep(10)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="mmbalance-lifeline", daemon=True).start()
+
+
+def child_dies_with_parent(sig: int | None = None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess`` that has the child (any program) signalled with ``sig``
+    (default SIGKILL; SIGTERM for a program that stops its own workers on it, as torchrun does) when
+    this process ends; ``None`` where that is not available (not Linux) or the caller is not the main
+    thread (the kernel would signal at that thread's end)."""
+    import signal
+
+    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
+        return None
+    sig = int(signal.SIGKILL if sig is None else sig)
+    parent, prctl = os.getpid(), _PRCTL
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
 # ``multiprocessing`` is not thread-safe about its children: ``Process.start`` polls every child of
 # this process (``process._cleanup``), and when two threads poll one forkserver child at once, both
 # read its exit status from one pipe; the one that reads second gets end-of-file and records exit
@@ -483,7 +561,9 @@ def spawn(
         init = os.path.join(tmp, "rdzv")
         procs = [
             ctx.Process(
-                target=_spawned, args=(r, world, init, backend, pg_timeout, fn, args, queue), daemon=True
+                target=_spawned,
+                args=(r, world, init, backend, pg_timeout, fn, args, queue, lifeline()),
+                daemon=True,
             )
             for r in range(world)
         ]
@@ -511,10 +591,11 @@ def spawn(
     return [out[r] for r in range(world)]
 
 
-def _spawned(rank, world, init, backend, pg_timeout, fn, args, queue):
+def _spawned(rank, world, init, backend, pg_timeout, fn, args, queue, parent):
     import traceback
     from datetime import timedelta
 
+    die_with_parent(*parent)
     import torch
     import torch.distributed as dist
 

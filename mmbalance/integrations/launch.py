@@ -11,7 +11,10 @@ PROGRAM runs in this process, as Python would run it: a console script (``llamaf
 here and in every Python process the program starts: a ``sitecustomize`` module in a directory of
 its own, first on ``PYTHONPATH``, reads the same variable (and runs the ``sitecustomize`` it
 hides, if any). So a framework that starts its own workers (LLaMA-Factory's ``FORCE_TORCHRUN``,
-ms-swift's ``NPROC_PER_NODE``: ``torchrun`` under them) has them balanced too. A process that never
+ms-swift's ``NPROC_PER_NODE``: ``torchrun`` under them) has them balanced too. Each of those
+processes also watches the process that started it and ends when that one does (SIGTERM, then
+SIGKILL 10 s later), so however the command ends (SIGTERM, SIGKILL, a crash) none of its
+workers is left running. A process that never
 imports transformers' trainer is not touched (nothing is imported at its start but this module).
 
 This module imports nothing of transformers or torch when it is imported: processes pay for the
@@ -48,8 +51,33 @@ import os as _os
 import sys as _sys
 
 
+def _mmbalance_watch_parent():
+    """This process ends with the one that started it, however that one ends (SIGTERM first, so a
+    torchrun here stops its workers; SIGKILL 10 s later); a fork of it watches its own parent."""
+    import signal as _signal
+    import threading as _threading
+    import time as _time
+
+    parent = _os.getppid()
+    if parent <= 1:
+        return
+
+    def watch():
+        while True:
+            _time.sleep(0.5)
+            if _os.getppid() != parent:
+                _os.kill(_os.getpid(), _signal.SIGTERM)
+                _time.sleep(10)
+                _os._exit(1)
+
+    _threading.Thread(target=watch, name="mmbalance-parent-watch", daemon=True).start()
+
+
 def _mmbalance_launch():
     if _os.environ.get("{env}"):
+        _mmbalance_watch_parent()
+        if hasattr(_os, "register_at_fork"):
+            _os.register_at_fork(after_in_child=_mmbalance_watch_parent)
         try:
             from mmbalance.integrations.launch import install_from_environment
         except Exception as exc:  # a broken install must not stop the program

@@ -83,7 +83,9 @@ def test_packed_varlen_matches_padded_sdpa_in_bf16(monkeypatch):
     ).cuda()
     # a config of its own: _from_config sets the attention on the config it is given, which would
     # switch the first model to sdpa too
-    ref = Qwen2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.bfloat16).cuda()
+    ref = Qwen2ForCausalLM._from_config(
+        copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.bfloat16
+    ).cuda()
     ref.load_state_dict(ours.state_dict())
     assert (ours.config._attn_implementation, ref.config._attn_implementation) == ("mmbalance_varlen", "sdpa")
     rows = _examples([37, 200, 5, 129, 64], 256)
@@ -125,10 +127,15 @@ def test_softcap_runs_on_the_triton_kernels_and_matches_eager(monkeypatch):
                        attn_logit_softcapping=5.0, query_pre_attn_scalar=32)  # fmt: skip
     torch.manual_seed(0)
     ours = Gemma2ForCausalLM._from_config(cfg, attn_implementation="mmbalance_varlen", dtype=torch.bfloat16)
-    ref = Gemma2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.bfloat16)
+    ref = Gemma2ForCausalLM._from_config(
+        copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.bfloat16
+    )
     ours, ref = ours.cuda(), ref.cuda()
     ref.load_state_dict(ours.state_dict())
-    assert (ours.config._attn_implementation, ref.config._attn_implementation) == ("mmbalance_varlen", "eager")
+    assert (ours.config._attn_implementation, ref.config._attn_implementation) == (
+        "mmbalance_varlen",
+        "eager",
+    )
     rows = _examples([70, 9, 120], 256, seed=1)
     chosen = _spy(monkeypatch)
     a = ours(**_packed(rows)).loss

@@ -57,7 +57,9 @@ def test_direct_calls_equal_the_dispatched_op(case, monkeypatch):
     dout = torch.randn(got_out.shape, generator=g, dtype=torch.float64)
     dlse = torch.randn(got_lse.shape, generator=g, dtype=torch.float64).masked_fill(torch.isinf(got_lse), 0.0)
     got = torch.autograd.grad((got_out * dout).sum() + (got_lse.nan_to_num(0, 0, 0) * dlse).sum(), got_leaves)
-    want = torch.autograd.grad((want_out * dout).sum() + (want_lse.nan_to_num(0, 0, 0) * dlse).sum(), want_leaves)
+    want = torch.autograd.grad(
+        (want_out * dout).sum() + (want_lse.nan_to_num(0, 0, 0) * dlse).sum(), want_leaves
+    )
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from ..harness import Row, device_name
+from ..harness import Row, child_dies_with_parent, device_name
 
 
 def _rss_kib(field: str) -> int:
@@ -93,7 +93,8 @@ def bench_long(seqlen: int, heads: int = 8, head_dim: int = 64, rounds: int = 3)
         for provider in providers:
             cmd = [sys.executable, "-m", "mmbalance.bench.attention", "--long-worker", provider,
                    str(seqlen), str(heads), str(head_dim)]  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                                  preexec_fn=child_dies_with_parent())  # fmt: skip
             if done.returncode != 0:
                 raise RuntimeError(f"long-sequence worker {provider} failed:\n{done.stderr[-3000:]}")
             results[provider].append(json.loads(done.stdout.strip().splitlines()[-1]))

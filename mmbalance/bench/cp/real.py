@@ -46,7 +46,7 @@ import numpy as np
 
 from mmbalance.balancing import CostModel
 
-from ..harness import Row, device_name
+from ..harness import Row, child_dies_with_parent, device_name
 from . import schemes
 from .data import FILL, draw
 
@@ -214,17 +214,23 @@ def launch(
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # torchrun leads a session of its own (so the time limit can end its workers with it), and
+        # gets SIGTERM, on which it stops its workers, when this process ends however it ends
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=child_dies_with_parent(signal.SIGTERM))  # fmt: skip
+        rc = None
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops its workers on SIGTERM
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = None
+            pass
+        finally:
+            if proc.poll() is None:  # the time limit, or an exception here (KeyboardInterrupt)
+                os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
         log.seek(0)
         text = log.read()
     if rc != 0 or not os.path.exists(out):

@@ -43,6 +43,8 @@ import tempfile
 import time
 import warnings
 
+from ..harness import die_with_parent, lifeline
+
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
 _MEM_INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st|cp\.async)\.([\w.:]+)", re.MULTILINE)
@@ -327,7 +329,9 @@ def audit_all(configs: list[dict], capability: int, ptxas_arch: str, jobs: int =
     rows: dict[int, dict] = {}
     try:
         context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        # the compiling processes end with this one, however it ends (harness.die_with_parent)
+        lifeline_args = dict(initializer=die_with_parent, initargs=lifeline())
+        with ProcessPoolExecutor(jobs, mp_context=context, **lifeline_args) as pool:
             futures = {i: pool.submit(_audit_index, i) for i in range(len(configs))}
             for i, fut in futures.items():
                 try:
@@ -337,7 +341,7 @@ def audit_all(configs: list[dict], capability: int, ptxas_arch: str, jobs: int =
         for i in range(len(configs)):  # after a death: one process each, so only the culprit fails
             if i in rows:
                 continue
-            with ProcessPoolExecutor(1, mp_context=context) as alone:
+            with ProcessPoolExecutor(1, mp_context=context, **lifeline_args) as alone:
                 try:
                     rows[i] = alone.submit(_audit_index, i).result()
                 except BrokenProcessPool:

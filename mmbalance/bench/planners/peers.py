@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-from ..harness import Row
+from ..harness import Row, child_dies_with_parent
 
 # Runs in the peers' environment (``.venv-peers``): lengths in from a .npy file, destination ranks
 # out to another, the peer's own times and version as JSON on stdout.
@@ -91,6 +91,7 @@ def run_verl(python: str, lengths: np.ndarray, k: int, reps: int = 1, timeout: f
                 text=True,
                 timeout=timeout,
                 cwd=tmp,  # never import this source tree's packages in the peer's interpreter
+                preexec_fn=child_dies_with_parent(),
             )
         except (OSError, subprocess.SubprocessError) as exc:
             raise RuntimeError(f"{python}: {exc}") from exc

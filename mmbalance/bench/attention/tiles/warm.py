@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...harness import die_with_parent, lifeline
 from .check import make_case, table_config
 from .shapes import SHAPES
 
@@ -80,8 +81,12 @@ class Warmer:
                 import concurrent.futures
                 import multiprocessing
 
+                # the workers end with this process, however it ends (harness.die_with_parent)
                 self.pool = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn")
+                    self.workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=die_with_parent,
+                    initargs=lifeline(),
                 )
             futures = {self.pool.submit(self.fn, jobs[i]): i for i in sorted(pending)}
             try:
