@@ -128,13 +128,10 @@ run: $(STAMP) $(PEERS)
 	$(VENV)/bin/mmbalance bench planners
 	$(VENV)/bin/mmbalance demo --json results/demo.json --plot results/demo.png
 
+# every step runs even when one before it failed; each step's time as it ends, and at the end the
+# steps that failed, by name (exit 1). STEPS="suite mypy" runs some of them only.
 test: $(STAMP) $(TF_STAMPS)
-	$(PY) -m pytest -q tests --ignore=tests/frameworks
-	$(MAKE) --no-print-directory test-matrix
-	$(VENV)/bin/mypy
-	$(PY) -m mmbalance.bench.kernel_audit --arch sm_90
-	$(PY) -m mmbalance.bench.kernel_audit --arch sm_80
-	PYTHON=$(PYTHON) .ci/check_wheel
+	@PY=$(PY) VENV=$(VENV) PYTHON=$(PYTHON) MAKE="$(MAKE)" scripts/make_test.sh $(STEPS)
 
 bench: $(STAMP)
 	$(VENV)/bin/mmbalance bench

@@ -3,9 +3,9 @@ left behind looks like.
 
 ``run(cmd, timeout=...)`` runs a command in a session of its own (its own process group) and
 returns its ``CompletedProcess``. When the limit fires it reports what was still running (every
-process of the session, with its state and, for Python processes, the stack of every thread:
-faulthandler on SIGABRT) and kills the whole session, so no worker the command started outlives
-the test. ``descendants``, ``session`` and ``alive`` read Linux ``/proc``.
+process of the session and below the command, with its state and, for Python processes, the stack
+of every thread: faulthandler on SIGABRT) and kills them all, so no worker the command started
+outlives the test. ``descendants``, ``session`` and ``alive`` read Linux ``/proc``.
 """
 
 from __future__ import annotations
@@ -94,24 +94,35 @@ def run(
     cwd=None,
     env: dict | None = None,
     check: bool = False,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` to its end in a session of its own, its output captured as text.
 
     Past ``timeout`` seconds the command is a failure: ``AssertionError`` with what was still
     running (every process of its session, then the end of the output, which holds the Python
     stacks of each), after every process of the session was killed. ``check``: a non-zero exit is
-    an ``AssertionError`` with the output's end too."""
+    an ``AssertionError`` with the output's end too. ``input``: text on its standard input."""
     env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=out, stderr=err, text=True,
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile("w+") as err,
+        tempfile.TemporaryFile("w+") as stdin,
+    ):
+        stdin.write(input or "")
+        stdin.seek(0)
+        proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdin=stdin, stdout=out, stderr=err, text=True,
                                 start_new_session=True)  # fmt: skip
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            running = [p for p in session(proc.pid) if alive(p)]
+            # its session, and what it started in sessions of their own (torchrun's workers)
+            running = sorted({p for p in [*session(proc.pid), *descendants(proc.pid)] if alive(p)})
             listing = describe(running)
             _stacks(running)
             kill_session(proc.pid)
+            for pid in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait(timeout=30)
             out.seek(0)
             err.seek(0)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tests.test_packaging import stub_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 def run(*cmd, check=True) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300)
+    done = procs.run([str(c) for c in cmd], timeout=600)
     if check:
         assert done.returncode == 0, done.stdout + done.stderr
     return done

@@ -1,8 +1,8 @@
 """``mmbalance launch``: run a training program with every ``transformers.Trainer`` it builds balanced,
 without editing it (LLaMA-Factory's ``llamafactory-cli``, ms-swift's ``swift``, a script).
 
-    mmbalance launch [--no-encoders] [--no-batches] [--context-parallel --max-tokens-per-rank N]
-                     -- PROGRAM [ARGS...]
+    mmbalance launch [--no-encoders] [--no-batches [--token-mean-loss]]
+                     [--context-parallel --max-tokens-per-rank N] -- PROGRAM [ARGS...]
 
 PROGRAM runs in this process, as Python would run it: a console script (``llamafactory-cli``,
 ``swift``), a ``.py`` file, or ``-m module``; its exit status is the command's. The switch
@@ -128,6 +128,12 @@ def parser() -> argparse.ArgumentParser:
         "--no-batches", action="store_true", help="leave the per-rank batches as the trainer draws them"
     )
     p.add_argument(
+        "--token-mean-loss",
+        action="store_true",
+        help="with --no-batches: the loss over the step's global token count all the same, as balanced batches "
+        "have it (SFT trainers only): the reference run a balanced run is compared with",
+    )
+    p.add_argument(
         "--context-parallel",
         action="store_true",
         help="dynamic context parallelism of any degree (needs --max-tokens-per-rank; the model runs the "
@@ -154,6 +160,7 @@ def _options(args: argparse.Namespace) -> dict:
         "context_parallel": bool(args.context_parallel),
         "max_tokens_per_rank": args.max_tokens_per_rank,
         "cost": args.cost,
+        "token_mean_loss": bool(args.token_mean_loss),
     }
 
 
@@ -324,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.context_parallel and args.no_batches:
         sys.stderr.write(
             "mmbalance launch: error: --context-parallel balances the batches: drop --no-batches\n"
+        )
+        return 2
+    if args.token_mean_loss and not args.no_batches:
+        sys.stderr.write(
+            "mmbalance launch: error: --token-mean-loss is for --no-batches runs (balanced batches have it already)\n"
         )
         return 2
     if args.max_tokens_per_rank is not None and args.max_tokens_per_rank < 1:

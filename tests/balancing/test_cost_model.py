@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmbalance.balancing import CostModel, FitReport, Measurement, cp_schedule
+from tests import procs
 
 SETTINGS = settings(
     max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -172,7 +172,7 @@ def test_balancing_import_stays_torch_free():
         "import sys; import mmbalance.balancing as b; assert 'torch' not in sys.modules; "
         "b.cp_schedule([5, 6], 2, 8); assert 'torch' not in sys.modules; print('ok')"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = procs.run([sys.executable, "-c", code], timeout=300)
     assert out.stdout.strip() == "ok", out.stderr
 
 

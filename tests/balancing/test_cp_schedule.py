@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +15,7 @@ from mmbalance.balancing import CostModel, cp_schedule
 from mmbalance.balancing._core_api import core
 from mmbalance.balancing.cp_schedule import DEFAULT_COST
 from mmbalance.balancing.paper import paper_cp_schedule
+from tests import procs
 from tests.balancing.cp_refs import (
     SETTINGS,
     PerSequence,
@@ -127,7 +127,7 @@ def test_deterministic_across_processes():
         f"s = cp_schedule({lengths!r}, 32, 131072); "
         "print([(g.degree, g.ranks, g.sequences.tolist()) for g in s])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = procs.run([sys.executable, "-c", code], timeout=300)
     assert out.stdout.strip() == str(sig)
 
 
@@ -157,13 +157,7 @@ def test_large_plans_on_two_threads_are_the_same_however_the_threads_run():
         "s = cp_schedule(l, 512, 16384, ranks_per_node=8); "
         "print(repr([(g.degree, g.ranks, g.sequences.tolist(), g.time) for g in s]))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        input=" ".join(map(str, lengths.tolist())),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = procs.run([sys.executable, "-c", code], input=" ".join(map(str, lengths.tolist())), timeout=480)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == repr(want[0])
 

@@ -4,7 +4,6 @@ plans large enough to take the threaded paths (>= 100k examples), with heavy tie
 from __future__ import annotations
 
 import bisect
-import subprocess
 import sys
 
 import numpy as np
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 from mmbalance import _core
 from mmbalance.balancing import lower_bound, post_balance
 from mmbalance.balancing.datasets import mixture
+from tests import procs
 
 from .test_post_balance import check_valid
 
@@ -200,9 +200,7 @@ print(post_balance(lengths, 2048, src_ranks=src, ranks_per_node=8).digest().hex(
 def test_large_located_plans_identical_across_processes(kind):
     lengths, src = located_case(kind, 2048)
     mine = post_balance(lengths, 2048, src_ranks=src, ranks_per_node=8).digest().hex()
-    out = subprocess.run(
-        [sys.executable, "-c", _DIGEST, kind], capture_output=True, text=True, check=True, timeout=300
-    )
+    out = procs.run([sys.executable, "-c", _DIGEST, kind], check=True, timeout=480)
     assert out.stdout.strip() == mine
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 
 from mmbalance.balancing import Plan, lower_bound, post_balance
 from mmbalance.balancing.paper import paper_algorithm
+from tests import procs
 
 from . import reference as ref
 
@@ -216,12 +216,10 @@ print(" ".join(out))
 def test_plans_are_identical_across_processes():
     outs = set()
     for seed in ("0", "1"):
-        res = subprocess.run(
+        res = procs.run(
             [sys.executable, "-c", _DIGEST_SCRIPT],
-            capture_output=True,
-            text=True,
             env={**__import__("os").environ, "PYTHONHASHSEED": seed},
-            timeout=120,
+            timeout=300,
         )
         assert res.returncode == 0, res.stderr
         outs.add(res.stdout.strip())

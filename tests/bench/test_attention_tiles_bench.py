@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from mmbalance.bench.attention import tiles
 from mmbalance.bench.kernel_audit import audit as kernel_audit
 from mmbalance.kernels.attention_common import bwd_config, fwd_config
+from tests import procs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def _run(args: list[str], interpret: bool = True, code: str | None = None, timeo
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "mmbalance.bench.attention.tiles"]
-    return subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return procs.run(cmd + args, cwd=REPO, env=env, timeout=timeout)
 
 
 def _rows(path: Path) -> list[dict]:

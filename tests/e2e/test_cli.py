@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import types
 
@@ -12,6 +11,7 @@ import pytest
 from mmbalance import cli
 from mmbalance.bench.demo import train as demo
 from mmbalance.bench.planners import simulate as sim
+from tests import procs
 
 
 def fake_benchmarks(monkeypatch) -> list[tuple[str, list[str]]]:
@@ -84,7 +84,7 @@ def test_commands_without_torch_do_not_import_it():
         "import sys\nfrom mmbalance import cli\nfrom mmbalance.bench.planners import simulate\n"
         "cli.load_benchmark('planners')\nassert 'torch' not in sys.modules, 'torch'"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = procs.run([sys.executable, "-c", code], timeout=300)
     assert out.returncode == 0, out.stderr
 
 
@@ -274,7 +274,7 @@ def test_star_import_does_not_import_torch():
     code = (
         "import sys\nfrom mmbalance import *\nassert 'torch' not in sys.modules, 'torch'\nprint(post_balance)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = procs.run([sys.executable, "-c", code], timeout=300)
     assert out.returncode == 0, out.stderr
 
 

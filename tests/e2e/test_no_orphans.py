@@ -119,6 +119,7 @@ def test_nothing_outlives_the_command(name, how, tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
+    workers: set[int] = set()
     try:
         workers = _workers(proc, count, log)
         time.sleep(0.5)  # the workers past their start
@@ -136,9 +137,9 @@ def test_nothing_outlives_the_command(name, how, tmp_path):
             f"{name}: {len(left)} process(es) still running 10 s after the command got {how}:\n{describe(left)}\n"
             f"--- its output\n{log.read_text()[-3000:]}"
         )
-    finally:
+    finally:  # nothing is left behind by a failure either: its session, what is below it, what it started
         kill_session(proc.pid)
-        for pid in descendants(proc.pid):
+        for pid in workers | descendants(proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

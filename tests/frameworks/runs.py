@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 RUN_TIMEOUT = 600  # seconds a 2-rank run of a few steps may take (they take 20 to 60 here)
@@ -52,9 +54,9 @@ def environment(env_dir: Path, **extra: str) -> dict[str, str]:
 def run(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.CompletedProcess:
     """Run ``cmd`` (its output to ``log`` and returned), failing the test on the time limit."""
     try:
-        done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired as exc:
-        log.write_text(f"{exc.stdout or ''}\n{exc.stderr or ''}")
+        done = procs.run(cmd, env=env, cwd=cwd, timeout=RUN_TIMEOUT)
+    except AssertionError as exc:  # the time limit: what still ran, its stacks, the output's end
+        log.write_text(str(exc))
         pytest.fail(f"{' '.join(cmd[:6])} ... ran past {RUN_TIMEOUT} s (output: {log})")
     log.write_text(f"$ {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
     return done

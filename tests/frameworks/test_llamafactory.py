@@ -6,7 +6,7 @@ through the launch's ``sitecustomize``), fp32, SGD, 4 steps of 2 examples x 2 ra
 micro-batches, full and LoRA:
 
 * the balanced run (encoders, batches) ends at the weights of the plain run normalized the same
-  way (``--no-encoders --no-batches``: the loss over the step's global token count; LLaMA-Factory
+  way (``--no-encoders --no-batches --token-mean-loss``: the loss over the step's global token count; LLaMA-Factory
   itself divides each micro-batch's mean), within 1e-5 of the change;
 * its ``trainer_state.json`` holds the ``mmbalance/*`` keys, and they show balancing acting;
 * ``disable_shuffling: true`` is refused on both ranks before the first step, by name.
@@ -81,7 +81,9 @@ def _train(setup, name: str, tuning: str, launch: list[str], extra: str = ""):
 @pytest.mark.parametrize("tuning", ["full", "lora"])
 def test_launch_balances_and_ends_at_the_plain_runs_weights(setup, tuning):
     _, where, model, _ = setup
-    plain, plain_out = _train(setup, f"plain_{tuning}", tuning, ["--no-encoders", "--no-batches"])
+    plain, plain_out = _train(
+        setup, f"plain_{tuning}", tuning, ["--no-encoders", "--no-batches", "--token-mean-loss"]
+    )
     assert plain.returncode == 0, plain.stderr[-4000:]
     bal, bal_out = _train(setup, f"balanced_{tuning}", tuning, [])
     assert bal.returncode == 0, bal.stderr[-4000:]

@@ -6,7 +6,7 @@ balanced through the launch's ``sitecustomize``), fp32, SGD, 4 steps of 2 exampl
 micro-batches, full and LoRA:
 
 * the balanced run ends at the weights of the plain run normalized the same way
-  (``--no-encoders --no-batches``), within 1e-5 of the change; ms-swift's own loss is already the
+  (``--no-encoders --no-batches --token-mean-loss``), within 1e-5 of the change; ms-swift's own loss is already the
   step's token sum over its global count, so the plain run is ms-swift's as it is;
 * its ``logging.jsonl`` holds the ``mmbalance/*`` keys of the batches, which show balancing
   acting; the encoders stay as ms-swift runs them (its template encodes the images in a forward
@@ -73,7 +73,9 @@ def _checkpoint(out):
 @pytest.mark.parametrize("tuning", ["full", "lora"])
 def test_launch_balances_and_ends_at_the_plain_runs_weights(setup, tuning):
     _, _, model, _ = setup
-    plain, plain_out = _sft(setup, f"plain_{tuning}", tuning, ["--no-encoders", "--no-batches"])
+    plain, plain_out = _sft(
+        setup, f"plain_{tuning}", tuning, ["--no-encoders", "--no-batches", "--token-mean-loss"]
+    )
     assert plain.returncode == 0, plain.stderr[-4000:]
     bal, bal_out = _sft(setup, f"balanced_{tuning}", tuning, [])
     assert bal.returncode == 0, bal.stderr[-4000:]

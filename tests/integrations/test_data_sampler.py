@@ -3,7 +3,6 @@ talking, balanced cost, DistributedSampler's padding, epochs, and clear errors."
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections import Counter
 
@@ -13,6 +12,7 @@ import torch
 
 from mmbalance.balancing import CostModel
 from mmbalance.integrations.data import BalancedBatchSampler
+from tests import procs
 
 
 def _lengths(n=203, seed=0):
@@ -128,11 +128,9 @@ print("|".join(",".join(map(str, b)) for b in s))
 
 def test_same_batches_in_every_process():
     outs = {
-        subprocess.run(
+        procs.run(
             [sys.executable, "-c", _SCRIPT],
-            capture_output=True,
-            text=True,
-            timeout=120,
+            timeout=300,
             env={**__import__("os").environ, "PYTHONHASHSEED": seed},
         ).stdout  # fmt: skip
         for seed in ("1", "2")

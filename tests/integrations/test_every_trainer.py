@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers", minversion="5.6")
 pytest.importorskip("accelerate")
 
 from mmbalance.integrations.hf import balance_every_trainer  # noqa: E402
+from tests import procs  # noqa: E402
 from tests.dist_utils import REPO  # noqa: E402
 
 PROGRAM = Path(__file__).with_name("every_trainer_program.py")
@@ -192,14 +193,14 @@ def test_bad_options_are_refused_by_name():
 # ----------------------------------------------------------------------------- the command
 def _mmbalance(*args: str, cwd=REPO, env=None, timeout=300) -> subprocess.CompletedProcess:
     code = "import sys; from mmbalance.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout)  # fmt: skip
+    return procs.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, timeout=timeout)
 
 
 def test_launch_help_and_the_exit_status_of_what_it_runs(tmp_path):
     done = _mmbalance("launch", "--help")
     assert done.returncode == 0
-    for flag in ("--no-encoders", "--no-batches", "--context-parallel", "--max-tokens-per-rank", "PROGRAM"):
+    for flag in ("--no-encoders", "--no-batches", "--token-mean-loss", "--context-parallel", "--max-tokens-per-rank",
+                 "PROGRAM"):  # fmt: skip
         assert flag in done.stdout
     done = _mmbalance("launch", "--", "no-such-program-anywhere")
     assert done.returncode == 127 and "no-such-program-anywhere: no console script" in done.stderr
@@ -207,6 +208,8 @@ def test_launch_help_and_the_exit_status_of_what_it_runs(tmp_path):
     assert done.returncode == 2 and "no PROGRAM" in done.stderr
     done = _mmbalance("launch", "--context-parallel", "--", "x.py")
     assert done.returncode == 2 and "--max-tokens-per-rank" in done.stderr
+    done = _mmbalance("launch", "--token-mean-loss", "--", "x.py")
+    assert done.returncode == 2 and "--token-mean-loss is for --no-batches runs" in done.stderr
     script = tmp_path / "prog.py"
     script.write_text(
         "import sys, os\nprint('ARGV', sys.argv[1:], os.environ['MMBALANCE_LAUNCH'])\nsys.exit(7)\n"
@@ -235,8 +238,9 @@ def _torchrun(tmp: Path, name: str, launch: bool, *flags: str) -> tuple[subproce
     run = ["torchrun", "--standalone", "--nproc-per-node", "2", str(PROGRAM), str(out), *flags]
     cmd = ["launch", "--", *run] if launch else None
     if cmd is None:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *run[1:]], capture_output=True,
-                              text=True, cwd=REPO, env=env, timeout=600)  # fmt: skip
+        done = procs.run(
+            [sys.executable, "-m", "torch.distributed.run", *run[1:]], cwd=REPO, env=env, timeout=600
+        )
     else:
         done = _mmbalance(*cmd, env=env, timeout=600)
     return done, out

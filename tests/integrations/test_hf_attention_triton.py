@@ -10,7 +10,6 @@ eager's logits and gradients, sequence by sequence).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 pytest.importorskip("transformers", minversion="5.6")
 
 from mmbalance.kernels import _launch  # noqa: E402
+from tests import procs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,8 @@ SCRIPT = textwrap.dedent(
 )
 def test_packed_models_on_the_triton_path():
     env = dict(os.environ, TRITON_INTERPRET="1", MMBALANCE_ATTN_BACKEND="triton", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, "llama", "gemma2", "gpt_oss"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = procs.run(
+        [sys.executable, "-c", SCRIPT, "llama", "gemma2", "gpt_oss"], cwd=REPO, env=env, timeout=600
+    )
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0 and "TRITON-PATH-OK" in proc.stdout, tail

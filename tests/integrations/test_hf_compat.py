@@ -16,7 +16,6 @@ release of its matrix).
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ transformers = pytest.importorskip("transformers", minversion="5.6")
 from mmbalance.integrations.hf import compat  # noqa: E402
 from mmbalance.integrations.hf.encoders import core  # noqa: E402
 from mmbalance.integrations.hf.wrappers import inner_model, wrapper_hint  # noqa: E402
+from tests import procs  # noqa: E402
 from tests.integrations import hf_zoo  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_the_floor_agrees_everywhere():
 
 def test_an_older_transformers_is_refused_at_import_by_name():
     code = "import transformers; transformers.__version__ = '5.5.4'\nimport mmbalance.integrations.hf\n"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    run = procs.run([sys.executable, "-c", code], cwd=REPO, timeout=480)
     assert run.returncode != 0
     assert "ImportError" in run.stderr and "found transformers 5.5.4" in run.stderr, run.stderr[-2000:]
     assert f"transformers >= {FLOOR}" in run.stderr, run.stderr[-2000:]

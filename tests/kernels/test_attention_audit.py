@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from mmbalance.bench.kernel_audit import audit as kernel_audit
 from mmbalance.bench.kernel_audit import variants
 from mmbalance.kernels import attention_bwd, attention_bwd_dkdv, attention_common, attention_fwd, merge
+from tests import procs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_attention_kernels_use_tensor_cores_without_spills(tmp_path, arch, only)
         "--json",
         str(out),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = procs.run(cmd, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["kernels"]
     assert {r["kernel"] for r in rows} == {"attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"}

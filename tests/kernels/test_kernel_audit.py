@@ -6,7 +6,6 @@ import importlib
 import json
 import os
 import pkgutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import mmbalance.kernels
 from mmbalance.bench.kernel_audit import audit as kernel_audit
 from mmbalance.bench.kernel_audit import variants
 from mmbalance.kernels import varlen
+from tests import procs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def test_audit_compiles_varlen_kernels_to_128_bit_accesses(tmp_path, arch="sm_90
         "--json",
         str(out),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = procs.run(cmd, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["kernels"]
     names = {r["name"] for r in rows}
@@ -158,7 +158,7 @@ def test_parallel_audit_gives_the_serial_report(tmp_path):
         out = tmp_path / f"audit{jobs}.json"
         cmd = [sys.executable, "-m", "mmbalance.bench.kernel_audit", "--only", "fwd_kernel[fp16",
                "--jobs", str(jobs), "--json", str(out)]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        proc = procs.run(cmd, cwd=REPO, env=env, timeout=600)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         reports.append(
             [{k: v for k, v in r.items() if k != "compile_s"} for r in json.loads(out.read_text())["kernels"]]

@@ -11,7 +11,6 @@ run, or a CUDA device).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from mmbalance.kernels import _launch
+from tests import procs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def test_kernels_under_interpreter(kernel_tests):
         "no:cacheprovider",
         f"tests/{kernel_tests}",
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = procs.run(cmd, cwd=REPO, env=env, timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"interpreter run failed (rc={proc.returncode}):\n{tail}"
     # the kernels must really have run, not skipped for want of the interpreter

@@ -13,11 +13,15 @@ has set its model, collator and arguments, and DDP has not wrapped the model yet
   micro-batches by cost; a last, partial step of an epoch trained as drawn; with
   ``context_parallel`` dynamic context parallelism of any degree, the model switched to the
   ``mmbalance_varlen`` attention);
-* the loss normalized by the step's global token count (Trainer's ``num_items_in_batch`` reaches
-  the model, ``average_tokens_across_devices``), so that balancing changes no step's gradient,
-  also for a trainer that normalized per micro-batch (LLaMA-Factory's multimodal SFT sets
-  ``model_accepts_loss_kwargs = False``), where the model's loss takes the count
-  (``compat.loss_takes_token_count``);
+* with balanced batches, the loss normalized by the step's global token count (Trainer's
+  ``num_items_in_batch`` reaches the model, ``average_tokens_across_devices``), so that balancing
+  changes no step's gradient, also for a trainer that normalized per micro-batch (LLaMA-Factory's
+  multimodal SFT sets ``model_accepts_loss_kwargs = False``), where the model's loss takes the
+  count (``compat.loss_takes_token_count``). Only the trainers whose loss is a token mean are
+  regrouped and switched (``loss.py``: transformers', TRL's SFT, LLaMA-Factory's and ms-swift's
+  SFT and pre-training trainers); the others (DPO, KTO, ORPO, reward, GRPO, a ``compute_loss`` of
+  one's own) keep their batches as drawn and their loss exactly as it was, with a warning that
+  says so, and so does every trainer whose batches are not balanced (``batches=False``);
 * the balance in every ``Trainer.log`` call (``logs.py``: ``mmbalance/*`` keys).
 
 What a trainer's own options make impossible is decided per case, on every rank, before the
@@ -29,8 +33,10 @@ first step (the same options on every rank give the same decision):
   context parallelism where the trainer's loader ends an epoch with a partial step;
 * left as the framework runs it, with one warning that says so: encoders of a multimodal model
   without an adapter, encoders a framework encodes itself before the model's forward (ms-swift's
-  template pre-hook), the batches of a model whose loss is a mean over each micro-batch whatever it
-  is given (Gemma 3, Qwen2-Audio) and of a streamed dataset without context parallelism;
+  template pre-hook), the batches of a trainer whose loss is not a token mean (above) or of a model
+  whose loss is a mean over each micro-batch whatever it is given (Gemma 3, Qwen2-Audio) and of a
+  streamed dataset without context parallelism; context parallelism on such a trainer or model is
+  refused (it regroups every step's sequences);
   ``group_by_length`` is replaced by the balanced sampler (whose padded cost groups lengths too).
 """
 
@@ -41,9 +47,9 @@ import warnings
 import weakref
 
 from .attention import ATTENTION_NAME, register_attention
-from .compat import install_loss_keywords, loss_takes_token_count
 from .encoders import adapters_for, apply_encoder_balance
 from .logs import balance_log, mean_rows
+from .loss import normalize_over_step, regrouping_changes_loss
 from .trainer import balance_trainer, check_cp_budget
 from .wrappers import inner_model
 
@@ -91,7 +97,8 @@ class EveryTrainerHandle:
 
 
 def balance_every_trainer(*, encoders: bool = True, batches: bool = True, context_parallel: bool = False,
-                          max_tokens_per_rank: int | None = None, cost="quadratic") -> EveryTrainerHandle:  # fmt: skip
+                          max_tokens_per_rank: int | None = None, cost="quadratic",
+                          token_mean_loss: bool = False) -> EveryTrainerHandle:  # fmt: skip
     """Balance every ``transformers.Trainer`` constructed after this call (module docstring).
 
     Args:
@@ -102,6 +109,9 @@ def balance_every_trainer(*, encoders: bool = True, batches: bool = True, contex
             ``max_tokens_per_rank``); the model is switched to ``mmbalance_varlen``.
         max_tokens_per_rank: tokens one rank may hold in a forward (with ``context_parallel``).
         cost: ``balance_trainer``'s cost (``"quadratic"``, ``"sum"``, a ``CostModel``).
+        token_mean_loss: with ``batches=False``, still normalize the loss by the step's global token
+            count as balanced batches do (the trainers of ``loss.TOKEN_MEAN_LOSSES`` only; any other
+            keeps its loss, with a warning): the reference a balanced run is compared with.
 
     Returns:
         An :class:`EveryTrainerHandle`; ``remove()`` undoes the switch.
@@ -111,7 +121,8 @@ def balance_every_trainer(*, encoders: bool = True, batches: bool = True, contex
         ValueError: ``context_parallel`` without ``batches`` or ``max_tokens_per_rank``, or the
             switch is on already (``remove()`` its handle first).
     """
-    for name, flag in (("encoders", encoders), ("batches", batches), ("context_parallel", context_parallel)):
+    for name, flag in (("encoders", encoders), ("batches", batches), ("context_parallel", context_parallel),
+                       ("token_mean_loss", token_mean_loss)):  # fmt: skip
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if context_parallel and not batches:
@@ -130,6 +141,7 @@ def balance_every_trainer(*, encoders: bool = True, batches: bool = True, contex
             context_parallel=context_parallel,
             max_tokens_per_rank=max_tokens_per_rank,
             cost=cost,
+            token_mean_loss=token_mean_loss,
         )  # fmt: skip
     )
     stock_init, stock_train = Trainer.__init__, Trainer.train
@@ -185,22 +197,23 @@ def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], 
     import torch.distributed as dist
 
     opts = handle.options
-    # the loss over the step's global token count where the model's loss can take it (compat.py
-    # hands the count to the losses of the releases whose forward drops it)
-    keywords = install_loss_keywords(model, trainer.model)
-    if keywords is not None:
-        undo.append(keywords.remove)
-    accepts = trainer.__dict__.get("model_accepts_loss_kwargs", _UNSET)
-    undo.append(lambda: _restore_attribute(trainer, "model_accepts_loss_kwargs", accepts))
-    normalized = _normalize_loss(trainer, model)
     streamed = isinstance(trainer.train_dataset, torch.utils.data.IterableDataset)
     batches = opts["batches"]
-    if batches and not normalized:
+    # batches are regrouped only where the trainer's loss over the step's global token count stays
+    # what it is (loss.py); only then is that normalization switched on: a trainer whose batches
+    # are left as drawn keeps its loss exactly
+    changes = regrouping_changes_loss(trainer, model) if batches else None
+    if changes is not None and opts["context_parallel"]:
+        raise ValueError(f"--context-parallel regroups the sequences of every step: {changes}")
+    if changes is not None:
         batches = False
-        notes.append(
-            f"batches are left as drawn: {type(model).__name__}'s loss is a mean over each micro-batch "
-            "(it does not take the step's token count), so regrouping them would change training"
-        )
+        notes.append(f"batches are left as drawn: {changes}")
+    if not opts["batches"] and opts.get("token_mean_loss"):  # the reference of a balanced run
+        why = regrouping_changes_loss(trainer, model)
+        if why is None:
+            undo.append(normalize_over_step(trainer, model))
+        else:
+            notes.append(f"the loss is left as the trainer computes it: {why}")
     if batches and streamed and not opts["context_parallel"]:
         batches = False
         notes.append(
@@ -226,6 +239,7 @@ def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], 
     elif opts["encoders"] and _multimodal(model) and not adapters_for(model):
         notes.append(f"encoders of {type(model).__name__} are not balanced (no adapter for it)")
     if batches:
+        undo.append(normalize_over_step(trainer, model))
         if getattr(trainer.args, "group_by_length", False):
             notes.append(
                 "group_by_length is replaced by the balanced sampler (its padded cost groups lengths too)"
@@ -235,17 +249,6 @@ def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], 
             max_tokens_per_rank=opts["max_tokens_per_rank"], order="trainer",
         )  # fmt: skip
     return enc
-
-
-_UNSET = object()
-
-
-def _restore_attribute(obj, name: str, value) -> None:
-    """Put back an instance attribute as it was (``_UNSET``: there was none)."""
-    if value is _UNSET:
-        obj.__dict__.pop(name, None)
-    else:
-        obj.__dict__[name] = value
 
 
 def _refuse_options(trainer, opts: dict) -> None:
@@ -275,26 +278,9 @@ def _encoders_left(trainer, model) -> str | None:
             if owner is not None and type(owner).__module__.split(".")[0] == "swift":
                 return (
                     "encoders are not balanced: ms-swift's template encodes the images in a forward pre-hook "
-                    "of its own, before the model's forward (batches are)"
+                    "of its own, before the model's forward"
                 )
     return None
-
-
-def _normalize_loss(trainer, model) -> bool:
-    """Whether the trainer's loss is the step's token sum over its global count, turning that on
-    where a trainer had turned it off (LLaMA-Factory does for multimodal models) and the model's
-    loss takes the count (``compat.loss_takes_token_count``). A trainer with a loss function of
-    its own (``compute_loss_func``), or with ``model_accepts_loss_kwargs`` on and a
-    ``compute_loss`` of its own (ms-swift's), says it prices the count itself."""
-    if getattr(trainer, "compute_loss_func", None) is not None:
-        return True
-    takes = loss_takes_token_count(model)
-    if not getattr(trainer, "model_accepts_loss_kwargs", True) and takes:
-        trainer.model_accepts_loss_kwargs = True
-    from transformers import Trainer
-
-    own = type(trainer).compute_loss is not Trainer.compute_loss
-    return bool(getattr(trainer, "model_accepts_loss_kwargs", True)) and (takes or own)
 
 
 class _EncoderKeys:

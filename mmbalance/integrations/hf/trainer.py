@@ -24,7 +24,7 @@ from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_thr
 from mmbalance.integrations.data import BalancedBatchSampler
 
 from .attention import ATTENTION_NAME
-from .compat import install_loss_keywords, loader_options
+from .compat import loader_options
 from .cp import (
     CPBatchSampler,
     CPCollator,
@@ -42,6 +42,7 @@ from .cp import (
     vlm_family,
 )
 from .logs import balance_log
+from .loss import normalize_over_step, regrouping_changes_loss
 from .wrappers import inner_model
 
 __all__ = ["balance_trainer", "check_cp_budget"]
@@ -162,8 +163,12 @@ def balance_trainer(
     epoch) and gives every rank ``gradient_accumulation_steps`` micro-batches of about equal cost
     slot by slot; ``args.dataloader_drop_last`` drops the tail, otherwise it is padded with
     repeats of the first examples. Per-rank batch sizes differ, so the loss must be normalized by
-    the global token count of the step: keep ``average_tokens_across_devices=True`` (the default;
-    a warning says when it is off on several ranks).
+    the global token count of the step: it is switched on here (``model_accepts_loss_kwargs``, and
+    the count handed to the model's loss on every release) for the trainers whose loss is such a
+    token mean (``loss.TOKEN_MEAN_LOSSES``: transformers', TRL's SFT, LLaMA-Factory's and ms-swift's
+    SFT), also for a model that opts out of it (Qwen3.5, Gemma 4) where its loss takes the count;
+    keep ``average_tokens_across_devices=True`` (the default; a warning says when it is off on
+    several ranks).
 
     On several ranks it also arranges the end of the run so that it cannot hang at teardown (see
     :func:`mmbalance.collectives.shutdown`): the process groups are kept until the process exits, and
@@ -173,7 +178,9 @@ def balance_trainer(
     distributed work.
 
     Raises:
-        ValueError: ``lengths`` of a different size than the dataset; a dataset smaller than one
+        ValueError: a trainer whose loss regrouping would change (a preference, reward or RL loss, a
+            ``compute_loss`` of its own, a model whose loss is a mean over each micro-batch), named
+            with the reason; ``lengths`` of a different size than the dataset; a dataset smaller than one
             step with ``dataloader_drop_last``; an unsized or missing ``train_dataset``; accelerate
             set to split or dispatch batches (both assume one global batch per step).
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
@@ -201,13 +208,17 @@ def balance_trainer(
                 f"accelerate is set to {name}=True, which splits one global batch per step over the ranks; "
                 "balanced batches are already per rank: set it to False in args.accelerator_config"
             )
-    # the step's global token count reaches the loss on every release (compat.py)
-    keywords = install_loss_keywords(inner_model(trainer.model), trainer.model)
+    # regrouping is exact only for a loss that is the step's token sum over its global token count
+    # (loss.py): that normalization is switched on here, and any other loss is refused by name
+    model = inner_model(trainer.model)
+    changes = regrouping_changes_loss(trainer, model)
+    if changes is not None:
+        raise ValueError(f"balance_trainer: {changes}")
+    undo_loss = normalize_over_step(trainer, model)
     try:
         return _balance(trainer, lengths, cost, padding, context_parallel, max_tokens_per_rank, order)
     except BaseException:  # a refusal leaves the trainer as it was
-        if keywords is not None:
-            keywords.remove()
+        undo_loss()
         for name in (
             "balanced_sampler",
             "_mmbalance_options",

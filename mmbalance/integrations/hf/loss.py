@@ -1,0 +1,93 @@
+"""Which trainers' losses stay what they are when their micro-batches are regrouped.
+
+Balanced batches give the ranks micro-batches of different sizes, which is exact only where the
+trainer's loss is the step's token sum over the step's global token count (transformers'
+``num_items_in_batch`` reaching the loss, ``model_accepts_loss_kwargs`` on): then whichever
+micro-batch a token lands in, its gradient weight is the same. A mean over each micro-batch (of
+tokens, pairs, groups or sequences) changes when the micro-batches do.
+
+The trainers known to compute such a token mean are listed by the class that defines their
+``compute_loss`` (a subclass that keeps it is one of them; one that overrides it is not, until it
+is listed): transformers' ``Trainer`` (the model's own loss, which must then take the count:
+:func:`~mmbalance.integrations.hf.compat.loss_takes_token_count`), TRL's ``SFTTrainer`` (its
+token sum over ``num_items_in_batch``), and the SFT and pre-training trainers of LLaMA-Factory
+and ms-swift. DPO, KTO, ORPO, CPO, SimPO, reward and PRM trainers, GRPO and PPO, and a user's
+own ``compute_loss`` average over their own micro-batch: their batches are never regrouped, and
+the normalization is never switched on for them (it would change their loss: LLaMA-Factory's DPO
+loss is no longer divided by the accumulation steps with it on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .compat import install_loss_keywords, loss_takes_token_count
+
+__all__ = ["TOKEN_MEAN_LOSSES", "loss_owner", "regrouping_changes_loss", "normalize_over_step"]
+
+#: ``"module.Class"`` of the class that defines ``compute_loss`` -> whether the loss is the model's
+#: own (True: the model's loss must take the count) or the trainer's token sum over the count
+TOKEN_MEAN_LOSSES: dict[str, bool] = {
+    "transformers.trainer.Trainer": True,
+    "trl.trainer.sft_trainer.SFTTrainer": False,
+    # LLaMA-Factory 0.9: stage sft (whose compute_loss hands on to Trainer's) and stage pt
+    "llamafactory.train.sft.trainer.CustomSeq2SeqTrainer": True,
+    "llamafactory.train.pt.trainer.CustomTrainer": True,
+    # ms-swift 4: swift sft / swift pt (its own token sum over num_items_in_batch)
+    "swift.trainers.trainers.Seq2SeqTrainer": False,
+    "swift.trainers.trainers.Trainer": False,
+}
+
+
+def loss_owner(trainer) -> str:
+    """``"module.Class"`` of the class in ``trainer``'s hierarchy that defines ``compute_loss``."""
+    for cls in type(trainer).__mro__:
+        if "compute_loss" in vars(cls):
+            return f"{cls.__module__}.{cls.__qualname__}"
+    return f"{type(trainer).__module__}.{type(trainer).__qualname__}"
+
+
+def regrouping_changes_loss(trainer, model) -> str | None:
+    """Why regrouping ``trainer``'s micro-batches would change its loss (a sentence naming the
+    trainer class, or the model), or ``None`` where its loss over the step's global token count is
+    the same however the micro-batches are formed."""
+    owner = loss_owner(trainer)
+    name = type(trainer).__name__
+    if owner not in TOKEN_MEAN_LOSSES:
+        return (
+            f"{name}'s loss ({owner}.compute_loss) is not a token mean over the step: a preference, reward "
+            "or RL loss, or a compute_loss of its own, averages over each micro-batch, so regrouping the "
+            "micro-batches would change training (a compute_loss that is the step's token sum over "
+            "num_items_in_batch can say so: mmbalance.integrations.hf.loss.TOKEN_MEAN_LOSSES"
+            f"[{owner!r}] = False)"
+        )
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return None  # transformers hands it the step's count (num_items_in_batch)
+    if TOKEN_MEAN_LOSSES[owner] and not loss_takes_token_count(model):
+        return (
+            f"{type(model).__name__}'s loss is a mean over each micro-batch (it does not take the step's "
+            "token count), so regrouping the micro-batches would change training"
+        )
+    return None
+
+
+def normalize_over_step(trainer, model) -> Callable[[], None]:
+    """Make ``trainer``'s loss the step's token sum over its global token count (where
+    :func:`regrouping_changes_loss` returned ``None``): the model's loss takes the count on every
+    release (``compat.install_loss_keywords``) and ``model_accepts_loss_kwargs`` is on (a trainer that
+    turned it off, as LLaMA-Factory's multimodal SFT does, averaged each micro-batch). Returns
+    what puts the trainer and the model back as they were."""
+    keywords = install_loss_keywords(model, trainer.model)
+    had = "model_accepts_loss_kwargs" in trainer.__dict__
+    before = trainer.__dict__.get("model_accepts_loss_kwargs")
+    trainer.model_accepts_loss_kwargs = True
+
+    def undo() -> None:
+        if had:
+            trainer.__dict__["model_accepts_loss_kwargs"] = before
+        else:
+            trainer.__dict__.pop("model_accepts_loss_kwargs", None)
+        if keywords is not None:
+            keywords.remove()
+
+    return undo

@@ -1,0 +1,131 @@
+"""Which trainers' losses regrouping keeps (``hf/loss.py``), and what ``balance_trainer`` and
+``balance_every_trainer`` do with the others: refuse, or leave the batches and the loss as they
+are with a warning, never switch the normalization on where it would change the loss."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+transformers = pytest.importorskip("transformers", minversion="5.6")
+
+from mmbalance.integrations.hf import balance_every_trainer, balance_trainer  # noqa: E402
+from mmbalance.integrations.hf import loss as L  # noqa: E402
+from tests.integrations.test_every_trainer import _args, _collate, _rows, _tiny  # noqa: E402
+
+
+class OwnLoss(transformers.Trainer):
+    """A loss of one's own: a mean over the micro-batch (as preference and RL trainers have)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(**inputs)
+        return (out.loss, out) if return_outputs else out.loss
+
+
+class KeepsTrainersLoss(transformers.Trainer):
+    """A subclass that leaves ``compute_loss`` as transformers has it."""
+
+
+class MeanPerCall(transformers.LlamaForCausalLM):
+    """A model whose forward takes no loss keywords (its loss is a mean over each call)."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def _trainer(tmp, cls=transformers.Trainer, model=None, **extra):
+    return cls(
+        model=model or _tiny(), args=_args(tmp, **extra), train_dataset=_rows(), data_collator=_collate
+    )
+
+
+def test_the_class_that_defines_compute_loss_decides(tmp_path):
+    plain, keeps, own = _trainer(tmp_path), _trainer(tmp_path, KeepsTrainersLoss), _trainer(tmp_path, OwnLoss)
+    assert L.loss_owner(plain) == L.loss_owner(keeps) == "transformers.trainer.Trainer"
+    assert L.loss_owner(own) == f"{__name__}.OwnLoss"
+    assert L.regrouping_changes_loss(plain, plain.model) is None
+    assert L.regrouping_changes_loss(keeps, keeps.model) is None
+    why = L.regrouping_changes_loss(own, own.model)
+    assert why.startswith("OwnLoss's loss (") and "not a token mean" in why and "TOKEN_MEAN_LOSSES" in why, (
+        why
+    )
+    # a compute_loss that is the step's token sum over the count can say so
+    L.TOKEN_MEAN_LOSSES[L.loss_owner(own)] = False
+    try:
+        assert L.regrouping_changes_loss(own, own.model) is None
+    finally:
+        del L.TOKEN_MEAN_LOSSES[L.loss_owner(own)]
+    # transformers' loss over a model that does not take the count: a mean per micro-batch
+    import torch
+
+    torch.manual_seed(0)
+    mean = MeanPerCall(_tiny().config)
+    trainer = _trainer(tmp_path, model=mean)
+    assert "MeanPerCall's loss is a mean over each micro-batch" in L.regrouping_changes_loss(trainer, mean)
+    trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.loss
+    assert L.regrouping_changes_loss(trainer, mean) is None  # transformers hands it the count
+
+
+def test_the_normalization_is_switched_on_and_back(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.model_accepts_loss_kwargs = False  # as LLaMA-Factory sets it for multimodal models
+    undo = L.normalize_over_step(trainer, trainer.model)
+    assert trainer.model_accepts_loss_kwargs is True
+    undo()
+    assert trainer.model_accepts_loss_kwargs is False
+    fresh = _trainer(tmp_path)
+    assert "model_accepts_loss_kwargs" in fresh.__dict__  # Trainer sets it in __init__
+    del fresh.__dict__["model_accepts_loss_kwargs"]
+    L.normalize_over_step(fresh, fresh.model)()
+    assert "model_accepts_loss_kwargs" not in fresh.__dict__
+
+
+def test_balance_trainer_refuses_a_loss_it_would_change_and_leaves_the_trainer(tmp_path):
+    own = _trainer(tmp_path, OwnLoss)
+    own.model_accepts_loss_kwargs = False
+    with pytest.raises(ValueError, match=r"balance_trainer: OwnLoss's loss .* not a token mean"):
+        balance_trainer(own)
+    assert own.model_accepts_loss_kwargs is False and not hasattr(own, "balanced_sampler")
+    # an SFT trainer that had the normalization off gets it on (and balanced batches)
+    plain = _trainer(tmp_path)
+    plain.model_accepts_loss_kwargs = False
+    balance_trainer(plain)
+    assert plain.model_accepts_loss_kwargs is True and hasattr(plain, "balanced_sampler")
+
+
+def test_the_switch_leaves_other_losses_and_unbalanced_batches_alone(tmp_path):
+    with balance_every_trainer(encoders=False) as handle:
+        own = _trainer(tmp_path / "own", OwnLoss)
+        own.model_accepts_loss_kwargs = False
+        with pytest.warns(UserWarning, match=r"OwnLoss: batches are left as drawn: OwnLoss's loss"):
+            own.train()
+        assert own.model_accepts_loss_kwargs is False and not hasattr(own, "balanced_sampler")
+        assert own in handle.trainers
+    with balance_every_trainer(encoders=False, batches=False):
+        plain = _trainer(tmp_path / "plain")
+        plain.model_accepts_loss_kwargs = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # nothing to say: nothing was asked
+            plain.train()
+        assert plain.model_accepts_loss_kwargs is False, "no batches balanced: the loss is the trainer's"
+    # the reference of a balanced run: the normalization alone, for the trainers it keeps
+    with balance_every_trainer(encoders=False, batches=False, token_mean_loss=True):
+        ref = _trainer(tmp_path / "ref")
+        ref.model_accepts_loss_kwargs = False
+        ref.train()
+        assert ref.model_accepts_loss_kwargs is True and not hasattr(ref, "balanced_sampler")
+        own = _trainer(tmp_path / "own2", OwnLoss)
+        own.model_accepts_loss_kwargs = False
+        with pytest.warns(UserWarning, match="the loss is left as the trainer computes it: OwnLoss's loss"):
+            own.train()
+        assert own.model_accepts_loss_kwargs is False
+
+
+def test_context_parallelism_on_a_loss_it_would_change_is_refused(tmp_path):
+    with balance_every_trainer(encoders=False, context_parallel=True, max_tokens_per_rank=64):
+        own = _trainer(tmp_path, OwnLoss)
+        with pytest.raises(
+            ValueError, match="--context-parallel regroups the sequences of every step: OwnLoss"
+        ):
+            own.train()
