@@ -5,7 +5,13 @@ without editing it (LLaMA-Factory's ``llamafactory-cli``, ms-swift's ``swift``, 
                      [--context-parallel --max-tokens-per-rank N] -- PROGRAM [ARGS...]
 
 PROGRAM runs in this process, as Python would run it: a console script (``llamafactory-cli``,
-``swift``), a ``.py`` file, or ``-m module``; its exit status is the command's. The switch
+``swift``), a ``.py`` file, or ``-m module``; or, typed as one runs Python (``python train.py``,
+``python -m pkg.train``, ``python -c CODE``, ``/path/to/python ...``), in that interpreter as a
+child process, which balances itself as the program's other processes do. Its exit status is the
+command's: 127 when there is no such program, file, module (at any depth) or interpreter, 2 when
+the transformers where it runs is older than the releases the switch supports (before it starts).
+A program that ends without having built a ``transformers.Trainer`` gets one line saying nothing
+was balanced. The switch
 (:func:`~mmbalance.integrations.hf.balance_every_trainer`) is set from the environment
 (``MMBALANCE_LAUNCH``, the options as JSON) when transformers' ``trainer`` module is imported,
 here and in every Python process the program starts: a ``sitecustomize`` module in a directory of
@@ -29,6 +35,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import runpy
 import shutil
 import sys
@@ -106,19 +113,21 @@ def parser() -> argparse.ArgumentParser:
         prog="mmbalance launch",
         usage="mmbalance launch [options] -- PROGRAM [ARGS...]",
         description=textwrap.fill(
-            "Run PROGRAM (a console script such as llamafactory-cli or swift, a .py file, or -m module) in "
-            "this process with every transformers Trainer it builds balanced: the encoders of supported "
+            "Run PROGRAM (a console script such as llamafactory-cli or swift, a .py file, -m module, or python "
+            "... as you would type it) with every transformers Trainer it builds balanced: the encoders of supported "
             "multimodal models (apply_encoder_balance), the per-rank batches (balance_trainer), the loss "
             "normalized by the step's global token count, and mmbalance/* keys in every Trainer.log call. "
-            "Python processes the program starts (torchrun workers) are balanced too. The exit status is "
-            "PROGRAM's (127 when there is no such program).",
+            "Python processes the program starts (torchrun workers) are balanced too, and end with the process "
+            "that started them. The exit status is PROGRAM's (127 when there is no such program, file, module or "
+            "interpreter; 2 when transformers is older than the supported releases).",
             width=100,
         ),
         epilog="examples:\n"
         "  torchrun --nproc-per-node 8 --no-python mmbalance launch -- llamafactory-cli train config.yaml\n"
         "  FORCE_TORCHRUN=1 mmbalance launch -- llamafactory-cli train config.yaml\n"
         "  NPROC_PER_NODE=8 mmbalance launch -- swift sft --model ... --dataset ...\n"
-        "  mmbalance launch --context-parallel --max-tokens-per-rank 8192 -- train.py --config c.yaml",
+        "  mmbalance launch -- python train.py --config c.yaml\n"
+        "  mmbalance launch --context-parallel --max-tokens-per-rank 8192 -- python -m mypkg.train",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -224,14 +233,45 @@ def install_from_environment() -> None:
         try:
             from .hf import balance_every_trainer
 
-            balance_every_trainer(**options)
+            handle = balance_every_trainer(**options)
         except Exception as exc:  # the program goes on as it is, and says so
             sys.stderr.write(f"mmbalance launch: this process is not balanced: {exc}\n")
+            return
+        handle.on_build.append(_note_trainer)
 
     if _TRIGGER in sys.modules:
         switch_on()
     elif not any(isinstance(f, _WhenImported) for f in sys.meta_path):
         sys.meta_path.insert(0, _WhenImported(_TRIGGER, switch_on))
+
+
+#: the launch's run directory (its boot directory), where each process that builds a Trainer leaves
+#: a mark, so the launch can say at the end when the program built none
+RUN_DIR = "MMBALANCE_LAUNCH_RUN"
+
+
+def _note_trainer(trainer) -> None:
+    where = os.environ.get(RUN_DIR)
+    if where and os.path.isdir(where):
+        try:
+            with open(os.path.join(where, f"trainer.{os.getpid()}"), "w") as f:
+                f.write(type(trainer).__name__)
+        except OSError:
+            pass
+
+
+def _say_if_nothing_balanced(boot: str) -> None:
+    """One line when no process of the program built a ``transformers.Trainer``."""
+    try:
+        built = any(name.startswith("trainer.") for name in os.listdir(boot))
+    except OSError:
+        built = True
+    if not built:
+        sys.stderr.write(
+            "mmbalance launch: the program built no transformers Trainer, so nothing was balanced (a custom "
+            "loop or another framework's trainer, verl's for one, calls mmbalance itself: README, \"Use with "
+            'Hugging Face transformers" and "API in ten lines")\n'
+        )
 
 
 # ----------------------------------------------------------------------------- the program
@@ -243,7 +283,7 @@ def _resolve(program: list[str]):
             return None
         module = program[1]
         sys.path.insert(0, os.getcwd())
-        if importlib.util.find_spec(module.split(".")[0]) is None:
+        if not _module_exists(module):
             sys.path.pop(0)
             return None
 
@@ -266,6 +306,156 @@ def _resolve(program: list[str]):
     if path and _is_python_script(path):
         return _script(path), path, f"Python script {path}"
     return None
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``name`` (dotted, any depth) can be run with ``-m``: found, or a package with a
+    ``__main__`` (finding a submodule imports its parents, as ``python -m`` does)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None
+
+
+# ------------------------------------------------------------------- PROGRAM as `python ...`
+_PYTHON = re.compile(r"python(\d+(\.\d+)?t?)?(\.exe)?")
+_WITH_ARGUMENT = ("-X", "-W", "--check-hash-based-pycs")
+# in the interpreter PROGRAM names: whether the module exists, and its transformers release
+_CHECK = """import importlib.util, sys
+try:
+    from importlib import metadata
+    print(metadata.version("transformers"))
+except Exception:
+    print("none")
+if len(sys.argv) > 1:
+    try:
+        found = importlib.util.find_spec(sys.argv[1]) is not None
+    except (ImportError, ValueError):
+        found = False
+    sys.exit(0 if found else 127)
+"""
+
+
+def _interpreter(head: str) -> str | None:
+    """The path of the Python interpreter ``head`` names (``python``, ``python3.12``, a path to one),
+    ``""`` when it names one that does not exist, ``None`` when it names no interpreter."""
+    if not _PYTHON.fullmatch(os.path.basename(head)):
+        return None
+    if os.sep in head:
+        return head if os.path.isfile(head) and os.access(head, os.X_OK) else ""
+    return shutil.which(head) or ""
+
+
+def _python_target(args: list[str]) -> tuple[str, str | None, list[str]]:
+    """What ``python ARGS`` runs: ``(kind, value, options)`` with ``kind`` one of ``"-m"`` (value:
+    the module), ``"-c"`` (the code), ``"script"`` (the path), ``"stdin"`` or ``"repl"``, and the
+    interpreter's own options before it."""
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-m", "-c"):
+            return a, args[i + 1] if i + 1 < len(args) else None, args[:i]
+        if a in _WITH_ARGUMENT:
+            i += 2
+            continue
+        if a == "-":
+            return "stdin", None, args[:i]
+        if a.startswith("--"):
+            i += 1
+            continue
+        if a.startswith("-"):  # single-letter options, one or several (-u, -uB; -X and -W take one)
+            letters = a[1:]
+            if letters[:1] in ("X", "W"):
+                i += 1 if len(letters) > 1 else 2
+                continue
+            for j, ch in enumerate(letters):
+                if ch in "mc":
+                    rest = letters[j + 1 :]
+                    value = rest or (args[i + 1] if i + 1 < len(args) else None)
+                    return "-" + ch, value, [*args[:i], "-" + letters[:j]] if j else args[:i]
+            i += 1
+            continue
+        return "script", a, args[:i]
+    return "repl", None, args
+
+
+def _run_python(interpreter: str, args: list[str]) -> int:
+    """``interpreter ARGS`` as a child process of this one (its own interpreter and packages: it
+    balances itself through the boot directory on ``PYTHONPATH``); its exit status (128 + N for a
+    signal N, as a shell gives it)."""
+    import subprocess
+
+    options = _python_target(args)[2]
+    if any(o.startswith("-") and not o.startswith("--") and set("IE") & set(o[1:]) for o in options):
+        sys.stderr.write(
+            "mmbalance launch: -I and -E make Python ignore PYTHONPATH: this program is not balanced\n"
+        )
+    proc = subprocess.Popen([interpreter, *args])
+    while True:
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:  # the terminal's Ctrl-C reached the child too: wait for its end
+            continue
+    return 128 - code if code < 0 else code
+
+
+def _check_python(interpreter: str, args: list[str]) -> tuple[int, str] | None:
+    """Refuse ``interpreter ARGS`` before it runs: ``(status, message)``, or ``None`` to run it."""
+    import subprocess
+
+    kind, value, _ = _python_target(args)
+    if kind in ("-m", "-c") and value is None:
+        return 2, f"mmbalance launch: {os.path.basename(interpreter)} {kind}: the option needs an argument"
+    if kind == "script" and not os.path.isfile(str(value)):
+        return NOT_FOUND, f"mmbalance launch: {value}: no such Python file"
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, "PYTHONPATH")}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    probe = [interpreter, "-c", _CHECK, *([value] if kind == "-m" else [])]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, env=env, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return NOT_FOUND, f"mmbalance launch: {interpreter}: cannot run it ({exc})"
+    release = (done.stdout.strip().splitlines() or ["none"])[-1]
+    if done.returncode == NOT_FOUND:
+        return NOT_FOUND, f"mmbalance launch: {interpreter} -m {value}: no module of that name"
+    if done.returncode != 0:
+        return NOT_FOUND, f"mmbalance launch: {interpreter}: it does not run ({done.stderr.strip()[-300:]})"
+    why = _floor_refusal(release)
+    return (2, why) if why else None
+
+
+# ------------------------------------------------------------------------ transformers' floor
+#: the oldest transformers release the switch supports (compat.TRANSFORMERS_FLOOR; this module
+#: imports nothing of the integration before the program runs)
+FLOOR = (5, 6)
+
+
+def _release(text: str) -> tuple[int, int]:
+    parts = (re.findall(r"\d+", text) + ["0", "0"])[:2]
+    return int(parts[0]), int(parts[1])
+
+
+def _floor_refusal(release: str | None) -> str | None:
+    """Why the transformers ``release`` cannot be balanced (``"none"``/``None``: not installed)."""
+    floor = ".".join(map(str, FLOOR))
+    if release in (None, "none"):
+        return f"mmbalance launch: transformers is not installed where PROGRAM runs (supported: {floor} to the newest)"
+    if _release(release) < FLOOR:
+        return (
+            f"mmbalance launch: transformers {release} is older than the releases the launch balances "
+            f"({floor} to the newest): pip install 'transformers>={floor}'"
+        )
+    return None
+
+
+def _installed_transformers() -> str | None:
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _script(path: str):
@@ -343,6 +533,26 @@ def main(argv: list[str] | None = None) -> int:
             f"mmbalance launch: error: --max-tokens-per-rank must be >= 1, got {args.max_tokens_per_rank}\n"
         )
         return 2
+    interpreter = _interpreter(program[0])
+    if interpreter == "":
+        sys.stderr.write(f"mmbalance launch: {program[0]}: no such Python interpreter\n")
+        return NOT_FOUND
+    if interpreter is not None:  # `python ...`: that interpreter, as a child process
+        refused = _check_python(interpreter, program[1:])
+        if refused is not None:
+            sys.stderr.write(refused[1] + "\n")
+            return refused[0]
+        boot = _boot_directory()
+        _switch_environment(args, boot)
+        try:
+            return _run_python(interpreter, program[1:])
+        finally:
+            _say_if_nothing_balanced(boot)
+            shutil.rmtree(boot, ignore_errors=True)
+    why = _floor_refusal(_installed_transformers())
+    if why is not None:
+        sys.stderr.write(why + "\n")
+        return 2
     found = _resolve(program)
     if found is None:
         sys.stderr.write(
@@ -352,8 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         return NOT_FOUND
     run, argv0, _ = found
     boot = _boot_directory()
-    os.environ[ENV] = json.dumps(_options(args))
-    os.environ["PYTHONPATH"] = os.pathsep.join([boot, *filter(None, [os.environ.get("PYTHONPATH")])])
+    _switch_environment(args, boot)
     install_from_environment()
     sys.argv = [argv0, *program[2 if program[0] == "-m" else 1 :]]
     try:
@@ -369,4 +578,12 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     finally:
+        _say_if_nothing_balanced(boot)
         shutil.rmtree(boot, ignore_errors=True)
+
+
+def _switch_environment(args: argparse.Namespace, boot: str) -> None:
+    """The options and the boot directory in the environment the program and its processes get."""
+    os.environ[ENV] = json.dumps(_options(args))
+    os.environ[RUN_DIR] = boot
+    os.environ["PYTHONPATH"] = os.pathsep.join([boot, *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -67,14 +67,24 @@ def setup(tmp_path_factory):
     return env_dir, where, model, data
 
 
-def _train(setup, name: str, tuning: str, launch: list[str], extra: str = ""):
+def _train(setup, name: str, tuning: str, launch: list[str] | None, extra: str = "", stage: str = "sft"):
+    """One run; ``launch=None``: LLaMA-Factory alone, without ``mmbalance launch``."""
     env_dir, where, model, data = setup
     out = where / name
     cfg = where / f"{name}.yaml"
-    cfg.write_text(CONFIG.format(model=model, tuning=tuning, lora=LORA if tuning == "lora" else "",
-                                 data=data, out=out, extra=extra))  # fmt: skip
+    text = CONFIG.format(model=model, tuning=tuning, lora=LORA if tuning == "lora" else "", data=data, out=out,
+                         extra=extra)  # fmt: skip
+    if stage != "sft":  # 2 steps: what a changed loss would change shows in the first
+        dataset = "tiny_kto" if stage == "kto" else "tiny_pref"
+        text = text.replace("stage: sft", f"stage: {stage}").replace(
+            "dataset: tiny_vlm", f"dataset: {dataset}"
+        )
+        text = text.replace("max_steps: 4", "max_steps: 2")
+    cfg.write_text(text)
     env = runs.environment(env_dir, FORCE_TORCHRUN="1", NNODES="1", NPROC_PER_NODE="2")
-    cmd = [str(env_dir / "bin" / "mmbalance"), "launch", *launch, "--", "llamafactory-cli", "train", str(cfg)]
+    cmd = ["llamafactory-cli", "train", str(cfg)]
+    if launch is not None:
+        cmd = [str(env_dir / "bin" / "mmbalance"), "launch", *launch, "--", *cmd]
     return runs.run(cmd, env, where, where / f"{name}.log"), out
 
 
@@ -106,3 +116,42 @@ def test_disable_shuffling_is_refused_on_every_rank_before_the_first_step(setup)
     text = done.stdout + done.stderr
     assert text.count("disable_shuffling: true trains in the dataset's order") >= 2, text[-4000:]
     assert "'loss'" not in text, "a step ran"
+
+
+# ------------------------------------------------------------------ trainers the launch does not balance
+# DPO, KTO and reward-model training average over their own micro-batches (pairs, examples): the
+# launch leaves their batches and their loss exactly as LLaMA-Factory has them. With clipping off
+# (max_grad_norm: 0) a loss scaled differently shows in the weights as it is.
+NO_CLIP = "max_grad_norm: 0.0\npref_beta: 0.1"
+
+
+def _losses(out) -> list[float]:
+    return [r["loss"] for r in runs.log_rows(out / "trainer_state.json") if "loss" in r]
+
+
+def _weights_gap(want_out, got_out, model) -> float:
+    return runs.tuned_weights_gap(want_out, got_out, model, "full")
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto", "rm"])
+def test_preference_and_reward_trainers_keep_their_loss(setup, stage):
+    _, _, model, _ = setup
+    plain, plain_out = _train(setup, f"{stage}_plain", "full", None, NO_CLIP, stage)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    want = _losses(plain_out)
+    assert len(want) == 2, want
+    launches = {"none": ["--no-encoders", "--no-batches"], "encoders": ["--no-batches"], "all": []}
+    for kind, flags in launches.items():
+        if stage != "dpo" and kind != "none":  # DPO: each way; KTO and reward models: nothing balanced
+            continue
+        done, out = _train(setup, f"{stage}_{kind}", "full", flags, NO_CLIP, stage)
+        assert done.returncode == 0, done.stderr[-4000:]
+        got = _losses(out)
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (stage, kind, want, got)
+        gap = _weights_gap(plain_out, out, model)
+        assert gap <= 1e-5, f"{stage} launched {flags}: weights {gap:.2e} of the change from the plain run's"
+        text = done.stdout + done.stderr
+        if kind == "all":  # the batches were asked for: the run says why they are left
+            assert "batches are left as drawn" in text and "loss (llamafactory.train." in text, text[-4000:]
+        else:
+            assert "batches are left as drawn" not in text

@@ -33,7 +33,8 @@ def setup(tmp_path_factory):
     return env_dir, where, model, data
 
 
-def _sft(setup, name: str, tuning: str, launch: list[str], extra: list[str] = ()):
+def _sft(setup, name: str, tuning: str, launch: list[str] | None, extra: list[str] = (), dpo: bool = False):
+    """One run (``swift sft``, or ``swift rlhf --rlhf_type dpo``); ``launch=None``: ms-swift alone."""
     env_dir, where, model, data = setup
     out = where / name
     args = [
@@ -59,8 +60,14 @@ def _sft(setup, name: str, tuning: str, launch: list[str], extra: list[str] = ()
             "--target_modules",
             "all-linear",
         ]
+    if dpo:  # the preference pairs, 2 steps, gradient clipping off
+        args[args.index(str(data / "swift_vlm.jsonl"))] = str(data / "swift_pref.jsonl")
+        args[args.index("--max_steps") + 1] = "2"
+        args += ["--rlhf_type", "dpo", "--beta", "0.1", "--max_grad_norm", "0"]
     env = runs.environment(env_dir, NPROC_PER_NODE="2", MIN_PIXELS="784", MAX_PIXELS="3136")
-    cmd = [str(env_dir / "bin" / "mmbalance"), "launch", *launch, "--", "swift", "sft", *args, *extra]
+    cmd = ["swift", "rlhf" if dpo else "sft", *args, *extra]
+    if launch is not None:
+        cmd = [str(env_dir / "bin" / "mmbalance"), "launch", *launch, "--", *cmd]
     return runs.run(cmd, env, where, where / f"{name}.log"), out
 
 
@@ -96,3 +103,32 @@ def test_split_batches_is_refused_on_every_rank_before_the_first_step(setup):
     text = done.stdout + done.stderr
     assert text.count("accelerate is set to split_batches=True") >= 2, text[-4000:]
     assert "'loss'" not in text, "a step ran"
+
+
+def test_dpo_keeps_its_loss_and_the_warning_says_what_is_left(setup):
+    """ms-swift's DPO trainer averages over its own pairs: launched, it keeps its batches and its
+    loss (the plain run's losses and weights, clipping off); with ``--no-batches`` the warning
+    says the batches are left as drawn and never that they are balanced."""
+    _, _, model, _ = setup
+    plain, plain_out = _sft(setup, "dpo_plain", "full", None, dpo=True)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    want = [r["loss"] for r in runs.log_rows(plain_out / "logging.jsonl") if "loss" in r]
+    assert len(want) == 2, want
+    for kind, flags in (
+        ("none", ["--no-encoders", "--no-batches"]),
+        ("encoders", ["--no-batches"]),
+        ("all", []),
+    ):
+        done, out = _sft(setup, f"dpo_{kind}", "full", flags, dpo=True)
+        assert done.returncode == 0, done.stderr[-4000:]
+        got = [r["loss"] for r in runs.log_rows(out / "logging.jsonl") if "loss" in r]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (kind, want, got)
+        gap = runs.tuned_weights_gap(_checkpoint(plain_out), _checkpoint(out), model, "full")
+        assert gap <= 1e-5, f"dpo launched {flags}: weights {gap:.2e} of the change from the plain run's"
+        text = done.stdout + done.stderr
+        assert "batches are balanced" not in text and "(batches are)" not in text
+        if kind == "encoders":  # the encoders note, and the batches left by the option, in one warning
+            line = next((ln for ln in text.splitlines() if "mmbalance:" in ln and "DPOTrainer" in ln), "")
+            assert "batches are left as drawn (--no-batches)" in line, text[-4000:]
+        if kind == "all":
+            assert "batches are left as drawn:" in text and "DPOTrainer's loss" in text, text[-4000:]

@@ -7,8 +7,14 @@ Writes
   OUT_DIR/lf_vlm.json                 LLaMA-Factory sharegpt ("messages" + "images", paths relative to OUT_DIR)
   OUT_DIR/dataset_info.json           LLaMA-Factory dataset registry: dataset name "tiny_vlm"
   OUT_DIR/swift_vlm.jsonl             ms-swift ("messages" + "images", absolute paths)
+  OUT_DIR/lf_pref.json                LLaMA-Factory pairwise ("messages" + "chosen" + "rejected" +
+                                      "images"): dataset "tiny_pref" (ranking), for dpo and rm
+  OUT_DIR/lf_kto.json                 LLaMA-Factory KTO ("messages" + "label" + "images"): "tiny_kto"
+  OUT_DIR/swift_pref.jsonl            ms-swift DPO ("messages" ending in the chosen answer +
+                                      "rejected_response" + "images")
 Each example has 0..3 images (the user turn carries one "<image>" tag per image) and
-answers of uneven length. Only the standard library and Pillow are used.
+answers of uneven length; a preference pair's rejected answer is another of uneven length. Only
+the standard library and Pillow are used.
 """
 
 import argparse
@@ -47,6 +53,8 @@ def main():
     rng = random.Random(args.seed)
 
     lf_rows, swift_rows, img_id = [], [], 0
+    pref_rows, kto_rows, swift_pref = [], [], []
+    prng = random.Random(args.seed + 1)  # the preference data's own draws: the SFT data stays as it was
     for i in range(args.n):
         n_img = i % 4  # 0,1,2,3 images, cycling -> uneven numbers within every batch
         rel_paths = []
@@ -63,6 +71,23 @@ def main():
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
         lf_rows.append({"messages": messages, "images": rel_paths})
         swift_rows.append({"messages": messages, "images": [os.path.join(out, p) for p in rel_paths]})
+        rejected = " ".join(prng.choice(WORDS) for _ in range(prng.randint(1, 30))) + "."
+        pref_rows.append(
+            {
+                "messages": messages[:1],
+                "chosen": messages[1],
+                "rejected": {"role": "assistant", "content": rejected},
+                "images": rel_paths,
+            }
+        )
+        kto_rows.append({"messages": messages, "label": bool(i % 2), "images": rel_paths})
+        swift_pref.append(
+            {
+                "messages": messages,
+                "rejected_response": rejected,
+                "images": [os.path.join(out, p) for p in rel_paths],
+            }
+        )
 
     with open(os.path.join(out, "lf_vlm.json"), "w") as f:
         json.dump(lf_rows, f, indent=1)
@@ -80,6 +105,26 @@ def main():
             },
         }
     }
+    tags = dataset_info["tiny_vlm"]["tags"]
+    dataset_info["tiny_pref"] = {
+        "file_name": "lf_pref.json",
+        "formatting": "sharegpt",
+        "ranking": True,
+        "tags": tags,
+        "columns": {"messages": "messages", "chosen": "chosen", "rejected": "rejected", "images": "images"},
+    }
+    dataset_info["tiny_kto"] = {
+        "file_name": "lf_kto.json",
+        "formatting": "sharegpt",
+        "tags": tags,
+        "columns": {"messages": "messages", "kto_tag": "label", "images": "images"},
+    }
+    for name, rows in (("lf_pref.json", pref_rows), ("lf_kto.json", kto_rows)):
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(rows, f, indent=1)
+    with open(os.path.join(out, "swift_pref.jsonl"), "w") as f:
+        for row in swift_pref:
+            f.write(json.dumps(row) + "\n")
     with open(os.path.join(out, "dataset_info.json"), "w") as f:
         json.dump(dataset_info, f, indent=1)
     with open(os.path.join(out, "swift_vlm.jsonl"), "w") as f:

@@ -66,6 +66,13 @@ def test_the_class_that_defines_compute_loss_decides(tmp_path):
     trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.loss
     assert L.regrouping_changes_loss(trainer, mean) is None  # transformers hands it the count
 
+    def mean_loss(outputs, labels):  # as LLaMA-Factory's ASFT loss: no count taken
+        return outputs.loss
+
+    trainer.compute_loss_func = mean_loss
+    why = L.regrouping_changes_loss(trainer, mean)
+    assert "loss function (" in why and "mean_loss) takes no num_items_in_batch" in why, why
+
 
 def test_the_normalization_is_switched_on_and_back(tmp_path):
     trainer = _trainer(tmp_path)
@@ -117,9 +124,16 @@ def test_the_switch_leaves_other_losses_and_unbalanced_batches_alone(tmp_path):
         assert ref.model_accepts_loss_kwargs is True and not hasattr(ref, "balanced_sampler")
         own = _trainer(tmp_path / "own2", OwnLoss)
         own.model_accepts_loss_kwargs = False
-        with pytest.warns(UserWarning, match="the loss is left as the trainer computes it: OwnLoss's loss"):
+        with pytest.warns(
+            UserWarning, match="the loss is left as the trainer computes it: OwnLoss's loss"
+        ) as got:
             own.train()
         assert own.model_accepts_loss_kwargs is False
+        # the warning names all it leaves, what the options asked for too
+        text = str(got[0].message)
+        assert text.endswith(
+            "batches are left as drawn (--no-batches) (left as the framework runs them: the batches)"
+        )
 
 
 def test_context_parallelism_on_a_loss_it_would_change_is_refused(tmp_path):

@@ -53,9 +53,16 @@ from .loss import normalize_over_step, regrouping_changes_loss
 from .trainer import balance_trainer, check_cp_budget
 from .wrappers import inner_model
 
-__all__ = ["EveryTrainerHandle", "balance_every_trainer"]
+__all__ = ["EveryTrainerHandle", "LeftAsDrawn", "balance_every_trainer"]
 
 _ACTIVE: list[EveryTrainerHandle] = []
+
+
+class LeftAsDrawn(UserWarning):
+    """What a balanced program's trainer leaves as the framework runs it (encoders, batches, its
+    loss), and why."""
+
+
 _MARK = "_mmbalance_every"
 
 
@@ -71,6 +78,9 @@ class EveryTrainerHandle:
         #: model are freed as usual)
         self.encoder_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.removed = False
+        #: called with each Trainer built while the switch is on (``mmbalance launch`` notes there
+        #: that the program built one)
+        self.on_build: list = []
         self._stock: dict[str, object] = {}
 
     def remove(self) -> None:
@@ -152,6 +162,8 @@ def balance_every_trainer(*, encoders: bool = True, batches: bool = True, contex
         stock_init(self, *args, **kwargs)
         if not handle.removed:
             self.__dict__[_MARK] = handle
+            for hook in list(handle.on_build):
+                hook(self)
 
     @functools.wraps(stock_train)
     def train(self, *args, **kwargs):
@@ -178,7 +190,7 @@ def _set_up(trainer, handle: EveryTrainerHandle) -> None:
     model = inner_model(trainer.model)
     undo: list = []  # what a refusal below takes back, last first: no half-balanced trainer is left
     try:
-        enc = _set_up_parts(trainer, model, handle, notes, undo)
+        enc, batches = _set_up_parts(trainer, model, handle, notes, undo)
     except BaseException:
         for step in reversed(undo):
             step()
@@ -187,12 +199,32 @@ def _set_up(trainer, handle: EveryTrainerHandle) -> None:
     if enc is not None:
         log.add_source("encoders", _EncoderKeys(enc))
     if notes:
-        warnings.warn(f"mmbalance: {type(trainer).__name__}: " + "; ".join(notes), stacklevel=3)
+        # the warning names exactly what is left as the framework runs it, the options' part too
+        import torch.distributed as dist
+
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        multimodal = _multimodal(model) or bool(adapters_for(model))
+        encoders = enc is None and several and not opts["context_parallel"] and multimodal
+        left = [part for part, kept in (("the encoders", encoders), ("the batches", not batches)) if kept]
+        if encoders and not opts["encoders"]:
+            notes.append("encoders are not balanced (--no-encoders)")
+        if not opts["batches"]:
+            notes.append("batches are left as drawn (--no-batches)")
+        if left:
+            notes[-1] += f" (left as the framework runs them: {' and '.join(left)})"
+        # shown even where the framework silenced every warning (LLaMA-Factory's DPO, KTO and PPO
+        # trainers call warnings.simplefilter("ignore") when they start): what is left unbalanced
+        # must be said
+        with warnings.catch_warnings():
+            warnings.simplefilter("default", LeftAsDrawn)
+            warnings.warn(
+                f"mmbalance: {type(trainer).__name__}: " + "; ".join(notes), LeftAsDrawn, stacklevel=3
+            )
 
 
 def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], undo: list):
     """:func:`_set_up`'s changes, each with its undo appended to ``undo`` as it is made; returns
-    the encoder balancing handle (or ``None``)."""
+    the encoder balancing handle (or ``None``) and whether the batches are balanced."""
     import torch
     import torch.distributed as dist
 
@@ -248,7 +280,7 @@ def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], 
             trainer, cost=opts["cost"], context_parallel=opts["context_parallel"],
             max_tokens_per_rank=opts["max_tokens_per_rank"], order="trainer",
         )  # fmt: skip
-    return enc
+    return enc, batches
 
 
 def _refuse_options(trainer, opts: dict) -> None:

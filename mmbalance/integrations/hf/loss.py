@@ -10,15 +10,18 @@ The trainers known to compute such a token mean are listed by the class that def
 ``compute_loss`` (a subclass that keeps it is one of them; one that overrides it is not, until it
 is listed): transformers' ``Trainer`` (the model's own loss, which must then take the count:
 :func:`~mmbalance.integrations.hf.compat.loss_takes_token_count`), TRL's ``SFTTrainer`` (its
-token sum over ``num_items_in_batch``), and the SFT and pre-training trainers of LLaMA-Factory
-and ms-swift. DPO, KTO, ORPO, CPO, SimPO, reward and PRM trainers, GRPO and PPO, and a user's
-own ``compute_loss`` average over their own micro-batch: their batches are never regrouped, and
-the normalization is never switched on for them (it would change their loss: LLaMA-Factory's DPO
-loss is no longer divided by the accumulation steps with it on).
+token sum over ``num_items_in_batch``), the SFT and pre-training trainers of LLaMA-Factory 0.9
+and ms-swift's ``Seq2SeqTrainer`` (``swift sft``, ``swift pt``). DPO, KTO, ORPO, CPO, SimPO,
+reward and PRM trainers, GRPO and PPO, and a user's own ``compute_loss`` average over their own
+micro-batch: their batches are never regrouped, and the normalization is never switched on for
+them (it would change their loss: LLaMA-Factory's DPO loss is no longer divided by the
+accumulation steps with it on). A loss function handed to the trainer (``compute_loss_func``)
+counts when it takes ``num_items_in_batch``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from .compat import install_loss_keywords, loss_takes_token_count
@@ -34,8 +37,7 @@ TOKEN_MEAN_LOSSES: dict[str, bool] = {
     "llamafactory.train.sft.trainer.CustomSeq2SeqTrainer": True,
     "llamafactory.train.pt.trainer.CustomTrainer": True,
     # ms-swift 4: swift sft / swift pt (its own token sum over num_items_in_batch)
-    "swift.trainers.trainers.Seq2SeqTrainer": False,
-    "swift.trainers.trainers.Trainer": False,
+    "swift.trainers.seq2seq_trainer.Seq2SeqTrainer": False,
 }
 
 
@@ -61,14 +63,30 @@ def regrouping_changes_loss(trainer, model) -> str | None:
             "num_items_in_batch can say so: mmbalance.integrations.hf.loss.TOKEN_MEAN_LOSSES"
             f"[{owner!r}] = False)"
         )
-    if getattr(trainer, "compute_loss_func", None) is not None:
-        return None  # transformers hands it the step's count (num_items_in_batch)
+    func = getattr(trainer, "compute_loss_func", None)
+    if func is not None:  # transformers hands it the step's count, where it takes one
+        if _takes_count(func):
+            return None
+        return (
+            f"{name}'s loss function ({getattr(func, '__qualname__', type(func).__name__)}) takes no "
+            "num_items_in_batch: a mean over each micro-batch, so regrouping the micro-batches would change "
+            "training"
+        )
     if TOKEN_MEAN_LOSSES[owner] and not loss_takes_token_count(model):
         return (
             f"{type(model).__name__}'s loss is a mean over each micro-batch (it does not take the step's "
             "token count), so regrouping the micro-batches would change training"
         )
     return None
+
+
+def _takes_count(func) -> bool:
+    """Whether a loss function can be handed ``num_items_in_batch`` (by name or ``**kwargs``)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "num_items_in_batch" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def normalize_over_step(trainer, model) -> Callable[[], None]:
