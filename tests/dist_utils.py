@@ -70,11 +70,15 @@ def end_like_a_program() -> None:
 _GLOO_CONNECT = "connectFullMesh failed"
 
 
-def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, init_fault=None):
+def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, init_fault=None, stacks_at=None):
+    import faulthandler
+
     import torch.distributed as dist
 
     from mmbalance.collectives import teardown
 
+    if stacks_at is not None:  # still running just before the parent's time limit: say where
+        faulthandler.dump_traceback_later(stacks_at, exit=False)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
@@ -114,7 +118,7 @@ class _Retry(Exception):
 
 
 def run_distributed(
-    fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, exit_grace: float = 30.0,
+    fn, world_size: int, *args, timeout: float = 300.0, pg_timeout: float = 60.0, exit_grace: float = 30.0,
     _init_fault: str | None = None,
 ):  # fmt: skip
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
@@ -135,7 +139,8 @@ def _run_once(fn, world_size, args, timeout, pg_timeout, exit_grace, init_fault,
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, init_file, fn, args, queue, pg_timeout, init_fault),
+                target=_worker,
+                args=(r, world_size, init_file, fn, args, queue, pg_timeout, init_fault, max(1.0, timeout - 5.0)),
                 daemon=True,
             )
             for r in range(world_size)
@@ -153,7 +158,8 @@ def _run_once(fn, world_size, args, timeout, pg_timeout, exit_grace, init_fault,
                 raise RuntimeError(died_without_report(died))
             if not errors and len(results) < world_size:
                 raise TimeoutError(
-                    f"distributed test did not finish within {timeout:.0f}s; finished ranks: {sorted(results)}"
+                    f"distributed test did not finish within {timeout:.0f}s; finished ranks: {sorted(results)} "
+                    "(the others wrote the Python stacks of their threads to stderr, 5 s before the limit)"
                 )
         finally:
             hung = settle(procs, exit_grace if len(results) == world_size else 5.0)

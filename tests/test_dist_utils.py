@@ -60,6 +60,21 @@ def test_a_rank_that_dies_without_reporting_fails_at_once():
     assert time.monotonic() - t0 < 30.0
 
 
+def _sleep_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def test_a_rank_still_running_at_the_limit_says_where(capfd):
+    """At its time limit a run fails naming the ranks that finished, and the others have written
+    their threads' Python stacks just before it (the guard reports what was still running)."""
+    with pytest.raises(TimeoutError, match=r"did not finish within 12s; finished ranks: \[0\]"):
+        run_distributed(_sleep_on_rank_1, 2, timeout=12.0)
+    err = capfd.readouterr().err
+    assert "in _sleep_on_rank_1" in err, err[-3000:]  # faulthandler: File "...", line N in _sleep_on_rank_1
+
+
 def test_run_ranks_waits_past_a_death_for_every_outcome():
     outcomes = run_ranks(_die_in_body, 2)
     assert outcomes[0].value == 0 and outcomes[0].exited_cleanly

@@ -138,11 +138,11 @@ def test_a_process_with_the_compiled_kernels_loaded_is_told_to_start_afresh(caps
 def test_the_sweep_runs_end_to_end_under_the_interpreter(tmp_path):
     out = tmp_path / "tiles.jsonl"
     # --warm-jobs: the pool of spawned processes a GPU run compiles in, here through `python -m`
-    proc = _run(["--device", "cpu", "--shapes", "smoke-causal", "smoke-causal-sinks", "--limit", "2",
+    proc = _run(["--device", "cpu", "--shapes", "smoke-mini", "smoke-mini-sinks", "--limit", "2",
                  "--warm-jobs", "2", "--json", str(out)])  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _rows(out)
-    for shape in ("smoke-causal", "smoke-causal-sinks"):
+    for shape in ("smoke-mini", "smoke-mini-sinks"):
         mine = [r for r in rows if r["shape"] == shape]
         for op in ("tiles_fwd", "tiles_bwd_dq", "tiles_bwd_kv"):
             ran = [r for r in mine if r["op"] == op]
@@ -153,14 +153,14 @@ def test_the_sweep_runs_end_to_end_under_the_interpreter(tmp_path):
                 assert r["vs_table"] > 0 and r["tflops"] > 0
         together = {r["provider"]: r for r in mine if r["op"] == "tiles_fwd_bwd"}
         assert set(together) == (
-            {"table", "best", "torch_sdpa"} if shape == "smoke-causal" else {"table", "best"}
+            {"table", "best", "torch_sdpa"} if shape == "smoke-mini" else {"table", "best"}
         )
         assert together["best"]["tiles"].startswith("fwd M")
     sinks = {
-        r["provider"]: r for r in rows if r["shape"] == "smoke-causal-sinks" and r["op"] == "tiles_fwd_bwd"
+        r["provider"]: r for r in rows if r["shape"] == "smoke-mini-sinks" and r["op"] == "tiles_fwd_bwd"
     }
     assert sinks["best"]["vs_plain"] > 0 and "vs_sdpa" not in sinks["best"]
-    assert "== winners" in proc.stdout and "smoke-causal-sinks: fwd {'BLOCK_M'" in proc.stdout
+    assert "== winners" in proc.stdout and "smoke-mini-sinks: fwd {'BLOCK_M'" in proc.stdout
 
 
 _CORRUPT = """
@@ -191,7 +191,7 @@ def test_a_candidate_off_the_reference_or_the_table_is_dropped(tmp_path, monkeyp
     if check == "table":
         monkeypatch.setenv("NO_REFERENCE_CHECK", "1")
     out = tmp_path / "tiles.jsonl"
-    proc = _run(["--device", "cpu", "--shapes", "smoke-causal", "--limit", "2", "--json", str(out)],
+    proc = _run(["--device", "cpu", "--shapes", "smoke-mini", "--limit", "2", "--json", str(out)],
                 code=_CORRUPT)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {(r["op"], r["provider"]): r for r in _rows(out)}
@@ -208,9 +208,9 @@ def test_a_candidate_off_the_reference_or_the_table_is_dropped(tmp_path, monkeyp
 _BUDGET = """
 import time, torch
 import mmbalance.bench.attention.tiles as T
-shape = T.SHAPES["smoke-full"]
-cands = {"fwd": T.fwd_candidates(32, torch.float32, 0, interpret=True)[:3],
-         **{p: c[:3] for p, c in T.bwd_candidates(32, torch.float32, 0, interpret=True).items()}}
+shape = T.SHAPES["smoke-mini"]
+cands = {"fwd": T.fwd_candidates(16, torch.float32, 0, interpret=True)[:3],
+         **{p: c[:3] for p, c in T.bwd_candidates(16, torch.float32, 0, interpret=True).items()}}
 rows, winners = T.sweep_shape(shape, "cpu", torch.float32, cands, {}, deadline=time.monotonic() - 1)
 by = {}
 for r in rows:
@@ -236,7 +236,7 @@ def test_past_the_budget_only_the_tables_run_and_no_shape_starts(tmp_path):
 _WARM = """
 import os, time, torch
 import mmbalance.bench.attention.tiles as T
-shape = T.SHAPES["smoke-causal"]
+shape = T.SHAPES["smoke-mini"]
 good = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
 bad = dict(BLOCK_M=48, BLOCK_N=16, num_warps=4, num_stages=1)  # not a power of two
 table = T.table_config(T.make_case(shape, "cpu", torch.float32, with_reference=False), "bwd")

@@ -55,24 +55,40 @@ def test_hf_trainer_balances_the_padded_micro_batches():
     assert per_step[False] < 0.6 * per_step[True]
 
 
-def test_hf_qwen2vl_long_splits_the_video_and_keeps_the_losses():
+_LONG = re.compile(
+    r"step (\d+)  degrees \[([0-9, ]+)\]  largest shard (\d+) of (\d+) tokens  "
+    r"max/mean ([0-9.]+) -> ([0-9.]+)  loss ([0-9.]+)  images and frames split over ranks (\d+)"
+)
+
+
+def _long_losses(*flag: str) -> list[float]:
+    """``hf_qwen2vl_long.py`` on 4 ranks for 2 steps: every step splits the video and keeps the
+    budget; the steps' losses."""
+    out = _launch("hf_qwen2vl_long.py", "--steps", "2", *flag, nproc=4)
+    rows = [_LONG.match(line) for line in out.splitlines() if line.startswith("step")]
+    assert len(rows) == 2 and all(rows), out[-2000:]
+    for m in rows:
+        degrees = [int(d) for d in m.group(2).split(",")]
+        assert max(degrees) >= 3 and sum(degrees) <= 4  # the video over 3 ranks or more
+        assert int(m.group(3)) <= int(m.group(4)) == 128  # no shard over the budget
+        assert float(m.group(6)) < float(m.group(5))  # max/mean as planned below as drawn
+        assert int(m.group(8)) >= 1  # some image or frame straddles shards
+    return [float(m.group(7)) for m in rows]
+
+
+@pytest.fixture(scope="module")
+def long_plain_losses():
     pytest.importorskip("transformers", minversion="5.6")
-    pattern = re.compile(
-        r"step (\d+)  degrees \[([0-9, ]+)\]  largest shard (\d+) of (\d+) tokens  "
-        r"max/mean ([0-9.]+) -> ([0-9.]+)  loss ([0-9.]+)  images and frames split over ranks (\d+)"
-    )
-    losses = {}
-    for flag in ((), ("--encoder-balance",), ("--fsdp2",)):
-        out = _launch("hf_qwen2vl_long.py", "--steps", "2", *flag, nproc=4)
-        rows = [pattern.match(line) for line in out.splitlines() if line.startswith("step")]
-        assert len(rows) == 2 and all(rows), out[-2000:]
-        for m in rows:
-            degrees = [int(d) for d in m.group(2).split(",")]
-            assert max(degrees) >= 3 and sum(degrees) <= 4  # the video over 3 ranks or more
-            assert int(m.group(3)) <= int(m.group(4)) == 128  # no shard over the budget
-            assert float(m.group(6)) < float(m.group(5))  # max/mean as planned below as drawn
-            assert int(m.group(8)) >= 1  # some image or frame straddles shards
-        losses[flag] = [float(m.group(7)) for m in rows]
-    # encoder balancing moves the encoding, and FSDP2 the weights and the encoding, not the result
-    assert losses[("--encoder-balance",)] == pytest.approx(losses[()], rel=1e-5)
-    assert losses[("--fsdp2",)] == pytest.approx(losses[()], rel=1e-5)
+    return _long_losses()
+
+
+@pytest.mark.parametrize(
+    "flag", ["", "--encoder-balance", "--fsdp2"], ids=["plain", "encoder-balance", "fsdp2"]
+)
+def test_hf_qwen2vl_long_splits_the_video_and_keeps_the_losses(long_plain_losses, flag):
+    """Encoder balancing moves the encoding, and FSDP2 the weights and the encoding, not the result
+    (one launch a test, each under a minute on the 2-core machine; the plain run is shared)."""
+    if not flag:
+        assert len(long_plain_losses) == 2
+        return
+    assert _long_losses(flag) == pytest.approx(long_plain_losses, rel=1e-5)

@@ -305,7 +305,7 @@ def lost_outcomes() -> dict[tuple[str, str], list[Outcome]]:
     def one(case):
         entry, how = case
         return run_ranks(
-            S.lost_rank, S.WORLD, entry, how, LOST_TIMEOUT + 4, pg_timeout=LOST_TIMEOUT, timeout=180
+            S.lost_rank, S.WORLD, entry, how, LOST_TIMEOUT + 4, pg_timeout=LOST_TIMEOUT, timeout=500
         )
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:

@@ -404,7 +404,7 @@ def _two_rank_cases(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_distributed(_two_rank_cases, 2, timeout=180)
+    return run_distributed(_two_rank_cases, 2, timeout=300)
 
 
 @pytest.mark.distributed

@@ -36,7 +36,7 @@ SCRIPT = REPO / "tests" / "integrations" / "cp_vlm_loop.py"
 def test_vlm_step_matches_one_process_reference_on_4_ranks():
     runs = ["qwen2_vl:plain", "qwen2_vl:encoder", "qwen2_5_vl:plain", "qwen2_5_vl:encoder", "qwen2_vl:fault"]
     runs.append("qwen2_vl:stream")  # handle.batches over loaders of different lengths
-    out = launch(SCRIPT, *runs, nproc=4, timeout=900)
+    out = launch(SCRIPT, *runs, nproc=4, timeout=840)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [x["run"] for x in lines] == runs, out[-3000:]
     for x in lines[:4]:
@@ -57,7 +57,7 @@ def test_qwen3_vl_llava_and_omni_steps_match_one_process_reference_on_4_ranks():
     image and a clip in one sequence): the same checks, with and without encoder balancing."""
     runs = ["qwen3_vl:plain", "qwen3_vl:encoder", "llava:plain", "llava:encoder"]
     runs += ["qwen2_5_omni:plain", "qwen2_5_omni:encoder"]
-    out = launch(SCRIPT, *runs, nproc=4, timeout=900)
+    out = launch(SCRIPT, *runs, nproc=4, timeout=840)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [x["run"] for x in lines] == runs, out[-3000:]
     for x in lines:
@@ -80,7 +80,7 @@ def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
     runs.append("qwen2_vl:fsdp2_ckpt")  # with gradient checkpointing
     runs.append("qwen2_vl:stream_fsdp2")  # steps with ranks that have nothing to encode, or nothing
     runs.insert(-1, "qwen2_vl:fsdp2_bf16")  # FSDP2's mixed precision: loss 1e-3, gradients 0.15
-    out = launch(SCRIPT, *runs, nproc=4, timeout=900)
+    out = launch(SCRIPT, *runs, nproc=4, timeout=840)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [x["run"] for x in lines] == runs, out[-3000:]
     stream = lines.pop()

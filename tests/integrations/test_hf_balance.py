@@ -139,7 +139,7 @@ LORA = ("qwen2_vl", "llava")
 @functools.cache
 def _run(world: int, mode: str) -> list[dict]:
     names = {"plain": Z.MODELS, "lora": LORA}.get(mode, WRAPPED)
-    return run_distributed(_same_results, world, names, mode, timeout=900, pg_timeout=300)
+    return run_distributed(_same_results, world, names, mode, timeout=840, pg_timeout=300)
 
 
 CASES = (
@@ -250,7 +250,7 @@ def _handle_behaviour(rank: int, world: int) -> dict:
 
 
 def test_handle_remove_context_manager_and_errors():
-    for res in run_distributed(_handle_behaviour, 2, timeout=300):
+    for res in run_distributed(_handle_behaviour, 2, timeout=600):
         assert res["second"] and "already has encoder balancing" in res["second"]
         assert res["restored"]
         assert (

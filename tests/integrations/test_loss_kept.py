@@ -45,7 +45,7 @@ def _run(tmp: Path, name: str, launch: list[str] | None):
         cmd = [sys.executable, *run]
     else:
         cmd = [sys.executable, "-m", "mmbalance.cli", "launch", *launch, "--", *run]
-    done = procs.run(cmd, cwd=REPO, env=env, timeout=900)
+    done = procs.run(cmd, cwd=REPO, env=env, timeout=840)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     return done, out
 

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def test_trainer_with_context_parallel_on_a_vlm_trains_like_without_it(family):
     with tempfile.TemporaryDirectory() as tmp:
         # every rank must exit with code 0
-        launch(SCRIPT, nproc=4, timeout=900, env={"MMB_TMP": tmp, "MMB_FAMILY": family})
+        launch(SCRIPT, nproc=4, timeout=840, env={"MMB_TMP": tmp, "MMB_FAMILY": family})
         logs = {(n, r): json.loads((Path(tmp) / f"{n}-rank{r}.json").read_text())
                 for n in ("plain", "cp") for r in range(4)}  # fmt: skip
         w = {n: torch.load(Path(tmp) / f"{n}.pt") for n in ("plain", "cp")}

@@ -51,7 +51,7 @@ def test_kernels_under_interpreter(kernel_tests):
         "no:cacheprovider",
         f"tests/{kernel_tests}",
     ]
-    proc = procs.run(cmd, cwd=REPO, env=env, timeout=900)
+    proc = procs.run(cmd, cwd=REPO, env=env, timeout=840)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"interpreter run failed (rc={proc.returncode}):\n{tail}"
     # the kernels must really have run, not skipped for want of the interpreter

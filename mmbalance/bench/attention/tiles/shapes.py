@@ -77,6 +77,9 @@ SMOKE_SHAPES = (
     TileShape(
         "smoke-causal-sinks", 4, 200, 2, 1, 32, True, sinks=True, lengths=_SMOKE_LENGTHS, plain="smoke-causal"
     ),  # fmt: skip
+    # the command's own end-to-end check: a few tiles, an empty sequence, GQA, in seconds
+    TileShape("smoke-mini", 3, 37, 2, 1, 16, True, lengths=(37, 0, 20)),
+    TileShape("smoke-mini-sinks", 3, 37, 2, 1, 16, True, sinks=True, lengths=(37, 0, 20), plain="smoke-mini"),
 )
 SHAPES: dict[str, TileShape] = {s.name: s for s in (*GPU_SHAPES, *SMOKE_SHAPES)}
 
