@@ -74,7 +74,7 @@ HOUSES = {
         may_import={"cp": ("attention", "encoders")},
         # what differs between transformers releases; the model in its wrappers; the balance in the logs;
         # which trainers' losses regrouping keeps
-        floor=("compat", "wrappers", "logs", "loss"),
+        floor=("compat", "wrappers", "logs", "loss", "mixers"),
         top=("trainer", "every"),
     ),  # fmt: skip
     # plan (host arithmetic, the same on every rank), the transports, the entry calls (agreement,

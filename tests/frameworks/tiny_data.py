@@ -9,7 +9,7 @@ Writes
   OUT_DIR/swift_vlm.jsonl             ms-swift ("messages" + "images", absolute paths)
   OUT_DIR/lf_pref.json                LLaMA-Factory pairwise ("messages" + "chosen" + "rejected" +
                                       "images"): dataset "tiny_pref" (ranking), for dpo and rm
-  OUT_DIR/lf_kto.json                 LLaMA-Factory KTO ("messages" + "label" + "images"): "tiny_kto"
+  OUT_DIR/lf_kto.json                 LLaMA-Factory KTO ("messages" + "label", text only): "tiny_kto"
   OUT_DIR/swift_pref.jsonl            ms-swift DPO ("messages" ending in the chosen answer +
                                       "rejected_response" + "images")
 Each example has 0..3 images (the user turn carries one "<image>" tag per image) and
@@ -80,7 +80,10 @@ def main():
                 "images": rel_paths,
             }
         )
-        kto_rows.append({"messages": messages, "label": bool(i % 2), "images": rel_paths})
+        # KTO text only: LLaMA-Factory 0.9.5's KTO collator drops mm_token_type_ids, which Qwen2-VL's
+        # M-RoPE needs for images on transformers 5.6
+        text_messages = [{"role": "user", "content": question}, messages[1]]
+        kto_rows.append({"messages": text_messages, "label": bool(i % 2), "images": []})
         swift_pref.append(
             {
                 "messages": messages,

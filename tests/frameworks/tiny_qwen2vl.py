@@ -1,12 +1,13 @@
 """A tiny, randomly initialised Qwen2-VL (hidden size 32, 2 layers, a 2-layer vision tower) with
 its tokenizer and processor, saved to a folder, offline: what the framework tests train.
 
-    python tests/frameworks/tiny_qwen2vl.py OUT_DIR [--seed 0]
+    python tests/frameworks/tiny_qwen2vl.py OUT_DIR [--seed 0] [--text]
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a small corpus, the
 special tokens Qwen2-VL needs follow its vocabulary, and the model config's token ids come from
 the tokenizer. Images of 28 to 56 pixels a side give 1 to 4 image tokens. The processor includes
-a video processor, which needs torchvision (the frameworks' environments have it).
+a video processor, which needs torchvision (the frameworks' environments have it). ``--text``
+saves the same language model alone, a Qwen2 causal LM with the same tokenizer.
 """
 
 import argparse
@@ -126,6 +127,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text", action="store_true", help="the language model alone (a Qwen2 causal LM)")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
 
@@ -171,7 +173,14 @@ def main():
         tie_word_embeddings=False,
     )
     torch.manual_seed(args.seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    if args.text:  # the same language model without the tower: LLaMA-Factory's text-only stages
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        text = config.text_config.to_dict()
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+        model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in text.items() if k != "model_type"}))
+    else:
+        model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(args.out_dir, safe_serialization=True)
@@ -195,6 +204,11 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.out_dir)  # reload as the Qwen2 class
     assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == ids["<|image_pad|>"]
 
+    if args.text:
+        with open(os.path.join(args.out_dir, "chat_template.jinja"), "w") as f:
+            f.write(CHAT_TEMPLATE)
+        print(f"tiny Qwen2 (text): {sum(p.numel() for p in model.parameters())} parameters -> {args.out_dir}")
+        return
     image_processor = build_image_processor()
     image_processor.save_pretrained(args.out_dir)
     # Qwen2VLProcessor = image processor + tokenizer + video processor; the video processor

@@ -20,6 +20,9 @@ what differs between versions is in ``compat.py``).
   (the built-in adapters are in ``encoders/models/``, one file per family).
 * :func:`register_attention`: a packed (padding-free) varlen attention backend for transformers'
   ``AttentionInterface``, named ``"mmbalance_varlen"``.
+* :func:`keep_sequences_apart`: the Gated DeltaNet layers of a hybrid decoder (Qwen3.5,
+  Qwen3.5-MoE, Qwen3-Next) keep the sequences of a packed row apart, as the attention does; other
+  decoders that mix tokens outside attention are refused by name (``mixers.py``).
 * :func:`balance_every_trainer`: every ``Trainer`` built after the call balanced (encoders,
   batches, the loss's normalization, ``mmbalance/*`` keys in its logs), what ``mmbalance launch``
   switches on before a training program (LLaMA-Factory, ms-swift) runs.
@@ -47,6 +50,7 @@ from .encoders import (  # noqa: E402
     registered_adapters,
 )
 from .every import EveryTrainerHandle, balance_every_trainer  # noqa: E402
+from .mixers import SequencesApart, keep_sequences_apart  # noqa: E402
 from .trainer import balance_trainer  # noqa: E402
 
 __all__ = [
@@ -55,11 +59,13 @@ __all__ = [
     "EncoderAdapter",
     "EncoderBalanceHandle",
     "EveryTrainerHandle",
+    "SequencesApart",
     "Items",
     "apply_dynamic_cp",
     "apply_encoder_balance",
     "balance_every_trainer",
     "balance_trainer",
+    "keep_sequences_apart",
     "register_adapter",
     "register_attention",
     "registered_adapters",

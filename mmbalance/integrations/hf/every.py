@@ -50,6 +50,7 @@ from .attention import ATTENTION_NAME, register_attention
 from .encoders import adapters_for, apply_encoder_balance
 from .logs import balance_log, mean_rows
 from .loss import normalize_over_step, regrouping_changes_loss
+from .mixers import keep_sequences_apart
 from .trainer import balance_trainer, check_cp_budget
 from .wrappers import inner_model
 
@@ -270,6 +271,9 @@ def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], 
             undo.append(lambda: handle.encoder_handles.pop(trainer, None))
     elif opts["encoders"] and _multimodal(model) and not adapters_for(model):
         notes.append(f"encoders of {type(model).__name__} are not balanced (no adapter for it)")
+    apart = keep_sequences_apart(model)  # packed rows in the Gated DeltaNet layers too (mixers.py)
+    if apart is not None and not batches:
+        undo.append(apart.remove)  # balance_trainer takes it back itself when it refuses
     if batches:
         undo.append(normalize_over_step(trainer, model))
         if getattr(trainer.args, "group_by_length", False):

@@ -43,6 +43,7 @@ from .cp import (
 )
 from .logs import balance_log
 from .loss import normalize_over_step, regrouping_changes_loss
+from .mixers import keep_sequences_apart
 from .wrappers import inner_model
 
 __all__ = ["balance_trainer", "check_cp_budget"]
@@ -215,10 +216,15 @@ def balance_trainer(
     if changes is not None:
         raise ValueError(f"balance_trainer: {changes}")
     undo_loss = normalize_over_step(trainer, model)
+    # a collator that packs rows (DataCollatorWithFlattening) packs them for every layer: the Gated
+    # DeltaNet layers of a hybrid keep the sequences apart as the attention does (mixers.py)
+    apart = keep_sequences_apart(model)
     try:
         return _balance(trainer, lengths, cost, padding, context_parallel, max_tokens_per_rank, order)
     except BaseException:  # a refusal leaves the trainer as it was
         undo_loss()
+        if apart is not None:
+            apart.remove()
         for name in (
             "balanced_sampler",
             "_mmbalance_options",

@@ -51,6 +51,7 @@ from torch import Tensor
 
 from mmbalance.pyops.attention_ops import attention_block, merge_attention_states
 
+from ..mixers import config_mixers, describe_mixers, kept_apart, mixers_refusal
 from .mask import ATTENTION_NAME, VarlenMask, varlen_mask
 from .plan import BlockPlan, plan_with_mask, plan_without_mask, refuse, rows_plan, shape_plan
 
@@ -230,6 +231,7 @@ def varlen_attention(
             "own mask function from register_attention()"
         )
 
+    _check_mixers(module, plan, b, lq, cu, kwargs.get("position_ids"), attention_mask)
     extra: dict[str, Any] = logit_features(kwargs, h)
     if plan.window != (-1, -1):
         extra.update(window_left=plan.window[0], window_right=plan.window[1])
@@ -256,6 +258,44 @@ def varlen_attention(
     if width != dv:
         out = out[..., :dv]
     return out, None
+
+
+def _check_mixers(module, plan, rows: int, length: int, cu, position_ids, attention_mask) -> None:
+    """A model whose decoder mixes tokens outside attention (``mixers.py``) is refused when a row
+    holds several sequences (its other layers would not keep them apart), and when this call
+    cannot tell (the model hands its attention neither positions, sequence boundaries nor a
+    padding mask, as GraniteMoeHybrid does: a packed row would look like one sequence)."""
+    packed = plan.cu_q.shape[0] - 1 > rows
+    blind = (
+        length > 1
+        and cu is None
+        and position_ids is None
+        and (
+            attention_mask is None
+            or (
+                isinstance(attention_mask, VarlenMask)
+                and attention_mask.segments is None
+                and attention_mask.padding is None
+            )
+        )
+    )
+    if not (packed or blind):
+        return
+    config = getattr(module, "config", None)
+    if kept_apart(config):  # its every mixer runs the row's sequences apart (mixers.keep_sequences_apart)
+        return
+    mixers = config_mixers(config, module)
+    if not mixers:
+        return
+    owner = (type(module).__name__.replace("Attention", "") or type(module).__name__) + " model"
+    if packed:
+        raise ValueError(f"{ATTENTION_NAME}: {mixers_refusal('packed rows', owner, mixers)}")
+    raise ValueError(
+        f"{ATTENTION_NAME}: {owner} mixes tokens outside attention ({describe_mixers(mixers)}) and hands its "
+        "attention neither positions, sequence boundaries nor a padding mask, so a packed row cannot be told "
+        "from one sequence, and its other layers would not keep packed sequences apart: run it with "
+        "attn_implementation='sdpa' (unpacked batches)"
+    )
 
 
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)

@@ -35,6 +35,8 @@ from ..attention import (
     outside_graph,
     register_shard_attention,
 )
+from ..compat import language_model
+from ..mixers import describe_mixers, model_mixers
 from .inputs import check_attention, text_config
 from .shard import MEDIA_KEYWORD, CPShard
 
@@ -54,6 +56,13 @@ def model_refusal(model) -> str | None:
     ``None``: read before anything moves, so every rank refuses alike at ``apply_dynamic_cp`` (and
     ``balance_trainer``) instead of at the first forward."""
     config = text_config(model)
+    mixers = model_mixers(language_model(model))
+    if mixers:
+        return (
+            f"{type(model).__name__}, whose decoder mixes tokens outside attention ({describe_mixers(mixers)}): "
+            "those layers do not see where a split sequence continues, so each piece would restart their state "
+            "(a wrong loss, without an error); train it without context parallelism"
+        )
     if getattr(config, "attention_chunk_size", None):
         return f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
     if getattr(config, "use_bidirectional_attention", False):

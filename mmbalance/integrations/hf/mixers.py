@@ -1,0 +1,312 @@
+"""Token mixers other than softmax attention in a model's decoder, which the integration does not run.
+
+Packing several sequences into one row and splitting a sequence over context-parallel ranks are
+exact only where every layer that mixes tokens keeps the sequences apart and hands state across
+the split. Softmax attention does so through ``mmbalance_varlen``; a recurrence or a convolution
+over the sequence (Mamba and Mamba-2 mixers, Gated DeltaNet, Kimi Delta Attention, lightning and
+other linear attention, short convolutions) does not see those boundaries, so a packed row's
+sequences would read the state the previous one left and a split sequence would restart its state
+at every split: a silently wrong loss. Such a model is refused by name instead:
+
+* :func:`model_mixers` reads the instantiated decoder (any ``nn.Conv1d`` over the sequence, any
+  module whose class is a known kind of mixer), for ``apply_dynamic_cp`` and the trainer's
+  context parallelism, before anything moves;
+* :func:`config_mixers` reads a layer's config (``layer_types`` entries that are not attention),
+  and, where a config has no ``layer_types``, the classes its modeling module defines; the
+  attention backend calls it at the first packed forward (``attention/backend.py``).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import torch
+
+__all__ = [
+    "MIXER_NAME",
+    "PADDED_EXACT",
+    "SequencesApart",
+    "config_mixers",
+    "describe_mixers",
+    "keep_sequences_apart",
+    "kept_apart",
+    "mixers_refusal",
+    "model_mixers",
+]
+
+#: class names of decoder token mixers that are not softmax attention
+MIXER_NAME = re.compile(
+    r"(Mamba|Mixer|GatedDeltaNet|DeltaNet|DeltaAttention|ShortConv|ShortConvolution|LinearAttention|"
+    r"LightningAttention|RecurrentBlock|Rglru|RGLRU|Rwkv|RWKV|xLSTM|Retention|Hyena|SSM)"
+)
+# layer types that are softmax attention (run by the attention backend) or mix no tokens
+_ATTENTION_TYPES = {
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "attention",
+    "global",
+    "local",
+}
+_NOT_MIXING = {"mlp", "moe", "dense", "ffn", "mlp_only"}
+
+
+def _layer_of(name: str) -> int | None:
+    m = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", name)
+    return int(m.group(1)) if m else None
+
+
+def model_mixers(decoder: torch.nn.Module) -> dict[str, list[int]]:
+    """``{class name: [layer indices]}`` of the modules in ``decoder`` (the language model) that
+    mix tokens outside softmax attention: a known kind of mixer, or the module holding an
+    ``nn.Conv1d`` whose kernel spans more than one position; the innermost such module is named
+    (a Mamba mixer, not the decoder layer or block around it)."""
+    modules = dict(decoder.named_modules())
+    hits: dict[str, str] = {}  # module name -> class named
+    for name, module in modules.items():
+        cls = type(module).__name__
+        if MIXER_NAME.search(cls) and "Norm" not in cls and not cls.endswith(("Config", "Output", "Cache")):
+            hits[name] = cls
+        elif isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
+            parent = name.rpartition(".")[0]
+            hits.setdefault(parent, type(modules.get(parent, decoder)).__name__)
+
+    def below(other: str, name: str) -> bool:
+        return other != name and (other.startswith(name + ".") if name else True)
+
+    inner = [n for n in hits if not any(below(o, n) for o in hits)]
+    found: dict[str, set[int]] = {}
+    for name in inner:
+        layer = _layer_of(name)
+        found.setdefault(hits[name], set()).update([] if layer is None else [layer])
+    return {cls: sorted(layers) for cls, layers in found.items()}
+
+
+_MODULE_MIXERS: dict[str, list[str]] = {}
+
+
+def _module_mixers(module_name: str) -> list[str]:
+    """The token-mixer classes a modeling module defines (cached)."""
+    if module_name not in _MODULE_MIXERS:
+        mod = sys.modules.get(module_name)
+        names = []
+        for attr, obj in vars(mod).items() if mod is not None else ():
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, torch.nn.Module)
+                and obj.__module__ == module_name
+                and MIXER_NAME.search(attr)
+                and "Decoder" not in attr
+                and not attr.endswith(
+                    ("Model", "ForCausalLM", "Output", "RMSNorm", "Norm", "PreTrainedModel")
+                )
+            ):
+                names.append(attr)
+        _MODULE_MIXERS[module_name] = sorted(names)
+    return _MODULE_MIXERS[module_name]
+
+
+def config_mixers(config, module=None) -> list[str]:
+    """The token mixers other than softmax attention that a model with ``config`` (a text config)
+    has: its ``layer_types`` that are neither attention nor token-free (``linear_attention``,
+    ``conv``, ``hybrid``, ``indexed_attention`` ...), or, without ``layer_types``, the mixer
+    classes the modeling module of ``module`` (one of its layers) defines. ``[]``: none."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return sorted({str(t) for t in types} - _ATTENTION_TYPES - _NOT_MIXING)
+    if module is not None:
+        return _module_mixers(type(module).__module__)
+    return []
+
+
+def describe_mixers(mixers) -> str:
+    """``model_mixers``'s or ``config_mixers``'s answer in words."""
+    if isinstance(mixers, dict):
+        parts = [
+            f"{cls} (layers {', '.join(map(str, layers))})" if layers else cls
+            for cls, layers in mixers.items()
+        ]
+    else:
+        parts = [f"{t} layers" if not MIXER_NAME.search(t) else t for t in mixers]
+    return "; ".join(parts)
+
+
+def mixers_refusal(what: str, owner: str, mixers) -> str | None:
+    """The refusal of ``what`` (``"packed rows"``, ``"dynamic context parallelism"``) on a model
+    (``owner``, its class name) with ``mixers`` (``model_mixers``'s or ``config_mixers``'s), or
+    ``None`` when there are none."""
+    if not mixers:
+        return None
+    return (
+        f"{owner} mixes tokens outside attention ({describe_mixers(mixers)}), which {what} cannot run "
+        "exactly: those layers do not see where a packed row's sequences start or where a split sequence "
+        "continues, so each sequence would read the state the one before it left (a wrong loss, without an "
+        "error). Train it without packing and without context parallelism"
+        + (
+            ""
+            if not any(t == "linear_attention" for t in (mixers if not isinstance(mixers, dict) else []))
+            else " (where its mixers are Gated DeltaNet, keep_sequences_apart(model) runs packed rows exactly)"
+        )
+    )
+
+
+# ------------------------------------------------------------------------ packed rows, exactly
+#: mixer classes whose forward over a right-padded batch (a 2-D ``attention_mask``) gives each
+#: sequence exactly what it gives the sequence alone (a causal convolution and a recurrence that
+#: start at the row's first token, padding zeroed): run on a packed row's sequences as such a
+#: batch, they keep the sequences apart (``tests/integrations/test_packed_mixers.py`` checks each
+#: against each sequence alone, loss and every gradient)
+PADDED_EXACT = frozenset(
+    {
+        "Qwen3_5GatedDeltaNet",
+        "Qwen3_5MoeGatedDeltaNet",
+        "Qwen3NextGatedDeltaNet",
+        "OlmoHybridGatedDeltaNet",
+    }
+)
+
+# id(config) of the language models whose every mixer runs packed rows exactly (keep_sequences_apart)
+_KEPT_APART: dict[int, int] = {}
+
+
+def kept_apart(config) -> bool:
+    """Whether the model of ``config`` (a layer's) has its mixers keep packed sequences apart."""
+    return config is not None and id(config) in _KEPT_APART
+
+
+class SequencesApart:
+    """What :func:`keep_sequences_apart` returns: ``remove()`` puts the mixers back."""
+
+    def __init__(self, decoder, configs, hooks, modules):
+        self.decoder, self._configs, self._hooks, self._modules = decoder, configs, hooks, modules
+        self.boundaries = None  # this forward's packing: (lengths, cu_seqlens, longest), or None
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for m in self._modules:
+            m.__dict__.pop("forward", None)
+        for c in self._configs:
+            _KEPT_APART.pop(c, None)
+        self._hooks, self._modules, self._configs = [], [], []
+        self.decoder.__dict__.pop("_mmbalance_apart", None)
+
+
+def keep_sequences_apart(model) -> SequencesApart | None:
+    """Make the token mixers of ``model``'s decoder keep the sequences of a packed row apart, read
+    from the same ``position_ids`` (restarting inside a row, the 3-D M-RoPE rows' text row
+    included) or ``cu_seq_lens_q`` the attention backend reads: each mixer of :data:`PADDED_EXACT`
+    runs the row's sequences as a right-padded batch (``unpack``), its outputs packed back
+    (``pack``); a row of one sequence runs as before. Returns the handle (``remove()``), the same
+    one when called again, or ``None`` when the decoder has no such mixer. A mixer outside
+    :data:`PADDED_EXACT` is left alone, and packed rows stay refused for that model."""
+    decoder = _language_model(model)
+    old = decoder.__dict__.get("_mmbalance_apart")
+    if old is not None:
+        return old
+    found = model_mixers(decoder)
+    if not found or not set(found) & PADDED_EXACT:
+        return None
+    modules = [m for m in decoder.modules() if type(m).__name__ in PADDED_EXACT]
+    configs = []
+    if set(found) <= PADDED_EXACT:
+        seen = {
+            id(getattr(m, "config", None))
+            for m in decoder.modules()
+            if getattr(m, "config", None) is not None
+        }
+        configs = [c for c in seen if c != id(None)]
+    handle = SequencesApart(decoder, configs, [], modules)
+
+    def read(module, args, kwargs):
+        handle.boundaries = _boundaries(args[0] if args else kwargs.get("input_ids"), kwargs)
+        return None
+
+    def done(module, args, kwargs, output):
+        handle.boundaries = None
+        return None
+
+    handle._hooks = [
+        decoder.register_forward_pre_hook(read, with_kwargs=True),
+        decoder.register_forward_hook(done, with_kwargs=True, always_call=True),
+    ]
+    for m in modules:
+        m.forward = _apart_forward(m, handle)
+    for c in configs:
+        _KEPT_APART[c] = 1
+    decoder.__dict__["_mmbalance_apart"] = handle
+    return handle
+
+
+def _language_model(model):
+    from .compat import language_model
+    from .wrappers import inner_model
+
+    return language_model(inner_model(model))
+
+
+def _boundaries(input_ids, kwargs) -> tuple | None:
+    """``(lengths, cu_seqlens, longest)`` of the sequences of this forward's rows over the
+    flattened batch, or ``None`` when every row is one sequence."""
+    import numpy as np
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        cu = cu.detach().to("cpu", torch.int64)
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        rows = None
+    else:
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            return None
+        if pos.dim() == 3:  # M-RoPE rows: the text row (Qwen3.5's [4, B, L]) or the temporal row
+            pos = pos[0]
+        pos = pos.detach().to("cpu", torch.int64).numpy()
+        if pos.ndim != 2:
+            return None
+        starts = np.diff(pos, prepend=pos[:, :1] - 1, axis=-1) != 1  # transformers' rule: not one more
+        starts[:, 0] = True
+        if int(starts.sum()) <= pos.shape[0]:  # one sequence a row
+            return None
+        lengths, rows = [], pos.shape[0]
+        for r in range(rows):
+            s = np.flatnonzero(starts[r]).tolist() + [pos.shape[1]]
+            lengths += [b - a for a, b in zip(s[:-1], s[1:])]
+    if len(lengths) <= (rows or 1):
+        return None
+    cu_seqlens = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
+    return lengths, cu_seqlens, max(lengths)
+
+
+def _apart_forward(module, handle: SequencesApart):
+    """``module``'s forward, running a packed row's sequences as a right-padded batch."""
+    stock = type(module).forward.__get__(module)
+
+    def forward(hidden_states, *args, **kwargs):
+        packing = handle.boundaries
+        cache = kwargs.get("cache", kwargs.get("cache_params"))
+        if packing is None or cache is not None or args:
+            return stock(hidden_states, *args, **kwargs)
+        from mmbalance.pyops import pack, unpack
+
+        lengths, cu, longest = packing
+        b, length, width = hidden_states.shape
+        if int(cu[-1]) != b * length:
+            raise ValueError(
+                f"{type(module).__name__}: this forward's sequences cover {int(cu[-1])} tokens, its hidden states "
+                f"{b * length} ({b} x {length})"
+            )
+        device = hidden_states.device
+        cu_d = cu.to(device)
+        seqlens = torch.tensor(lengths, dtype=torch.int64, device=device)
+        padded = unpack(hidden_states.reshape(b * length, width), cu_d, longest)
+        mask = torch.arange(longest, device=device)[None, :] < seqlens[:, None]
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+            kwargs.pop(key, None)
+        kwargs["attention_mask"] = mask.to(torch.long)
+        out = stock(padded, **kwargs)
+        packed = pack(out, seqlens, b * length)
+        return packed.reshape(b, length, out.shape[-1])
+
+    return forward

@@ -1,0 +1,119 @@
+"""Gated DeltaNet hybrids keep a packed row's sequences apart (``mixers.keep_sequences_apart``):
+tiny Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo hybrid (a linear-attention layer and a full-attention
+layer), float32, a packed row of 3 sequences from transformers' own ``DataCollatorWithFlattening``
+(positions only, and with ``cu_seq_lens``) under ``mmbalance_varlen`` against each sequence alone
+under ``sdpa``: the loss and every gradient within 1e-5 relative. Without it the packed row is
+refused by name (``test_mixers.py``); ``remove()`` puts it back."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5.6")
+
+from mmbalance.integrations.hf import balance_trainer, keep_sequences_apart, register_attention  # noqa: E402
+from tests.integrations.hybrids import tiny  # noqa: E402
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
+LENGTHS = (7, 13, 4)
+
+
+def _pair(model_type):
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    register_attention()
+    ref = tiny(model_type)
+    ours = copy.deepcopy(ref)
+    ref.set_attn_implementation("sdpa")
+    ours.set_attn_implementation("mmbalance_varlen")
+    return ours, ref
+
+
+def _rows(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 64, (k,), generator=g) for k in LENGTHS]
+
+
+def _alone(ref, rows):
+    """The token-weighted mean of each sequence's loss alone, as the packed row's loss is."""
+    total, count = 0.0, 0
+    for r in rows:
+        total = total + ref(input_ids=r[None], labels=r[None], use_cache=False).loss * (len(r) - 1)
+        count += len(r) - 1
+    return total / count
+
+
+def _grads_close(ours, ref):
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        err = float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30))
+        assert err < 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["positions", "cu_seq_lens"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_packed_row_is_each_sequence_alone(model_type, flash_kwargs):
+    ours, ref = _pair(model_type)
+    handle = keep_sequences_apart(ours)
+    assert handle is not None and keep_sequences_apart(ours) is handle  # once per model
+    rows = _rows()
+    collate = transformers.DataCollatorWithFlattening(
+        return_tensors="pt", return_flash_attn_kwargs=flash_kwargs
+    )
+    batch = collate([{"input_ids": r.tolist()} for r in rows])
+    assert ("cu_seq_lens_q" in batch) == flash_kwargs
+    got = ours(**batch, use_cache=False).loss
+    want = _alone(ref, rows)
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (float(got), float(want))
+    got.backward()
+    want.backward()
+    _grads_close(ours, ref)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5"])
+def test_a_padded_batch_and_remove(model_type):
+    ours, ref = _pair(model_type)
+    handle = keep_sequences_apart(ours)
+    rows = _rows(seed=2)
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    labels = ids.masked_fill(mask == 0, -100)
+    got = ours(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    assert abs(float(got) - float(want)) <= 1e-5 * float(want)
+    handle.remove()
+    assert "forward" not in vars(next(m for m in ours.modules() if "GatedDeltaNet" in type(m).__name__))
+    batch = transformers.DataCollatorWithFlattening(return_tensors="pt")(
+        [{"input_ids": r.tolist()} for r in rows]
+    )
+    with pytest.raises(ValueError, match="mixes tokens outside attention"):
+        ours(**batch, use_cache=False)
+
+
+def test_balance_trainer_keeps_them_apart(tmp_path):
+    """A trainer balanced with ``balance_trainer`` gets its mixers kept apart (its collator may
+    pack rows)."""
+    import datasets
+
+    ours, _ = _pair("qwen3_5")
+    rows = [r.tolist() for r in _rows()] * 4
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                                          report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)  # fmt: skip
+    trainer = transformers.Trainer(
+        model=ours, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
+        data_collator=transformers.DataCollatorWithFlattening(return_tensors="pt"),
+    )  # fmt: skip
+    balance_trainer(trainer)
+    assert keep_sequences_apart(ours) is not None
+    trainer.train()
+    assert trainer.state.global_step == 1
