@@ -100,8 +100,9 @@ _MARKERS = re.compile(
 )
 # the layer types (config.layer_types) other than softmax attention that the installed releases
 # have: token mixers, and attention kinds the backend does not run exactly either (refused alike)
-_KNOWN_KINDS = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "indexed_attention",
-                "compressed_sparse_attention", "heavily_compressed_attention", "reference_sliding_attention"}  # fmt: skip
+_KNOWN_KINDS = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "indexed_attention",
+                "compressed_sparse_attention", "heavily_compressed_attention", "reference_sliding_attention",
+                "deepseek_sparse_attention", "qwen_sparse_attention"}  # fmt: skip
 
 
 def _families():

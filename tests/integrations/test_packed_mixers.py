@@ -1,6 +1,7 @@
-"""Gated DeltaNet hybrids keep a packed row's sequences apart (``mixers.keep_sequences_apart``):
-tiny Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo hybrid (a linear-attention layer and a full-attention
-layer), float32, a packed row of 3 sequences from transformers' own ``DataCollatorWithFlattening``
+"""Hybrid decoders keep a packed row's sequences apart (``mixers.keep_sequences_apart``): tiny
+Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo hybrid (Gated DeltaNet), Jamba, Bamba, Nemotron-H,
+Falcon-H1 and Zamba2 (Mamba mixers), LFM2 (short convolutions) and MiniMax (lightning attention),
+each with a mixer layer and an attention layer, float32, a packed row of 3 sequences from transformers' own ``DataCollatorWithFlattening``
 (positions only, and with ``cu_seq_lens``) under ``mmbalance_varlen`` against each sequence alone
 under ``sdpa``: the loss and every gradient within 1e-5 relative. Without it the packed row is
 refused by name (``test_mixers.py``); ``remove()`` puts it back."""
@@ -17,7 +18,8 @@ transformers = pytest.importorskip("transformers", minversion="5.6")
 from mmbalance.integrations.hf import balance_trainer, keep_sequences_apart, register_attention  # noqa: E402
 from tests.integrations.hybrids import tiny  # noqa: E402
 
-FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "falcon_h1",
+            "zamba2", "lfm2", "minimax"]  # fmt: skip
 LENGTHS = (7, 13, 4)
 
 
@@ -117,3 +119,15 @@ def test_balance_trainer_keeps_them_apart(tmp_path):
     assert keep_sequences_apart(ours) is not None
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_a_model_whose_attention_cannot_see_the_packing_stays_refused():
+    """GraniteMoeHybrid hands its attention no positions: its mixers could be kept apart, its
+    attention could not, so a packed row is refused even with ``keep_sequences_apart``."""
+    ours, _ = _pair("granitemoehybrid")
+    keep_sequences_apart(ours)
+    batch = transformers.DataCollatorWithFlattening(return_tensors="pt")(
+        [{"input_ids": r.tolist()} for r in _rows()]
+    )
+    with pytest.raises(ValueError, match="neither positions, sequence boundaries nor a padding mask"):
+        ours(**batch, use_cache=False)

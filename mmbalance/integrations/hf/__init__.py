@@ -20,9 +20,11 @@ what differs between versions is in ``compat.py``).
   (the built-in adapters are in ``encoders/models/``, one file per family).
 * :func:`register_attention`: a packed (padding-free) varlen attention backend for transformers'
   ``AttentionInterface``, named ``"mmbalance_varlen"``.
-* :func:`keep_sequences_apart`: the Gated DeltaNet layers of a hybrid decoder (Qwen3.5,
-  Qwen3.5-MoE, Qwen3-Next) keep the sequences of a packed row apart, as the attention does; other
-  decoders that mix tokens outside attention are refused by name (``mixers.py``).
+* :func:`keep_sequences_apart`: the token mixers of a hybrid decoder (Gated DeltaNet in Qwen3.5,
+  Qwen3.5-MoE, Qwen3-Next and OLMo hybrid; the Mamba mixers of Jamba, Bamba, Nemotron-H, Falcon-H1
+  and Zamba2; LFM2's short convolutions; MiniMax's lightning attention) keep the sequences of a
+  packed row apart, as the attention does; other decoders that mix tokens outside attention are
+  refused by name (``mixers.py``).
 * :func:`balance_every_trainer`: every ``Trainer`` built after the call balanced (encoders,
   batches, the loss's normalization, ``mmbalance/*`` keys in its logs), what ``mmbalance launch``
   switches on before a training program (LLaMA-Factory, ms-swift) runs.

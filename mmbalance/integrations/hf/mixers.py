@@ -72,10 +72,21 @@ def model_mixers(decoder: torch.nn.Module) -> dict[str, list[int]]:
             parent = name.rpartition(".")[0]
             hits.setdefault(parent, type(modules.get(parent, decoder)).__name__)
 
+    # the mixer itself: not the decoder layer, block or model around it, and not the parts inside it
+    # (a Gated DeltaNet's short convolutions)
+    def around(name: str, cls: str) -> bool:
+        return (
+            bool(re.search(r"(^|\.)layers\.\d+$", name))
+            or name == ""
+            or cls.endswith(("DecoderLayer", "Block", "Model"))
+        )
+
+    candidates = {n: c for n, c in hits.items() if not around(n, c)} or hits
+
     def below(other: str, name: str) -> bool:
         return other != name and (other.startswith(name + ".") if name else True)
 
-    inner = [n for n in hits if not any(below(o, n) for o in hits)]
+    inner = [n for n in candidates if not any(below(n, o) for o in candidates)]
     found: dict[str, set[int]] = {}
     for name in inner:
         layer = _layer_of(name)
@@ -133,21 +144,17 @@ def describe_mixers(mixers) -> str:
 
 
 def mixers_refusal(what: str, owner: str, mixers) -> str | None:
-    """The refusal of ``what`` (``"packed rows"``, ``"dynamic context parallelism"``) on a model
-    (``owner``, its class name) with ``mixers`` (``model_mixers``'s or ``config_mixers``'s), or
-    ``None`` when there are none."""
+    """The refusal of ``what`` (``"packed rows"``) on a model (``owner``, its class name) with
+    ``mixers`` (``model_mixers``'s or ``config_mixers``'s), or ``None`` when there are none."""
     if not mixers:
         return None
     return (
         f"{owner} mixes tokens outside attention ({describe_mixers(mixers)}), which {what} cannot run "
-        "exactly: those layers do not see where a packed row's sequences start or where a split sequence "
-        "continues, so each sequence would read the state the one before it left (a wrong loss, without an "
-        "error). Train it without packing and without context parallelism"
-        + (
-            ""
-            if not any(t == "linear_attention" for t in (mixers if not isinstance(mixers, dict) else []))
-            else " (where its mixers are Gated DeltaNet, keep_sequences_apart(model) runs packed rows exactly)"
-        )
+        "exactly as it is: those layers do not see where a packed row's sequences start, so each sequence "
+        "would read the state the one before it left (a wrong loss, without an error). keep_sequences_apart(model) "
+        "makes them exact for the mixers it knows (Gated DeltaNet, Mamba and Mamba-2 mixers, short "
+        "convolutions, lightning attention; balance_trainer and mmbalance launch call it); otherwise train it "
+        "without packing"
     )
 
 
@@ -159,10 +166,20 @@ def mixers_refusal(what: str, owner: str, mixers) -> str | None:
 #: against each sequence alone, loss and every gradient)
 PADDED_EXACT = frozenset(
     {
+        # Gated DeltaNet
         "Qwen3_5GatedDeltaNet",
         "Qwen3_5MoeGatedDeltaNet",
         "Qwen3NextGatedDeltaNet",
         "OlmoHybridGatedDeltaNet",
+        # Mamba and Mamba-2 mixers
+        "JambaMambaMixer",
+        "BambaMixer",
+        "NemotronHMamba2Mixer",
+        "FalconH1Mixer",
+        "Zamba2MambaMixer",
+        # short convolutions, lightning attention
+        "Lfm2ShortConv",
+        "MiniMaxLightningAttention",
     }
 )
 
@@ -305,8 +322,9 @@ def _apart_forward(module, handle: SequencesApart):
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
             kwargs.pop(key, None)
         kwargs["attention_mask"] = mask.to(torch.long)
-        out = stock(padded, **kwargs)
-        packed = pack(out, seqlens, b * length)
-        return packed.reshape(b, length, out.shape[-1])
+        result = stock(padded, **kwargs)
+        out = result[0] if isinstance(result, tuple) else result  # (output, weights) as MiniMax returns
+        packed = pack(out, seqlens, b * length).reshape(b, length, out.shape[-1])
+        return (packed, *result[1:]) if isinstance(result, tuple) else packed
 
     return forward

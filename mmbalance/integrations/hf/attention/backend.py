@@ -282,7 +282,7 @@ def _check_mixers(module, plan, rows: int, length: int, cu, position_ids, attent
     if not (packed or blind):
         return
     config = getattr(module, "config", None)
-    if kept_apart(config):  # its every mixer runs the row's sequences apart (mixers.keep_sequences_apart)
+    if packed and kept_apart(config):  # its every mixer runs the row's sequences apart (keep_sequences_apart)
         return
     mixers = config_mixers(config, module)
     if not mixers:
