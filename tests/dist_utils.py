@@ -77,8 +77,8 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, init_fault
 
     from mmbalance.collectives import teardown
 
-    if stacks_at is not None:  # still running just before the parent's time limit: say where
-        faulthandler.dump_traceback_later(stacks_at, exit=False)
+    if stacks_at is not None:  # still running at the parent's time limit: the parent asks where
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
@@ -111,6 +111,18 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, init_fault
         send_report(queue, (rank, False, traceback.format_exc(), "body"))
         return
     end_like_a_program()
+
+
+def _ask_for_stacks(procs, wait: float = 3.0) -> None:
+    """Each live process of ``procs`` writes its threads' Python stacks to stderr (faulthandler on
+    SIGUSR1, registered by ``_worker``); returns once they have, or after ``wait`` seconds."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(wait if alive else 0.0)  # the handler writes at once; a loaded machine may schedule it late
 
 
 class _Retry(Exception):
@@ -157,9 +169,10 @@ def _run_once(fn, world_size, args, timeout, pg_timeout, exit_grace, init_fault,
             if not errors and died:
                 raise RuntimeError(died_without_report(died))
             if not errors and len(results) < world_size:
+                _ask_for_stacks([p for r, p in enumerate(procs) if r not in results])
                 raise TimeoutError(
                     f"distributed test did not finish within {timeout:.0f}s; finished ranks: {sorted(results)} "
-                    "(the others wrote the Python stacks of their threads to stderr, 5 s before the limit)"
+                    "(the others wrote the Python stacks of their threads to stderr)"
                 )
         finally:
             hung = settle(procs, exit_grace if len(results) == world_size else 5.0)

@@ -200,9 +200,12 @@ def test_a_candidate_off_the_reference_or_the_table_is_dropped(tmp_path, monkeyp
     assert dropped["tiles"] == "M16 N32 w4 s1" and dropped["status"].startswith(says), dropped
     assert math.isnan(dropped["time_ms"])
     assert rows[("tiles_bwd_kv", "candidate")]["status"].startswith(says)
-    assert rows[("tiles_bwd_dq", "candidate")]["status"] == "unaudited"  # untouched: kept
+    kept = rows[("tiles_bwd_dq", "candidate")]
+    assert kept["status"] == "unaudited" and kept["time_ms"] > 0  # untouched: kept and timed
     best = rows[("tiles_fwd_bwd", "best")]["tiles"]
-    assert "fwd M16 N16" in best and "kv M16 N16" in best and "dq M16 N32" in best
+    # the dropped candidates are never the best; the kept dq candidate competes on its time
+    assert "fwd M16 N16" in best and "kv M16 N16" in best
+    assert ("dq M16 N32" in best) == (kept["time_ms"] < rows[("tiles_bwd_dq", "table")]["time_ms"]), (best, rows)
 
 
 _BUDGET = """
