@@ -72,11 +72,14 @@ $(TF_STAMPS): .venv-tf%/.installed: pyproject.toml scripts/requirements.py scrip
 	  || { echo ".venv-tf$* does not hold transformers $* beside torch 2.13.0"; exit 1; }
 	@touch $@
 
-# tests/integrations, distributed ones included, on every release of the matrix
+# tests/integrations on every release of the matrix, but for the slow tests that repeat paths the
+# others reach (tests/integrations/conftest.py names the slow ones every release runs); the whole of
+# tests/integrations runs on the newest release in .venv (make test's suite)
+MATRIX_MARKS := not slow or matrix
 test-matrix: $(STAMP) $(TF_STAMPS)
 	@failed=""; for v in $(TF_MATRIX); do \
-	  echo "== tests/integrations on transformers $$v"; \
-	  PYTHONPATH=$(CURDIR) .venv-tf$$v/bin/python -m pytest -q -p no:cacheprovider tests/integrations || failed="$$failed $$v"; \
+	  echo "== tests/integrations ($(MATRIX_MARKS)) on transformers $$v"; \
+	  PYTHONPATH=$(CURDIR) .venv-tf$$v/bin/python -m pytest -q -p no:cacheprovider -m "$(MATRIX_MARKS)" tests/integrations || failed="$$failed $$v"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "tests/integrations failed on transformers$$failed"; exit 1; fi
 
@@ -121,8 +124,10 @@ $(FW_STAMPS): .venv-%/.installed: pyproject.toml setup.py scripts/requirements.p
 
 # LLaMA-Factory's and ms-swift's SFT of a tiny Qwen2-VL on 2 CPU ranks, plain and through
 # `mmbalance launch` (tests/frameworks: pytest runs here, the frameworks in their environments)
+# (FW_MARKS="not extended": the runs .ci/run keeps, tests/frameworks/conftest.py)
+FW_MARKS ?= not soak
 test-frameworks: $(STAMP) $(FW_STAMPS)
-	$(PY) -m pytest -q -p no:cacheprovider tests/frameworks
+	$(PY) -m pytest -q -p no:cacheprovider -m "$(FW_MARKS)" tests/frameworks
 
 run: $(STAMP) $(PEERS)
 	$(VENV)/bin/mmbalance bench planners

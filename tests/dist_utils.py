@@ -70,15 +70,17 @@ def end_like_a_program() -> None:
 _GLOO_CONNECT = "connectFullMesh failed"
 
 
-def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, init_fault=None, stacks_at=None):
+def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, init_fault=None, stacks_to=None):
     import faulthandler
 
     import torch.distributed as dist
 
     from mmbalance.collectives import teardown
 
-    if stacks_at is not None:  # still running at the parent's time limit: the parent asks where
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    if stacks_to is not None:  # still running at the parent's time limit: the parent asks where
+        global _STACKS
+        _STACKS = open(stacks_to.format(rank=rank), "w")  # noqa: SIM115 - open for the process's life
+        faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True, chain=False)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
@@ -113,16 +115,31 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, init_fault
     end_like_a_program()
 
 
-def _ask_for_stacks(procs, wait: float = 3.0) -> None:
-    """Each live process of ``procs`` writes its threads' Python stacks to stderr (faulthandler on
-    SIGUSR1, registered by ``_worker``); returns once they have, or after ``wait`` seconds."""
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        try:
-            os.kill(p.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    time.sleep(wait if alive else 0.0)  # the handler writes at once; a loaded machine may schedule it late
+_STACKS = None  # a worker's file for its stacks
+
+
+def _ask_for_stacks(ranks: dict, stacks_to: str, wait: float = 10.0) -> str:
+    """Each live process of ``ranks`` (rank: process) writes its threads' Python stacks to its file
+    (faulthandler on SIGUSR1, registered by ``_worker``); returns what they wrote, once each has
+    (a loaded machine may schedule the handler late), or what there is after ``wait`` seconds."""
+    asked = {}
+    for rank, p in ranks.items():
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+                asked[rank] = stacks_to.format(rank=rank)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + wait
+    texts: dict = {}
+    while True:
+        for rank, path in asked.items():
+            with contextlib.suppress(OSError):
+                texts[rank] = Path(path).read_text()
+        if all("File " in texts.get(r, "") for r in asked) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return "".join(f"\n-- rank {r}'s threads:\n{texts.get(r) or '(nothing written)'}" for r in sorted(asked))
 
 
 class _Retry(Exception):
@@ -149,10 +166,11 @@ def _run_once(fn, world_size, args, timeout, pg_timeout, exit_grace, init_fault,
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        stacks_to = os.path.join(tmp, "stacks-{rank}.txt")
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, fn, args, queue, pg_timeout, init_fault, max(1.0, timeout - 5.0)),
+                args=(r, world_size, init_file, fn, args, queue, pg_timeout, init_fault, stacks_to),
                 daemon=True,
             )
             for r in range(world_size)
@@ -169,10 +187,10 @@ def _run_once(fn, world_size, args, timeout, pg_timeout, exit_grace, init_fault,
             if not errors and died:
                 raise RuntimeError(died_without_report(died))
             if not errors and len(results) < world_size:
-                _ask_for_stacks([p for r, p in enumerate(procs) if r not in results])
+                stacks = _ask_for_stacks({r: p for r, p in enumerate(procs) if r not in results}, stacks_to)
                 raise TimeoutError(
                     f"distributed test did not finish within {timeout:.0f}s; finished ranks: {sorted(results)} "
-                    "(the others wrote the Python stacks of their threads to stderr)"
+                    f"; where the others were:{stacks}"
                 )
         finally:
             hung = settle(procs, exit_grace if len(results) == world_size else 5.0)

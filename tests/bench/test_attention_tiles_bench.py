@@ -205,7 +205,10 @@ def test_a_candidate_off_the_reference_or_the_table_is_dropped(tmp_path, monkeyp
     best = rows[("tiles_fwd_bwd", "best")]["tiles"]
     # the dropped candidates are never the best; the kept dq candidate competes on its time
     assert "fwd M16 N16" in best and "kv M16 N16" in best
-    assert ("dq M16 N32" in best) == (kept["time_ms"] < rows[("tiles_bwd_dq", "table")]["time_ms"]), (best, rows)
+    assert ("dq M16 N32" in best) == (kept["time_ms"] < rows[("tiles_bwd_dq", "table")]["time_ms"]), (
+        best,
+        rows,
+    )
 
 
 _BUDGET = """

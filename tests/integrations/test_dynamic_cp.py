@@ -26,6 +26,7 @@ from tests.dist_utils import REPO, launch, run_distributed  # noqa: E402
 SCRIPT = REPO / "tests" / "integrations" / "cp_plain_loop.py"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_plain_loop_matches_one_process_reference_on_4_ranks():
     """The world as the group (long; mixed under DDP; fsdp2 under FSDP2; ckpt with gradient
@@ -53,6 +54,7 @@ FEATURE_RUNS = ["mistral16:packed:long", "mistral:padded:long", "gemma2:packed:l
                 "cohere2:packed:long", "gptoss:packed:long", "qwen2sw:padded:long"]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_windows_softcap_and_sinks_match_the_reference_on_4_ranks():
     """Every attention feature under the ring, each run with one sequence split over 3 ranks:
@@ -69,6 +71,7 @@ def test_windows_softcap_and_sinks_match_the_reference_on_4_ranks():
         assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5, x
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_compiled_model_matches_the_reference_and_compiles_once():
     """``torch.compile`` (aot_eager) of a model whose shard splits a sequence over 2 ranks: loss and
@@ -129,6 +132,7 @@ def _kept_until_exit(rank: int, world: int) -> list[bool]:
     return held
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_world_is_kept_until_exit_and_the_handles_groups_are_not():
     # freeing a DDP model then cannot destroy the world while a gloo worker needs the GIL

@@ -32,6 +32,7 @@ from tests.integrations import hf_zoo  # noqa: E402
 SCRIPT = REPO / "tests" / "integrations" / "cp_vlm_loop.py"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_vlm_step_matches_one_process_reference_on_4_ranks():
     runs = ["qwen2_vl:plain", "qwen2_vl:encoder", "qwen2_5_vl:plain", "qwen2_5_vl:encoder", "qwen2_vl:fault"]
@@ -50,6 +51,7 @@ def test_vlm_step_matches_one_process_reference_on_4_ranks():
     assert stream["loss_rel"] <= 1e-5 and stream["grad_rel"] <= 1e-5, stream
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_qwen3_vl_llava_and_omni_steps_match_one_process_reference_on_4_ranks():
     """Qwen3-VL (a timestamp per temporal patch, deepstack features), LLaVA (a document of eight
@@ -69,6 +71,7 @@ def test_qwen3_vl_llava_and_omni_steps_match_one_process_reference_on_4_ranks():
     assert all(x["split_items"]["audio"] >= 1 for x in lines[4:])  # the long clip's rows on 3 ranks
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
     """FSDP2 (every decoder layer, the towers but LLaVA's, the root): ``shard`` moves the encoder

@@ -73,6 +73,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     torch.cuda.is_available() or _launch.INTERPRET, reason="runs the interpreter in a fresh process"
 )

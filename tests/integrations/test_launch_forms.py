@@ -48,6 +48,7 @@ def scripts(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("python", ["python", "path"], ids=["python-on-PATH", "interpreter-path"])
 def test_python_forms_run_the_program_with_its_status(scripts, python):
     interp = "python" if python == "python" else sys.executable

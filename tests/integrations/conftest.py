@@ -1,0 +1,44 @@
+"""The integration tests that the older transformers releases of the test matrix run.
+
+``make test-matrix`` runs ``tests/integrations -m "not slow or matrix"`` on every release of
+``TF_MATRIX`` (the whole of ``tests/integrations`` runs in ``make test`` on the newest). What differs
+between releases is where transformers hands the model its inputs and its attention: the forwards,
+the hooks (``mm_encoder_outputs``, ``get_image_features``, the attention interface, packed-sequence
+masks) and the Trainer's loss and batches. The tests below take more than a few seconds (marked
+``slow``) and are the ones on those paths that the quick ones do not reach, so every release runs
+them too: encoder balancing of each family on 2 ranks (with LoRA and FSDP2 once each), Trainer
+steps through ``balance_trainer`` and through the switch ``mmbalance launch`` installs, a video split
+by frame, and generation and evaluation under the handle. The longer ones (4 ranks, torch.compile, the interpreter, launched programs)
+repeat paths these reach and run on the newest release only.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ON_EVERY_RELEASE = (
+    "test_hf_balance.py::test_balanced_model_gives_the_unbalanced_loss_and_gradients[",  # -2ranks-plain, below
+    "test_hf_balance.py::test_balanced_model_gives_the_unbalanced_loss_and_gradients[qwen2_vl-2ranks-lora]",
+    "test_hf_balance.py::test_balanced_model_gives_the_unbalanced_loss_and_gradients[qwen3_vl-2ranks-fsdp2]",
+    "test_balance_trainer.py::test_two_ranks_train_like_the_replay_and_resume_in_order",
+    "test_every_trainer.py::test_trainers_built_after_the_call_are_balanced_and_remove_restores",
+    "test_hf_loops.py::test_a_video_is_split_by_frame_exactly",
+    "test_hf_loops.py::test_generate_and_eval_run_as_without_the_handle",
+)
+
+
+def _on_every_release(nodeid: str) -> bool:
+    name = nodeid.rsplit("/", 1)[-1]
+    for want in ON_EVERY_RELEASE:
+        if want.endswith("["):  # each family, two ranks, plain
+            if name.startswith(want) and name.endswith("-2ranks-plain]"):
+                return True
+        elif name == want:
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _on_every_release(item.nodeid):
+            item.add_marker(pytest.mark.matrix)
