@@ -413,7 +413,7 @@ def _check_python(interpreter: str, args: list[str]) -> tuple[int, str] | None:
     env = {k: v for k, v in os.environ.items() if k not in (ENV, "PYTHONPATH")}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    probe = [interpreter, "-c", _CHECK, *([value] if kind == "-m" else [])]
+    probe = [interpreter, "-c", _CHECK, *([str(value)] if kind == "-m" else [])]
     try:
         done = subprocess.run(probe, capture_output=True, text=True, env=env, timeout=300)
     except (OSError, subprocess.SubprocessError) as exc:

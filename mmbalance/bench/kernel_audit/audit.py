@@ -330,8 +330,10 @@ def audit_all(configs: list[dict], capability: int, ptxas_arch: str, jobs: int =
     try:
         context = multiprocessing.get_context("fork")
         # the compiling processes end with this one, however it ends (harness.die_with_parent)
-        lifeline_args = dict(initializer=die_with_parent, initargs=lifeline())
-        with ProcessPoolExecutor(jobs, mp_context=context, **lifeline_args) as pool:
+        parent = lifeline()
+        with ProcessPoolExecutor(
+            jobs, mp_context=context, initializer=die_with_parent, initargs=parent
+        ) as pool:
             futures = {i: pool.submit(_audit_index, i) for i in range(len(configs))}
             for i, fut in futures.items():
                 try:
@@ -341,7 +343,9 @@ def audit_all(configs: list[dict], capability: int, ptxas_arch: str, jobs: int =
         for i in range(len(configs)):  # after a death: one process each, so only the culprit fails
             if i in rows:
                 continue
-            with ProcessPoolExecutor(1, mp_context=context, **lifeline_args) as alone:
+            with ProcessPoolExecutor(
+                1, mp_context=context, initializer=die_with_parent, initargs=parent
+            ) as alone:
                 try:
                     rows[i] = alone.submit(_audit_index, i).result()
                 except BrokenProcessPool:

@@ -18,6 +18,7 @@ at every split: a silently wrong loss. Such a model is refused by name instead:
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 
@@ -211,23 +212,34 @@ class SequencesApart:
 
 
 def keep_sequences_apart(model) -> SequencesApart | None:
-    """Make the token mixers of ``model``'s decoder keep the sequences of a packed row apart, read
-    from the same ``position_ids`` (restarting inside a row, the 3-D M-RoPE rows' text row
-    included) or ``cu_seq_lens_q`` the attention backend reads: each mixer of :data:`PADDED_EXACT`
-    runs the row's sequences as a right-padded batch (``unpack``), its outputs packed back
-    (``pack``); a row of one sequence runs as before. Returns the handle (``remove()``), the same
-    one when called again, or ``None`` when the decoder has no such mixer. A mixer outside
-    :data:`PADDED_EXACT` is left alone, and packed rows stay refused for that model."""
+    """Make ``model``'s decoder keep the sequences of a packed row apart where it would not:
+
+    * its token mixers, read from the same ``position_ids`` (restarting inside a row, the 3-D
+      M-RoPE rows' text row included) or ``cu_seq_lens_q`` the attention backend reads: each mixer
+      of :data:`PADDED_EXACT` runs the row's sequences as a right-padded batch (``unpack``), its
+      outputs packed back (``pack``); a row of one sequence runs as before. A mixer outside
+      :data:`PADDED_EXACT` is left alone, and packed rows stay refused for that model;
+    * an M-RoPE text model (Qwen2-VL to Qwen3-VL, GLM-4.xV, Ernie-4.5-VL, ...) given 2-D
+      ``position_ids`` that restart inside a row (what ``DataCollatorWithFlattening`` gives) turns
+      them into its three rotary rows and builds its mask without them, so the sequences attend
+      to each other (with any attention); here such positions reach it as ``[4, B, L]``: the same
+      rows for the rotary embedding, and the 2-D positions as the text row its mask and the
+      attention read. Positions that do not restart, and 3-D ones, reach it unchanged.
+
+    Returns the handle (``remove()``), the same one when called again, or ``None`` when the model
+    has neither."""
     decoder = _language_model(model)
     old = decoder.__dict__.get("_mmbalance_apart")
     if old is not None:
         return old
     found = model_mixers(decoder)
-    if not found or not set(found) & PADDED_EXACT:
+    mixing = bool(found) and bool(set(found) & PADDED_EXACT)
+    texts = [m for m in decoder.modules() if _drops_packed_positions(type(m))]
+    if not mixing and not texts:
         return None
-    modules = [m for m in decoder.modules() if type(m).__name__ in PADDED_EXACT]
+    modules = [m for m in decoder.modules() if type(m).__name__ in PADDED_EXACT] if mixing else []
     configs = []
-    if set(found) <= PADDED_EXACT:
+    if mixing and set(found) <= PADDED_EXACT:
         seen = {
             id(getattr(m, "config", None))
             for m in decoder.modules()
@@ -244,16 +256,74 @@ def keep_sequences_apart(model) -> SequencesApart | None:
         handle.boundaries = None
         return None
 
-    handle._hooks = [
-        decoder.register_forward_pre_hook(read, with_kwargs=True),
-        decoder.register_forward_hook(done, with_kwargs=True, always_call=True),
-    ]
+    hooks = [m.register_forward_pre_hook(_with_text_row, with_kwargs=True) for m in texts]
+    if mixing:
+        hooks += [
+            decoder.register_forward_pre_hook(read, with_kwargs=True),
+            decoder.register_forward_hook(done, with_kwargs=True, always_call=True),
+        ]
+    handle._hooks = hooks
     for m in modules:
         m.forward = _apart_forward(m, handle)
     for c in configs:
         _KEPT_APART[c] = 1
     decoder.__dict__["_mmbalance_apart"] = handle
     return handle
+
+
+def _drops_packed_positions(cls: type) -> bool:
+    """Whether ``cls`` is an M-RoPE text model's class of transformers' Qwen2-VL kind: its forward
+    reads packing only from a ``[4, B, L]`` text row and expands 2-D ``position_ids`` into its
+    rotary rows without one."""
+    if cls not in _DROPS:
+        forward = cls.__dict__.get("forward")
+        try:
+            src = inspect.getsource(forward) if forward is not None else ""
+        except (OSError, TypeError):
+            src = ""
+        _DROPS[cls] = "position_ids.ndim == 2" in src and "position_ids.shape[0] == 4" in src
+    return _DROPS[cls]
+
+
+_DROPS: dict[type, bool] = {}
+
+
+# M-RoPE text models whose packed rows are wrong in either form (2-D or with the text row) under
+# every attention, eager included (measured on transformers 5.24: the second sequence of a packed
+# row 0.18 off in the logits): refused by name
+PACKED_ROWS_WRONG = frozenset({"Glm4vMoeTextModel"})
+
+
+def _restarts(pos: torch.Tensor) -> bool:
+    """Whether positions ``[B, L]`` restart inside a row (not one more than the one before)."""
+    return pos.shape[-1] > 1 and bool((pos[:, 1:] != pos[:, :-1] + 1).any())
+
+
+def _with_text_row(module, args, kwargs):
+    """Packed rows for an M-RoPE text model: 2-D ``position_ids`` that restart inside a row (and no
+    padding mask) reach it as ``[4, B, L]`` (the text row, then the three rotary rows the model
+    would have made of them); refused by name for the models of :data:`PACKED_ROWS_WRONG`."""
+    pos = kwargs.get("position_ids")
+    if pos is None or not torch.is_tensor(pos) or pos.dim() not in (2, 3):
+        return None
+    mask = kwargs.get("attention_mask")
+    if torch.is_tensor(mask) and not (mask.dim() == 2 and bool(mask.all())):
+        return None  # padded rows: the model's mask keeps them apart
+    text = pos if pos.dim() == 2 else (pos[0] if pos.shape[0] == 4 else None)
+    if text is None or not _restarts(text):
+        return None  # one sequence a row (or rotary rows alone, which carry no packing)
+    if type(module).__name__ in PACKED_ROWS_WRONG:
+        name = type(module).__name__
+        raise ValueError(
+            f"packed rows (position_ids restarting inside a row) in {name}: transformers' {name} runs "
+            "the sequences of a packed row into one another under every attention (a wrong loss, "
+            f"without an error); train it on padded batches (no DataCollatorWithFlattening / packing)"
+        )
+    if pos.dim() == 3:
+        return None  # [4, B, L]: the text row is there
+    kwargs = dict(kwargs)
+    kwargs["position_ids"] = torch.cat([pos[None], pos[None].expand(3, -1, -1)], dim=0)
+    return args, kwargs
 
 
 def _language_model(model):

@@ -110,6 +110,8 @@ _INERT = {
     "cache_position", "use_cache", "past_key_values", "past_key_value", "output_hidden_states",
     "output_router_logits", "return_dict", "num_items_in_batch", "layer_idx", "seq_idx",
     "position_embeddings", "target_dtype", "labels", "shift_labels",
+    # which positions the language-model head computes logits for (LLaVA-OneVision passes it down)
+    "logits_to_keep",
 }  # fmt: skip
 # keywords refused whenever they ask for something (not None / False)
 _REFUSED = {

@@ -70,7 +70,7 @@ from mmbalance.balancing import CostModel
 
 from ..encoders import EncoderAdapter, adapters_for, as_int, audio_out_len, core, flops_linear
 from ..wrappers import wrapper_hint
-from .inputs import text_config
+from .inputs import ffn_size, text_config
 
 __all__ = [
     "SUPPORTED",
@@ -407,6 +407,6 @@ def _llm_params(model) -> float:
     heads = int(getattr(text, "num_attention_heads", 32) or 32)
     head_dim = int(getattr(text, "head_dim", None) or h // heads)
     kv = int(getattr(text, "num_key_value_heads", heads) or heads) * head_dim
-    ffn = float(getattr(text, "intermediate_size", None) or 3.5 * h)
+    ffn = ffn_size(text) or 3.5 * h
     layers = int(getattr(text, "num_hidden_layers", 32) or 32)
     return max(layers * (2.0 * h * h + 2.0 * h * kv + 3.0 * h * ffn), 1.0)

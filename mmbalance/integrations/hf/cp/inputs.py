@@ -206,3 +206,13 @@ def model_device(model) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def ffn_size(text) -> float | None:
+    """The text config's feed-forward width, the mean over its layers where the config keeps one
+    per layer (Gemma 3n's ``intermediate_size`` list); ``None`` where it has none."""
+    ffn = getattr(text, "intermediate_size", None)
+    if isinstance(ffn, (list, tuple)):
+        sizes = [float(x) for x in ffn if x]
+        return sum(sizes) / len(sizes) if sizes else None
+    return float(ffn) if ffn else None

@@ -20,7 +20,7 @@ from mmbalance.balancing.cp_schedule import CPGroup
 from mmbalance.collectives import RankMismatchError
 from mmbalance.collectives.ring.plan import ring_plan
 
-from .inputs import text_config
+from .inputs import ffn_size, text_config
 from .shard import CPShard
 
 __all__ = [
@@ -53,12 +53,12 @@ def cost_model_of(model, cost) -> CostModel | Callable:
     heads = int(getattr(text, "num_attention_heads", 32) or 32)
     head_dim = int(getattr(text, "head_dim", None) or h // heads)
     kv = int(getattr(text, "num_key_value_heads", heads) or heads) * head_dim
-    ffn = getattr(text, "intermediate_size", None)
+    ffn = ffn_size(text)
     return CostModel.transformer(
         hidden_size=h,
         num_layers=int(getattr(text, "num_hidden_layers", 32) or 32),
         kv_size=kv,
-        ffn_size=int(ffn) if ffn else None,
+        ffn_size=round(ffn) if ffn else None,
     )
 
 

@@ -1,0 +1,166 @@
+"""Packed rows of M-RoPE vision-language models, and the keywords and configs of the families
+released since Qwen3-VL that the integration used to trip on.
+
+* transformers' M-RoPE text models (Qwen2-VL to Qwen3-VL, GLM-4.xV, Ernie-4.5-VL, ...) given 2-D
+  ``position_ids`` that restart inside a row (``DataCollatorWithFlattening``) expand them into
+  rotary rows and build no packing from them: the sequences attend to each other. Under
+  ``keep_sequences_apart`` (which ``balance_trainer`` and ``mmbalance launch`` install) they get
+  the ``[4, B, L]`` positions with the text row, and a packed row is each sequence alone under
+  ``mmbalance_varlen`` (outputs and gradients); GLM-4.xV-MoE, wrong under every attention in both
+  forms, is refused by name.
+* LLaVA-OneVision hands ``logits_to_keep`` to every attention call: the backend runs it.
+* Gemma 3n keeps one feed-forward width per layer: the default cost model takes their mean.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5.6")
+
+from mmbalance.integrations.hf import ATTENTION_NAME, keep_sequences_apart, register_attention  # noqa: E402
+from tests.integrations import hf_zoo  # noqa: E402
+
+register_attention()
+TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=2,
+              spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+
+
+def _qwen2_vl():
+    return hf_zoo.build("qwen2_vl")
+
+
+def _glm4v():
+    cfg = transformers.Glm4vConfig(text_config=dict(TEXT, rope_parameters=dict(ROPE, partial_rotary_factor=1.0)),
+                                   vision_config=dict(VISION, image_size=8))  # fmt: skip
+    return transformers.Glm4vForConditionalGeneration(cfg)
+
+
+def _glm4v_moe():
+    text = dict(TEXT, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                first_k_dense_replace=1, head_dim=8, rope_parameters=dict(ROPE, partial_rotary_factor=1.0))  # fmt: skip
+    cfg = transformers.Glm4vMoeConfig(text_config=text, vision_config=dict(VISION, image_size=8))
+    return transformers.Glm4vMoeForConditionalGeneration(cfg)
+
+
+def _ernie_vl_text():
+    cfg = transformers.Ernie4_5_VLMoeTextConfig(
+        **TEXT, moe_intermediate_size=[32, 32], moe_k=1, moe_num_experts=2, moe_num_shared_experts=0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]),
+    )  # fmt: skip
+    return transformers.Ernie4_5_VLMoeTextModel(cfg)
+
+
+FAMILIES = {"qwen2_vl": _qwen2_vl, "glm4v": _glm4v, "ernie4_5_vl_moe": _ernie_vl_text}
+LENGTHS = [7, 1, 5]
+
+
+def _out(model, ids, pos=None):
+    got = model(input_ids=ids, position_ids=pos, use_cache=False)
+    return got.logits if hasattr(got, "logits") else got.last_hidden_state
+
+
+def _packed_and_alone(model):
+    """A packed row of three sequences (2-D positions restarting) and each sequence alone: the
+    outputs and the gradients of a weighted sum."""
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(5, 80, (1, n), generator=g) for n in LENGTHS]
+    row = torch.cat(seqs, 1)
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    out = _out(model, row, pos)
+    w = torch.randn(out.shape, generator=g)
+    model.zero_grad()
+    (out * w).sum().backward()
+    packed_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    alone, at = [], 0
+    for s in seqs:
+        o = _out(model, s)
+        (o * w[:, at : at + s.shape[1]]).sum().backward()
+        alone.append(o)
+        at += s.shape[1]
+    alone_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return out, torch.cat(alone, 1), packed_grads, alone_grads
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_packed_row_with_2d_positions_is_each_sequence_alone(family):
+    torch.manual_seed(0)
+    model = FAMILIES[family]().float().eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    handle = keep_sequences_apart(model)
+    assert handle is not None
+    got, want, got_g, want_g = _packed_and_alone(model)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got_g.keys() == want_g.keys() and got_g
+    for k in want_g:
+        torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-4, atol=1e-5, msg=k)
+    handle.remove()  # transformers alone: the sequences run into one another
+    got, want, _, _ = _packed_and_alone(model)
+    assert (got - want).abs().max() > 1e-3
+
+
+def test_a_model_wrong_in_every_form_is_refused_by_name():
+    torch.manual_seed(0)
+    model = _glm4v_moe().eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    keep_sequences_apart(model)
+    row = torch.randint(5, 80, (1, 12))
+    pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    with pytest.raises(ValueError, match="packed rows .* in Glm4vMoeTextModel: .* padded batches"):
+        model(input_ids=row, position_ids=pos)
+    with pytest.raises(ValueError, match="Glm4vMoeTextModel"):  # the text row given: as wrong
+        model(input_ids=row, position_ids=torch.cat([pos[None]] * 4))
+    # one sequence a row, and padded rows, run
+    assert model(input_ids=row).logits.shape == (1, 12, 96)
+    mask = torch.ones(1, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    assert torch.isfinite(model(input_ids=row, attention_mask=mask).logits).all()
+
+
+def _onevision():
+    text = transformers.Qwen2Config(**TEXT)
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    cfg = transformers.LlavaOnevisionConfig(text_config=text, vision_config=vision, image_token_index=90,
+                                            video_token_index=91, image_grid_pinpoints=[[28, 28]],
+                                            vision_feature_layer=-1)  # fmt: skip
+    return transformers.LlavaOnevisionForConditionalGeneration(cfg).eval()
+
+
+def test_llava_onevision_runs_on_the_backend_as_on_sdpa():
+    """Its forward hands ``logits_to_keep`` to every attention call (nothing about attention)."""
+    torch.manual_seed(0)
+    model = _onevision()
+    text = torch.randint(3, 80, (1, 12))
+    image = torch.cat([torch.full((1, 10), 90), torch.randint(3, 80, (1, 8))], 1)  # base + 1 crop: 10 tokens
+    inputs = [dict(input_ids=text),
+              dict(input_ids=image, pixel_values=torch.randn(1, 2, 3, 28, 28), image_sizes=torch.tensor([[28, 28]]))]  # fmt: skip
+    for kw in inputs:
+        model.set_attn_implementation("sdpa")
+        want = model(**kw).logits
+        model.set_attn_implementation(ATTENTION_NAME)
+        got = model(**kw, logits_to_keep=0).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert model(input_ids=text, logits_to_keep=1).logits.shape == (1, 1, 96)
+
+
+def test_a_per_layer_feed_forward_width_prices_as_its_mean():
+    from mmbalance.integrations.hf.cp.plan import cost_model_of
+
+    per_layer = transformers.Gemma3nTextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=[64, 96], num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0, altup_num_inputs=2, laurel_rank=4, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=64, activation_sparsity_pattern=[0.0, 0.0],
+    )  # fmt: skip
+    model = transformers.Gemma3nForCausalLM(per_layer)
+    got = cost_model_of(model, "quadratic")
+    per_layer.intermediate_size = 80  # the mean, as one width
+    assert got == cost_model_of(model, "quadratic")
+    per_layer.intermediate_size = 64
+    assert got != cost_model_of(model, "quadratic")
