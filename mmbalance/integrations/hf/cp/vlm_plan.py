@@ -62,6 +62,11 @@ def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch:
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping of model inputs, got {type(batch).__name__}")
     known = set(_TEXT_KEYS) | family.batch_keys | {"use_cache", "return_dict", "num_items_in_batch"}
+    if family.mrope:
+        # a collator's precomputed M-RoPE deltas (LLaMA-Factory's): derived from the positions that
+        # shard computes itself on the whole sequence, and read by the model only when it continues
+        # a generation from a cache, so they are left out of the split batch
+        known.add("rope_deltas")
     for key, val in batch.items():
         if key not in known and val is not None:
             raise ValueError(
