@@ -74,14 +74,11 @@ $(TF_STAMPS): .venv-tf%/.installed: pyproject.toml scripts/requirements.py scrip
 
 # tests/integrations on every release of the matrix, but for the slow tests that repeat paths the
 # others reach (tests/integrations/conftest.py names the slow ones every release runs); the whole of
-# tests/integrations runs on the newest release in .venv (make test's suite)
+# tests/integrations runs on the newest release in .venv (make test's suite). Two releases run at
+# a time (scripts/test_matrix.sh, MATRIX_JOBS)
 MATRIX_MARKS := not slow or matrix
 test-matrix: $(STAMP) $(TF_STAMPS)
-	@failed=""; for v in $(TF_MATRIX); do \
-	  echo "== tests/integrations ($(MATRIX_MARKS)) on transformers $$v"; \
-	  PYTHONPATH=$(CURDIR) .venv-tf$$v/bin/python -m pytest -q -p no:cacheprovider -m "$(MATRIX_MARKS)" tests/integrations || failed="$$failed $$v"; \
-	done; \
-	if [ -n "$$failed" ]; then echo "tests/integrations failed on transformers$$failed"; exit 1; fi
+	@MATRIX_MARKS="$(MATRIX_MARKS)" scripts/test_matrix.sh $(TF_MATRIX)
 
 # The frameworks people start training from, each in an environment of its own (they pin torch and
 # transformers differently): LLaMA-Factory 0.9.5 (transformers 5.6.0) and ms-swift 4.6.0 (5.19.0),

@@ -16,7 +16,8 @@ from ..attention import ATTENTION_NAME
 from ..compat import language_model
 
 __all__ = [
-    "IGNORE", "Sequences", "check_attention", "model_device", "pad_id", "positions", "split_sequences", "text_config",
+    "IGNORE", "Sequences", "check_attention", "ffn_size", "model_device", "pad_id", "positions", "split_sequences",
+    "text_config",
 ]  # fmt: skip
 
 IGNORE = -100
