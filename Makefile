@@ -74,8 +74,8 @@ $(TF_STAMPS): .venv-tf%/.installed: pyproject.toml scripts/requirements.py scrip
 
 # tests/integrations on every release of the matrix, but for the slow tests that repeat paths the
 # others reach (tests/integrations/conftest.py names the slow ones every release runs); the whole of
-# tests/integrations runs on the newest release in .venv (make test's suite). Two releases run at
-# a time (scripts/test_matrix.sh, MATRIX_JOBS)
+# tests/integrations runs on the newest release in .venv (make test's suite). scripts/test_matrix.sh
+# runs them (MATRIX_JOBS releases at a time, default 1)
 MATRIX_MARKS := not slow or matrix
 test-matrix: $(STAMP) $(TF_STAMPS)
 	@MATRIX_MARKS="$(MATRIX_MARKS)" scripts/test_matrix.sh $(TF_MATRIX)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # tests/integrations on each transformers release of the test matrix (make test-matrix), in the
-# release's environment .venv-tf<release>, MATRIX_JOBS releases at a time (default 2: most of these
-# tests are one process each, so two releases share 2 cores well). Each release's output is shown
+# release's environment .venv-tf<release>, MATRIX_JOBS releases at a time (default 1: on 2 cores two
+# at a time took as long as one after the other, the tests being CPU-bound). Each release's output is shown
 # whole once it ends, with its time; the end names every release that failed (exit 1). Stopped
 # (SIGINT, SIGTERM), it ends every run it started, their process groups whole.
 #
-#   MATRIX_MARKS="not slow or matrix" MATRIX_JOBS=2 scripts/test_matrix.sh 5.6.0 5.10.4 ...
+#   MATRIX_MARKS="not slow or matrix" MATRIX_JOBS=1 scripts/test_matrix.sh 5.6.0 5.10.4 ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
-JOBS="${MATRIX_JOBS:-2}"
+JOBS="${MATRIX_JOBS:-1}"
 MARKS="${MATRIX_MARKS:-not slow or matrix}"
 [ $# -gt 0 ] || { echo "usage: $0 RELEASE [RELEASE ...]"; exit 2; }
 logs=$(mktemp -d)
