@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Sampler
 
 from mmbalance.balancing import CostModel
-from mmbalance.balancing.accum import batch_costs_of, plan_micro_batches, sampled_costs
+from mmbalance.balancing.accum import batch_costs_of, plan_equal_counts, plan_micro_batches, sampled_costs
 from mmbalance.balancing.plan import DEFAULT_BETA
 from mmbalance.balancing.post_balance import check_cost_range
 from mmbalance.balancing.validate import as_coefficient, as_count, as_lengths
@@ -87,6 +87,11 @@ class BalancedBatchSampler(Sampler[list[int]]):
             ``examples * h(longest)`` with ``h(l) = l`` (``"sum"``) or ``alpha * l + beta * l**2``
             (``"quadratic"``); without it (packed, varlen attention) a micro-batch costs the sum of
             its examples' costs.
+        equal_counts: every micro-batch holds exactly ``batch_size`` examples, as without
+            balancing, and only which examples go together changes (for a loss that is a mean over
+            each micro-batch's units, such as DPO's pairs: the mean stays the step's mean).
+            Planned by :func:`~mmbalance.balancing.accum.plan_equal_counts`; a step is dealt as
+            sampled where that plan would be worse, so the stats are never worse than the draw.
 
     How the split works (per step, from the longest examples down): while the longest example left
     outweighs an even share of what is left, the next slot is filled on every rank up to that
@@ -136,6 +141,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         grad_accum: int = 1,
         padding: bool = False,
         order=None,
+        equal_counts: bool = False,
     ) -> None:
         table = np.asarray(lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else lengths)
         if table.ndim == 2:
@@ -160,6 +166,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.rank = as_count(rank, "rank", minimum=0, maximum=self.num_replicas - 1)
         self.policy, self.alpha, self.beta = _sampler_policy(cost, alpha, beta, bool(padding))
         self.padding = self.policy in ("padded", "padded_quadratic")
+        if not isinstance(equal_counts, (bool, np.bool_)):
+            raise TypeError(f"equal_counts must be a bool, got {type(equal_counts).__name__}")
+        self.equal_counts = bool(equal_counts)
         check_cost_range(self.table[:, -1], self.policy, self.alpha, self.beta)
         if order is not None and not callable(order):
             raise TypeError(
@@ -228,7 +237,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         else:
             order = _epoch_order(self.table.shape[0], self.total_size, self.shuffle, self.seed, self.epoch)
         steps, n = self.num_steps, self.step_size
-        rank, micro, costs = plan_micro_batches(
+        planner = plan_equal_counts if self.equal_counts else plan_micro_batches
+        rank, micro, costs = planner(
             self.table[order, -1], steps, n, self.num_replicas, self.grad_accum, self.policy, self.alpha,
             self.beta, self.padding,
         )  # fmt: skip
@@ -336,7 +346,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         return (
             f"BalancedBatchSampler(n={self.table.shape[0]}, batch_size={self.batch_size}, "
             f"num_replicas={self.num_replicas}, rank={self.rank}, grad_accum={self.grad_accum}, "
-            f"policy={self.policy!r}, steps={self.num_steps})"
+            f"policy={self.policy!r}, steps={self.num_steps}"
+            + (", equal_counts=True)" if self.equal_counts else ")")
         )
 
 

@@ -69,7 +69,9 @@ QWEN_SPECIAL_START = 151643  # <|endoftext|> in Qwen2's vocabulary
 QWEN_VOCAB = 151936  # the embedding rows of Qwen2-VL
 
 
-def build_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 400, special_start: int = QWEN_SPECIAL_START) -> PreTrainedTokenizerFast:
+    """The byte-level BPE, its special tokens from id ``special_start`` on (Qwen2's own ids by
+    default; a small vocabulary for tests that need no framework's hard-coded ids)."""
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -86,7 +88,7 @@ def build_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
     # vocabulary is padded with entries no text produces up to there
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]
-    for i in range(len(vocab), QWEN_SPECIAL_START):
+    for i in range(len(vocab), special_start):
         vocab[f"<unused{i}>"] = i
     tok = Tokenizer.from_str(json.dumps(spec))
     tok.add_special_tokens(SPECIAL_TOKENS)
@@ -123,19 +125,8 @@ def build_image_processor():
         return Qwen2VLImageProcessor(**kw)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out_dir")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--text", action="store_true", help="the language model alone (a Qwen2 causal LM)")
-    args = ap.parse_args()
-    os.makedirs(args.out_dir, exist_ok=True)
-
-    tokenizer = build_tokenizer()
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    assert ids["<|image_pad|>"] == 151655, ids
-    vocab_size = QWEN_VOCAB
-
+def build_config(ids: dict, vocab_size: int) -> Qwen2VLConfig:
+    """The tiny Qwen2-VL's config for a tokenizer's special token ``ids``."""
     hidden = 32
     config = Qwen2VLConfig(
         text_config=dict(
@@ -172,6 +163,23 @@ def main():
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=False,
     )
+    return config
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text", action="store_true", help="the language model alone (a Qwen2 causal LM)")
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    assert ids["<|image_pad|>"] == 151655, ids
+    vocab_size = QWEN_VOCAB
+
+    config = build_config(ids, vocab_size)
     torch.manual_seed(args.seed)
     if args.text:  # the same language model without the tower: LLaMA-Factory's text-only stages
         from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -57,9 +57,11 @@ def _lengths(count: int, seed: int) -> list[int]:
     return [int(x) for x in (2 + (torch.rand(count, generator=g) ** 3) * 30).long()]
 
 
+# bf16=False: TRL's configs default to bf16 autocast, on CPU too
 COMMON = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=0.5,
               optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
-              report_to=[], save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True)  # fmt: skip
+              report_to=[], save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True,
+              bf16=False)  # fmt: skip
 
 
 def run(name: str, out: str):

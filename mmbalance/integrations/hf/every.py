@@ -19,9 +19,11 @@ has set its model, collator and arguments, and DDP has not wrapped the model yet
   multimodal SFT sets ``model_accepts_loss_kwargs = False``), where the model's loss takes the
   count (``compat.loss_takes_token_count``). Only the trainers whose loss is a token mean are
   regrouped and switched (``loss.py``: transformers', TRL's SFT, LLaMA-Factory's and ms-swift's
-  SFT and pre-training trainers); the others (DPO, KTO, ORPO, reward, GRPO, a ``compute_loss`` of
-  one's own) keep their batches as drawn and their loss exactly as it was, with a warning that
-  says so, and so does every trainer whose batches are not balanced (``batches=False``);
+  SFT and pre-training trainers); DPO (TRL's, LLaMA-Factory's ``stage: dpo``) is regrouped as
+  whole pairs in micro-batches of its own number of pairs, its loss untouched; the others (KTO,
+  ORPO, reward, GRPO, a ``compute_loss`` of one's own) keep their batches as drawn and their loss
+  exactly as it was, with a warning that says so, and so does every trainer whose batches are not
+  balanced (``batches=False``);
 * the balance in every ``Trainer.log`` call (``logs.py``: ``mmbalance/*`` keys).
 
 What a trainer's own options make impossible is decided per case, on every rank, before the
@@ -49,7 +51,7 @@ import weakref
 from .attention import ATTENTION_NAME, register_attention
 from .encoders import adapters_for, apply_encoder_balance
 from .logs import balance_log, mean_rows
-from .loss import normalize_over_step, regrouping_changes_loss
+from .loss import loss_unit, normalize_over_step, regrouping_changes_loss
 from .mixers import keep_sequences_apart
 from .trainer import balance_trainer, check_cp_budget
 from .wrappers import inner_model
@@ -243,8 +245,10 @@ def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], 
         notes.append(f"batches are left as drawn: {changes}")
     if not opts["batches"] and opts.get("token_mean_loss"):  # the reference of a balanced run
         why = regrouping_changes_loss(trainer, model)
-        if why is None:
+        if why is None and loss_unit(trainer) == "tokens":
             undo.append(normalize_over_step(trainer, model))
+        elif why is None:  # a pair loss is balanced in its own micro-batch size: nothing to switch
+            pass
         else:
             notes.append(f"the loss is left as the trainer computes it: {why}")
     if batches and streamed and not opts["context_parallel"]:
@@ -274,8 +278,9 @@ def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], 
     apart = keep_sequences_apart(model)  # packed rows in the Gated DeltaNet layers too (mixers.py)
     if apart is not None and not batches:
         undo.append(apart.remove)  # balance_trainer takes it back itself when it refuses
-    if batches:
+    if batches and loss_unit(trainer) == "tokens":  # a pair loss keeps its own (loss.py)
         undo.append(normalize_over_step(trainer, model))
+    if batches:
         if getattr(trainer.args, "group_by_length", False):
             notes.append(
                 "group_by_length is replaced by the balanced sampler (its padded cost groups lengths too)"

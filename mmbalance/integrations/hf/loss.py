@@ -11,12 +11,18 @@ The trainers known to compute such a token mean are listed by the class that def
 is listed): transformers' ``Trainer`` (the model's own loss, which must then take the count:
 :func:`~mmbalance.integrations.hf.compat.loss_takes_token_count`), TRL's ``SFTTrainer`` (its
 token sum over ``num_items_in_batch``), the SFT and pre-training trainers of LLaMA-Factory 0.9
-and ms-swift's ``Seq2SeqTrainer`` (``swift sft``, ``swift pt``). DPO, KTO, ORPO, CPO, SimPO,
-reward and PRM trainers, GRPO and PPO, and a user's own ``compute_loss`` average over their own
-micro-batch: their batches are never regrouped, and the normalization is never switched on for
-them (it would change their loss: LLaMA-Factory's DPO loss is no longer divided by the
-accumulation steps with it on). A loss function handed to the trainer (``compute_loss_func``)
-counts when it takes ``num_items_in_batch``.
+and ms-swift's ``Seq2SeqTrainer`` (``swift sft``, ``swift pt``).
+
+DPO (TRL's ``DPOTrainer``, LLaMA-Factory's ``stage: dpo``) averages over each micro-batch's pairs:
+its micro-batches are regrouped keeping their number of pairs (``PAIR_MEAN_LOSSES``;
+:class:`~mmbalance.integrations.data.BalancedBatchSampler`'s ``equal_counts``), so the mean over
+the step's pairs stays what it is, and the options that couple a micro-batch's pairs (a loss type
+that sorts or token-averages the batch, a router auxiliary loss, RPO's token mean, a BCO running
+mean) are refused by name. KTO, ORPO, CPO, SimPO, reward and PRM trainers, GRPO and PPO, and a
+user's own ``compute_loss`` average over their own micro-batch: their batches are never regrouped,
+and the normalization is never switched on for them (it would change their loss: LLaMA-Factory's
+DPO loss is no longer divided by the accumulation steps with it on). A loss function handed to the
+trainer (``compute_loss_func``) counts when it takes ``num_items_in_batch``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,14 @@ from collections.abc import Callable
 
 from .compat import install_loss_keywords, loss_takes_token_count
 
-__all__ = ["TOKEN_MEAN_LOSSES", "loss_owner", "regrouping_changes_loss", "normalize_over_step"]
+__all__ = [
+    "PAIR_MEAN_LOSSES",
+    "TOKEN_MEAN_LOSSES",
+    "loss_owner",
+    "loss_unit",
+    "normalize_over_step",
+    "regrouping_changes_loss",
+]
 
 #: ``"module.Class"`` of the class that defines ``compute_loss`` -> whether the loss is the model's
 #: own (True: the model's loss must take the count) or the trainer's token sum over the count
@@ -40,6 +53,58 @@ TOKEN_MEAN_LOSSES: dict[str, bool] = {
     "swift.trainers.seq2seq_trainer.Seq2SeqTrainer": False,
 }
 
+#: ``"module.Class"`` of the class that defines ``compute_loss`` for the trainers whose loss is a
+#: mean over each micro-batch's preference pairs (chosen and rejected in one row pair each): a
+#: regrouping that keeps every micro-batch's number of pairs keeps their loss (the mean over the
+#: step's pairs, once DDP averages the ranks and Trainer the accumulation steps). TRL's
+#: ``DPOTrainer`` and LLaMA-Factory 0.9's ``stage: dpo`` trainer.
+PAIR_MEAN_LOSSES: frozenset[str] = frozenset({
+    "trl.trainer.dpo_trainer.DPOTrainer",
+    "llamafactory.train.dpo.trainer.CustomDPOTrainer",
+})  # fmt: skip
+
+#: DPO loss types that couple the pairs of a micro-batch (a sort over the batch, a token mean)
+_BATCH_COUPLED = {
+    "aot": "sorts the micro-batch's log-ratios",
+    "aot_pair": "sorts the micro-batch's log-ratios",
+    "aot_unpaired": "sorts the micro-batch's log-ratios",
+    "sft": "is a token mean over the micro-batch",
+}
+
+
+def loss_unit(trainer) -> str:
+    """``"pairs"`` for a trainer of :data:`PAIR_MEAN_LOSSES` (its micro-batches keep their number
+    of pairs when balanced), else ``"tokens"``."""
+    return "pairs" if loss_owner(trainer) in PAIR_MEAN_LOSSES else "tokens"
+
+
+def _pair_refusal(trainer, name: str) -> str | None:
+    """Why a pair trainer's options couple the pairs of a micro-batch (so that regrouping them,
+    even in equal numbers, changes its loss), or ``None``."""
+    types = getattr(trainer, "loss_types", None) or getattr(trainer, "loss_type", None)
+    types = [types] if isinstance(types, str) else list(types or [])
+    for t in types:
+        if t in _BATCH_COUPLED:
+            return (
+                f"{name}'s loss_type {t!r} {_BATCH_COUPLED[t]}, so regrouping the pairs would change training"
+            )
+    if getattr(trainer, "aux_loss_enabled", False):
+        return (
+            f"{name} adds the router's auxiliary loss, computed over each micro-batch's tokens, so regrouping "
+            "the pairs would change training"
+        )
+    if getattr(trainer, "rpo_alpha", None) is not None:
+        return (
+            f"{name}'s rpo_alpha adds a token mean over each micro-batch's chosen answers, so regrouping the "
+            "pairs would change training"
+        )
+    if float(getattr(trainer, "bco_gemma", 0.0) or 0.0) > 1e-6 or getattr(trainer, "running", None) is not None:
+        return (
+            f"{name}'s BCO term keeps a running mean of the rewards updated micro-batch by micro-batch, so "
+            "regrouping the pairs would change training"
+        )
+    return None
+
 
 def loss_owner(trainer) -> str:
     """``"module.Class"`` of the class in ``trainer``'s hierarchy that defines ``compute_loss``."""
@@ -52,9 +117,12 @@ def loss_owner(trainer) -> str:
 def regrouping_changes_loss(trainer, model) -> str | None:
     """Why regrouping ``trainer``'s micro-batches would change its loss (a sentence naming the
     trainer class, or the model), or ``None`` where its loss over the step's global token count is
-    the same however the micro-batches are formed."""
+    the same however the micro-batches are formed, or, for a pair loss (:func:`loss_unit`), however
+    its pairs are regrouped in micro-batches of the trainer's own number of pairs."""
     owner = loss_owner(trainer)
     name = type(trainer).__name__
+    if owner in PAIR_MEAN_LOSSES:  # balanced with every micro-batch's number of pairs kept
+        return _pair_refusal(trainer, name)
     if owner not in TOKEN_MEAN_LOSSES:
         return (
             f"{name}'s loss ({owner}.compute_loss) is not a token mean over the step: a preference, reward "
