@@ -123,7 +123,8 @@ def test_disable_shuffling_is_refused_on_every_rank_before_the_first_step(setup)
 
 # ------------------------------------------------------------------ trainers the launch does not balance
 # DPO, KTO and reward-model training average over their own micro-batches (pairs, examples): the
-# launch leaves their batches and their loss exactly as LLaMA-Factory has them. With clipping off
+# launch balances DPO's pairs whole, in LLaMA-Factory's own number per micro-batch, and leaves
+# KTO's and the reward model's batches as drawn; every loss stays as LLaMA-Factory has it. With clipping off
 # (max_grad_norm: 0) a loss scaled differently shows in the weights as it is.
 NO_CLIP = "max_grad_norm: 0.0\npref_beta: 0.1"
 
@@ -157,7 +158,7 @@ def test_preference_and_reward_trainers_keep_their_loss(setup, text_setup, stage
     assert plain.returncode == 0, plain.stderr[-4000:]
     want = _losses(plain_out)
     assert len(want) == 2, want
-    launches = {"none": ["--no-encoders", "--no-batches"], "encoders": ["--no-batches"]}
+    launches = {"none": ["--no-encoders", "--no-batches"], "all": []}  # all: encoders and pairs balanced
     for kind, flags in launches.items():
         if stage != "dpo" and kind != "none":  # DPO: both ways; KTO and reward models: nothing balanced
             continue
@@ -168,3 +169,6 @@ def test_preference_and_reward_trainers_keep_their_loss(setup, text_setup, stage
         gap = _weights_gap(plain_out, out, model)
         assert gap <= 1e-5, f"{stage} launched {flags}: weights {gap:.2e} of the change from the plain run's"
         assert "batches are left as drawn" not in done.stdout + done.stderr
+        if kind == "all":  # DPO's pairs balanced whole, in LLaMA-Factory's own number per micro-batch
+            keys = {k for r in runs.log_rows(out / "trainer_state.json") for k in r}
+            assert "mmbalance/batches/cost_after" in keys, sorted(keys)
