@@ -105,27 +105,29 @@ def test_split_batches_is_refused_on_every_rank_before_the_first_step(setup):
     assert "'loss'" not in text, "a step ran"
 
 
-def test_dpo_keeps_its_loss_and_the_warning_says_what_is_left(setup):
-    """ms-swift's DPO trainer averages over its own pairs: launched, it keeps its batches and its
-    loss (the plain run's losses and weights, clipping off); with ``--no-batches`` the warning
-    says the batches are left as drawn and never that they are balanced."""
+def test_dpo_pairs_balanced_to_the_plain_runs_weights(setup):
+    """ms-swift's DPO trainer averages over its own pairs: launched, its pairs are balanced whole
+    in micro-batches of its own number of pairs, so it ends at the plain run's losses and weights
+    (clipping off) with the balance keys logged; with ``--no-batches`` the warning says the
+    batches are left as drawn and never that they are balanced."""
     _, _, model, _ = setup
     plain, plain_out = _sft(setup, "dpo_plain", "full", None, dpo=True)
     assert plain.returncode == 0, plain.stderr[-4000:]
     want = [r["loss"] for r in runs.log_rows(plain_out / "logging.jsonl") if "loss" in r]
     assert len(want) == 2, want
-    for kind, flags in (
-        ("none", ["--no-encoders", "--no-batches"]),
-        ("encoders", ["--no-batches"]),
-    ):
+    for kind, flags in (("encoders", ["--no-batches"]), ("all", [])):
         done, out = _sft(setup, f"dpo_{kind}", "full", flags, dpo=True)
         assert done.returncode == 0, done.stderr[-4000:]
-        got = [r["loss"] for r in runs.log_rows(out / "logging.jsonl") if "loss" in r]
+        rows = runs.log_rows(out / "logging.jsonl")
+        got = [r["loss"] for r in rows if "loss" in r]
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (kind, want, got)
         gap = runs.tuned_weights_gap(_checkpoint(plain_out), _checkpoint(out), model, "full")
         assert gap <= 1e-5, f"dpo launched {flags}: weights {gap:.2e} of the change from the plain run's"
         text = done.stdout + done.stderr
-        assert "batches are balanced" not in text and "(batches are)" not in text
+        line = next((ln for ln in text.splitlines() if "mmbalance:" in ln and "DPOTrainer" in ln), "")
         if kind == "encoders":  # the encoders note, and the batches left by the option, in one warning
-            line = next((ln for ln in text.splitlines() if "mmbalance:" in ln and "DPOTrainer" in ln), "")
+            assert "batches are balanced" not in text and "(batches are)" not in text
             assert "batches are left as drawn (--no-batches)" in line, text[-4000:]
+        else:
+            assert "batches are left as drawn" not in line, line
+            assert "mmbalance/batches/cost_after" in {k for r in rows for k in r}, rows[:2]

@@ -57,10 +57,12 @@ TOKEN_MEAN_LOSSES: dict[str, bool] = {
 #: mean over each micro-batch's preference pairs (chosen and rejected in one row pair each): a
 #: regrouping that keeps every micro-batch's number of pairs keeps their loss (the mean over the
 #: step's pairs, once DDP averages the ranks and Trainer the accumulation steps). TRL's
-#: ``DPOTrainer`` and LLaMA-Factory 0.9's ``stage: dpo`` trainer.
+#: ``DPOTrainer``, LLaMA-Factory 0.9's ``stage: dpo`` trainer and ms-swift 4's ``swift rlhf
+#: --rlhf_type dpo`` trainer (unpacked: packed, it normalizes by the step's pair count itself).
 PAIR_MEAN_LOSSES: frozenset[str] = frozenset({
     "trl.trainer.dpo_trainer.DPOTrainer",
     "llamafactory.train.dpo.trainer.CustomDPOTrainer",
+    "swift.rlhf_trainers.dpo_trainer.DPOTrainer",
 })  # fmt: skip
 
 #: DPO loss types that couple the pairs of a micro-batch (a sort over the batch, a token mean)
@@ -93,7 +95,12 @@ def _pair_refusal(trainer, name: str) -> str | None:
             f"{name} adds the router's auxiliary loss, computed over each micro-batch's tokens, so regrouping "
             "the pairs would change training"
         )
-    if getattr(trainer, "rpo_alpha", None) is not None:
+    if getattr(getattr(trainer, "template", None), "packing", False):
+        return (
+            f"{name} packs its pairs (ms-swift's packing), and then normalizes by the step's pair count itself; "
+            "balanced pairs are for unpacked batches"
+        )
+    if getattr(trainer, "rpo_alpha", None) is not None or getattr(trainer.args, "rpo_alpha", None) is not None:
         return (
             f"{name}'s rpo_alpha adds a token mean over each micro-batch's chosen answers, so regrouping the "
             "pairs would change training"
