@@ -121,7 +121,9 @@ def vlm_parts():
     for i, k in enumerate(n):
         g = np.random.default_rng(i)
         images = [
-            Image.fromarray(g.integers(0, 255, (int(g.integers(1, 3)) * 28, int(g.integers(1, 3)) * 28, 3), np.uint8))
+            Image.fromarray(
+                g.integers(0, 255, (int(g.integers(1, 3)) * 28, int(g.integers(1, 3)) * 28, 3), np.uint8)
+            )
             for _ in range(int(g.integers(0, 4)))
         ]
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text(i, 2 + i % 4)}]
@@ -139,7 +141,9 @@ def build(kind: str, out: str):
 
     model, processing, data = text_parts() if kind == "text" else vlm_parts()
     args = DPOConfig(output_dir=out, **COMMON)
-    return DPOTrainer(model=model(), ref_model=model(), args=args, train_dataset=data, processing_class=processing)
+    return DPOTrainer(
+        model=model(), ref_model=model(), args=args, train_dataset=data, processing_class=processing
+    )
 
 
 def _rows(batch) -> list[list[int]]:
@@ -171,7 +175,9 @@ def main() -> int:
         loss = stock(model, inputs, *a, **k)
         if os.environ.get("PREF_ALL_WEIGHTS"):
             seen[-1].append([float(loss.detach() if not isinstance(loss, tuple) else loss[0].detach())])
-            seen[-1].append([float(x.grad.abs().sum()) if x.grad is not None else 0.0 for x in model.parameters()][:4])
+            seen[-1].append(
+                [float(x.grad.abs().sum()) if x.grad is not None else 0.0 for x in model.parameters()][:4]
+            )
         return loss
 
     trainer.compute_loss = compute_loss
@@ -180,7 +186,12 @@ def main() -> int:
 
         def training_step(*a, **k):
             out = step(*a, **k)
-            seen[-1].append([float(x.grad.double().abs().sum()) if x.grad is not None else -1.0 for x in trainer.model.parameters()])
+            seen[-1].append(
+                [
+                    float(x.grad.double().abs().sum()) if x.grad is not None else -1.0
+                    for x in trainer.model.parameters()
+                ]
+            )
             return out
 
         trainer.training_step = training_step
@@ -190,7 +201,10 @@ def main() -> int:
     if os.environ.get("PREF_ALL_WEIGHTS"):
         torch.save(trainer.model.state_dict(), os.path.join(out, f"weights.{rank}.pt"))
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, os.path.join(out, "weights.pt"))
+        torch.save(
+            {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            os.path.join(out, "weights.pt"),
+        )
         with open(os.path.join(out, "log.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
     return 0

@@ -40,7 +40,9 @@ def _ratios(costs: np.ndarray) -> tuple[float, float]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    lengths=st.lists(st.one_of(st.integers(0, 40), st.integers(0, 3000), st.just(0)), min_size=1, max_size=120),
+    lengths=st.lists(
+        st.one_of(st.integers(0, 40), st.integers(0, 3000), st.just(0)), min_size=1, max_size=120
+    ),
     batch_size=st.integers(1, 4),
     world=st.integers(1, 4),
     g=st.integers(1, 3),
@@ -70,7 +72,10 @@ def test_properties(lengths, batch_size, world, g, padding, cost, epoch):
         ])  # fmt: skip
         np.testing.assert_allclose(plan.costs[s], got, rtol=1e-12, atol=1e-9)
         st_ = samplers[0].epoch_stats[s]
-        assert st_["cost"] <= st_["cost_before"] + 1e-12 and st_["micro_cost"] <= st_["micro_cost_before"] + 1e-12
+        assert (
+            st_["cost"] <= st_["cost_before"] + 1e-12
+            and st_["micro_cost"] <= st_["micro_cost_before"] + 1e-12
+        )
 
 
 @pytest.mark.parametrize("padding", [False, True])
@@ -82,7 +87,9 @@ def test_skewed_steps_are_balanced_much_better_than_drawn(padding):
     before = np.mean([x["cost_before"] for x in s.epoch_stats])
     after = np.mean([x["cost"] for x in s.epoch_stats])
     assert after < before - 0.1, (before, after)
-    assert np.mean([x["micro_cost"] for x in s.epoch_stats]) < np.mean([x["micro_cost_before"] for x in s.epoch_stats])
+    assert np.mean([x["micro_cost"] for x in s.epoch_stats]) < np.mean(
+        [x["micro_cost_before"] for x in s.epoch_stats]
+    )
 
 
 def test_a_plan_worse_than_the_draw_keeps_the_draw():

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmbalance.integrations.hf import balance_trainer
 from tests import procs
 
 pytest.importorskip("trl")
@@ -120,12 +121,50 @@ def test_options_that_couple_the_pairs_are_refused_by_name(tmp_path, loss_type):
     import preference_program
     from trl import DPOConfig, DPOTrainer
 
-    from mmbalance.integrations.hf import balance_trainer
-
     model, tok, data = preference_program.text_parts()
     args = DPOConfig(output_dir=str(tmp_path), loss_type=[loss_type], **preference_program.COMMON)
-    trainer = DPOTrainer(model=model(), ref_model=model(), args=args, train_dataset=data, processing_class=tok)
+    trainer = DPOTrainer(
+        model=model(), ref_model=model(), args=args, train_dataset=data, processing_class=tok
+    )
     loader = trainer.get_train_dataloader
     with pytest.raises(ValueError, match=rf"DPOTrainer's loss_type '{loss_type}'"):
         balance_trainer(trainer)
+    assert trainer.get_train_dataloader == loader and not hasattr(trainer, "balanced_sampler")
+
+
+def test_dpo_keeps_its_normalization_and_refuses_what_splits_pairs(tmp_path):
+    sys.path.insert(0, str(PROGRAM.parent))
+    import preference_program
+
+    from mmbalance.integrations.hf import balance_every_trainer
+    from mmbalance.integrations.hf import loss as L
+
+    trainer = preference_program.build("text", str(tmp_path / "a"))
+    assert L.loss_unit(trainer) == "pairs" and L.regrouping_changes_loss(trainer, trainer.model) is None
+    accepts = trainer.model_accepts_loss_kwargs
+    with pytest.raises(
+        ValueError, match="DPOTrainer trains preference pairs.*context_parallel does not split"
+    ):
+        balance_trainer(trainer, context_parallel=True, max_tokens_per_rank=64)
+    balance_trainer(trainer)
+    assert trainer.model_accepts_loss_kwargs == accepts  # a pair mean: no token-count switch
+    assert trainer.balanced_sampler.equal_counts and trainer.balanced_sampler.padding
+    # the reference of a balanced run (--no-batches --token-mean-loss) switches nothing for it either
+    with balance_every_trainer(encoders=False, batches=False, token_mean_loss=True):
+        ref = preference_program.build("text", str(tmp_path / "b"))
+        ref.args.max_steps = 1
+        ref.train()
+        assert ref.model_accepts_loss_kwargs == accepts and not hasattr(ref, "balanced_sampler")
+
+
+def test_grpo_is_refused_by_name(tmp_path):
+    sys.path.insert(0, str(PROGRAM.parent))
+    import loss_kept_program
+
+    trainer = loss_kept_program.run("grpo", str(tmp_path))
+    loader = trainer.get_train_dataloader
+    with pytest.raises(
+        ValueError, match=r"balance_trainer: GRPOTrainer's loss \(.*GRPOTrainer.compute_loss\)"
+    ):
+        balance_trainer(trainer, lengths=[4] * len(trainer.train_dataset))
     assert trainer.get_train_dataloader == loader and not hasattr(trainer, "balanced_sampler")

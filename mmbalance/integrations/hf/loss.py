@@ -100,12 +100,18 @@ def _pair_refusal(trainer, name: str) -> str | None:
             f"{name} packs its pairs (ms-swift's packing), and then normalizes by the step's pair count itself; "
             "balanced pairs are for unpacked batches"
         )
-    if getattr(trainer, "rpo_alpha", None) is not None or getattr(trainer.args, "rpo_alpha", None) is not None:
+    if (
+        getattr(trainer, "rpo_alpha", None) is not None
+        or getattr(trainer.args, "rpo_alpha", None) is not None
+    ):
         return (
             f"{name}'s rpo_alpha adds a token mean over each micro-batch's chosen answers, so regrouping the "
             "pairs would change training"
         )
-    if float(getattr(trainer, "bco_gemma", 0.0) or 0.0) > 1e-6 or getattr(trainer, "running", None) is not None:
+    if (
+        float(getattr(trainer, "bco_gemma", 0.0) or 0.0) > 1e-6
+        or getattr(trainer, "running", None) is not None
+    ):
         return (
             f"{name}'s BCO term keeps a running mean of the rewards updated micro-batch by micro-batch, so "
             "regrouping the pairs would change training"
