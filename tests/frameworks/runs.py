@@ -93,7 +93,11 @@ def record(run: str, gap: float, keys: dict[str, list[float]]) -> None:
     before = keys.get("mmbalance/batches/cost_before", [])
     after = keys.get("mmbalance/batches/cost_after", [])
     moved = keys.get("mmbalance/vision/moved", [])
-    line = f"{run}: weights {gap:.2e} of the change from the plain run's; {len(before)} logged intervals"
+    degree = keys.get("mmbalance/cp/max_degree", [])
+    logged = max(len(before), len(degree))
+    line = f"{run}: weights {gap:.2e} of the change from the plain run's; {logged} logged intervals"
+    if degree:
+        line += f", CP degree up to {max(degree):.0f}"
     if before and after:
         line += f", batch cost max/mean before {max(before):.4g} after {max(after):.4g}"
     if moved:

@@ -73,7 +73,13 @@ def _train(setup, name: str, tuning: str, launch: list[str] | None, extra: str =
     out = where / name
     cfg = where / f"{name}.yaml"
     text = CONFIG.format(model=model, tuning=tuning, lora=LORA if tuning == "lora" else "", data=data, out=out,
-                         extra=extra)  # fmt: skip
+                         extra="")  # fmt: skip
+    for line in extra.splitlines():  # a key of the config is set again in its place, a new one added
+        key = line.split(":", 1)[0] + ":"
+        lines = text.splitlines()
+        at = [i for i, ln in enumerate(lines) if ln.startswith(key)]
+        lines[at[0] if at else len(lines) :] = [line] + (lines[at[0] + 1 :] if at else [])
+        text = "\n".join(lines) + "\n"
     if "text_model" in str(model):  # the language model alone: Qwen2's template, no images
         text = text.replace("template: qwen2_vl", "template: qwen").replace("image_max_pixels: 3136\n", "")
         text = text.replace("image_min_pixels: 784\n", "")
@@ -172,3 +178,28 @@ def test_preference_and_reward_trainers_keep_their_loss(setup, text_setup, stage
         if kind == "all":  # DPO's pairs balanced whole, in LLaMA-Factory's own number per micro-batch
             keys = {k for r in runs.log_rows(out / "trainer_state.json") for k in r}
             assert "mmbalance/batches/cost_after" in keys, sorted(keys)
+
+
+# ------------------------------------------------------------------ context parallelism in its VLM SFT
+CP_BATCHES = "per_device_train_batch_size: 1\ngradient_accumulation_steps: 4"
+CP_BUDGET = 250  # tokens a rank may hold: the longest examples (up to about 300 tokens) are split
+
+
+def test_context_parallel_sft_of_qwen2_vl_ends_at_the_plain_runs_weights(setup):
+    """LLaMA-Factory's collator precomputes Qwen2-VL's M-RoPE deltas (``rope_deltas``): launched
+    with ``--context-parallel``, the sequences longer than the budget are split over CP groups of
+    2 (their images encoded by the group, the positions computed whole) and the run ends at the
+    plain run's weights, the ``mmbalance/cp/*`` keys logged."""
+    _, _, model, _ = setup
+    plain, plain_out = _train(setup, "cp_plain", "full", ["--no-encoders", "--no-batches", "--token-mean-loss"],
+                              CP_BATCHES)  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    done, out = _train(setup, "cp", "full", ["--context-parallel", "--max-tokens-per-rank", str(CP_BUDGET)],
+                       CP_BATCHES)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    gap = runs.tuned_weights_gap(plain_out, out, model, "full")
+    assert gap <= 1e-5, f"context-parallel weights {gap:.2e} of the change away from the plain run's"
+    keys = runs.balance_keys(runs.log_rows(out / "trainer_state.json"))
+    runs.record("llamafactory context parallel", gap, keys)
+    assert max(keys["mmbalance/cp/max_degree"]) >= 2, keys  # a sequence was split
+    assert max(keys["mmbalance/cp/largest_shard"]) <= CP_BUDGET, keys

@@ -152,9 +152,23 @@ def test_one_process_shard_matches_the_stock_forward(name):
     if name == "qwen2_5_vl":
         rows[0]["second_per_grid_ts"] = torch.tensor([0.5])
     batch = hf_zoo.collate(rows, left=[i == 1 for i in range(len(rows))])
-    if name.startswith("qwen"):  # the M-RoPE deltas LLaMA-Factory's collator precomputes: left out
-        batch["rope_deltas"] = torch.full((len(rows), 1), 7)
     handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
+    if name.startswith("qwen"):
+        # what LLaMA-Factory's collator precomputes: the M-RoPE rows of the padded batch [3, B, L]
+        # (checked against shard's own, then left out; a differing row is refused by name) and
+        # the deltas (left out)
+        kw = {"second_per_grid_ts": batch["second_per_grid_ts"]} if "second_per_grid_ts" in batch else {}
+        pos, deltas = core(ref).get_rope_index(
+            batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+            image_grid_thw=batch.get("image_grid_thw"), video_grid_thw=batch.get("video_grid_thw"),
+            attention_mask=batch["attention_mask"], **kw,
+        )  # fmt: skip
+        real = int(batch["attention_mask"][1].nonzero()[3])
+        bad = pos.clone()
+        bad[:, 1, real] += 5
+        with pytest.raises(ValueError, match=r"position_ids'\]: the collator's M-RoPE positions of sequence 1"):
+            handle.shard({**batch, "position_ids": bad})
+        batch["position_ids"], batch["rope_deltas"] = pos, deltas
     inputs = handle.shard(batch)
     assert "rope_deltas" not in inputs
     _matches_each_example_alone(model, inputs, ref, rows)
@@ -423,3 +437,30 @@ def test_balance_trainer_refuses_an_unsupported_vlm_by_name(tmp_path):
     assert "LlavaNextForConditionalGeneration" in str(
         info.value
     ) and "Qwen2VLForConditionalGeneration" in str(info.value)
+
+
+def test_a_stand_in_image_under_the_mask_is_left_out():
+    """LLaMA-Factory's collator gives a batch without media a stand-in image whose placeholder
+    tokens it appends to the first row under ``attention_mask == 0`` (labels ignored): shard leaves
+    it out, and the step equals every real example alone."""
+    name = "qwen2_vl"
+    model, ref = _model(name), _model(name, "eager")
+    rows = [hf_zoo.batch(name, model, [[]], seed=3 + i) for i in range(3)]
+    fake = hf_zoo.batch(name, model, [[(4, 4)]], seed=9)
+    token = int(model.config.image_token_id)
+    tokens = fake["input_ids"][0][fake["input_ids"][0] == token]
+    batch = hf_zoo.collate(rows, left=[False] * 3)
+    pad = torch.zeros(len(rows), tokens.numel(), dtype=torch.long)
+    batch["input_ids"] = torch.cat([batch["input_ids"], pad], dim=1)
+    batch["input_ids"][0, -tokens.numel() :] = tokens
+    batch["attention_mask"] = torch.cat([batch["attention_mask"], pad], dim=1)
+    batch["labels"] = torch.cat([batch["labels"], pad - 100], dim=1)
+    mm = torch.zeros_like(batch["input_ids"])
+    mm[0, -tokens.numel() :] = 1
+    batch["mm_token_type_ids"] = mm
+    batch["pixel_values"], batch["image_grid_thw"] = fake["pixel_values"], fake["image_grid_thw"]
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
+    inputs = handle.shard(batch)
+    assert inputs.get("pixel_values") is None or handle.stats["encoded_rows"] == 0
+    _matches_each_example_alone(model, inputs, ref, rows)
+    handle.remove()

@@ -74,14 +74,22 @@ def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch:
                 f"{', '.join(sorted(set(_TEXT_KEYS) | family.batch_keys))})"
             )
     pos = batch.get("position_ids")
+    given = None
     if isinstance(pos, Tensor) and pos.dim() == 3:
-        raise ValueError(
-            "batch['position_ids']: handle.shard computes the M-RoPE positions of every sequence itself (the "
-            "model's get_rope_index on the whole sequence); pass none, or 1-D packed positions [1, T]"
-        )
+        # a collator's precomputed M-RoPE rows (LLaMA-Factory's, [3, B, L] or [4, B, L] with the
+        # text row): shard computes them itself on every whole sequence, and checks they agree
+        if not family.mrope or pos.shape[0] not in (3, 4):
+            raise ValueError(
+                "batch['position_ids']: handle.shard computes the M-RoPE positions of every sequence itself (the "
+                "model's get_rope_index on the whole sequence); pass none, 1-D packed positions [1, T], or the "
+                f"model's own rows [3 or 4, B, L] (got shape {tuple(pos.shape)})"
+            )
+        given = pos
+        batch = {k: v for k, v in batch.items() if k != "position_ids"}
     seqs = split_sequences({k: batch[k] for k in _TEXT_KEYS if k in batch})
     model = handle.model
     streams = family.streams(model)
+    batch = _without_masked_media(family, streams, batch)
     lengths = seqs.lengths
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     ids_np = seqs.input_ids.numpy()
@@ -96,6 +104,8 @@ def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch:
                       dtype=np.int64).reshape(-1, len(streams))  # fmt: skip
     ids = [seqs.input_ids[starts[s] : starts[s + 1]] for s in range(lengths.size)]
     positions = family.positions(model, batch, ids, kinds, seqs.spans) if family.mrope else None
+    if given is not None:
+        _check_given_positions(given, positions, seqs)
     items: list[Items | None] = []
     item_seq: list[np.ndarray] = []
     item_stream: list[np.ndarray] = []
@@ -135,6 +145,53 @@ def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch:
                 f"{_media_key(family, name)}"
             )
     return LocalBatch(seqs, positions, kinds, items, item_seq, item_stream, out_rows, options)
+
+
+def _check_given_positions(given: Tensor, positions: Tensor | None, seqs: Sequences) -> None:
+    """The collator's M-RoPE rows ``given`` ([3 or 4, B, L]) against the positions shard computed
+    (``[T, 3]``, sequence after sequence): a ``ValueError`` naming the first sequence where they
+    differ (the split would train other positions than the collator's)."""
+    if seqs.spans is None or positions is None:
+        raise ValueError(
+            "batch['position_ids']: M-RoPE rows [3 or 4, B, L] come with a padded batch [B, L] (its attention_mask "
+            "says where each sequence is)"
+        )
+    rows = given[-3:]
+    at = 0
+    for s, (row, start, end) in enumerate(seqs.spans):
+        mine = positions[at : at + end - start]
+        at += end - start
+        theirs = rows[:, row, start:end].transpose(0, 1).to(mine.device, mine.dtype)
+        if theirs.shape != mine.shape or not torch.equal(theirs, mine):
+            raise ValueError(
+                f"batch['position_ids']: the collator's M-RoPE positions of sequence {s} (row {row}) differ from the "
+                "model's get_rope_index on the whole sequence, which handle.shard splits; leave position_ids out"
+            )
+
+
+# what each vision stream's media is read from, besides its pixels (the media key)
+_STREAM_KEYS = {"image": ("image_grid_thw",), "video": ("video_grid_thw", "second_per_grid_ts")}
+
+
+def _without_masked_media(family: VLMFamily, streams: list[tuple[str, int]], batch: Mapping) -> Mapping:
+    """``batch`` without the media of a vision stream whose placeholder tokens all lie under
+    ``attention_mask == 0``: LLaMA-Factory's collator appends a stand-in image to a batch that has
+    none (its tokens masked, their labels ignored), so that every rank's tower runs under ZeRO-3
+    and FSDP. Its features reach only masked tokens, which no loss and no attending token reads,
+    so leaving it out changes nothing; the CP group's own stand-in keeps every tower in the step."""
+    mask = batch.get("attention_mask")
+    ids = batch.get("input_ids")
+    if not isinstance(mask, Tensor) or not isinstance(ids, Tensor) or mask.shape != ids.shape:
+        return batch
+    valid = mask.bool()
+    drop: list[str] = []
+    for name, token in streams:
+        if name not in _STREAM_KEYS or batch.get(_media_key(family, name)) is None:
+            continue
+        here = ids == token
+        if int(here.sum()) and not bool((here & valid).any()):
+            drop += [_media_key(family, name), *_STREAM_KEYS[name]]
+    return {k: v for k, v in batch.items() if k not in drop} if drop else batch
 
 
 def _media_key(family: VLMFamily, name: str) -> str:
