@@ -184,6 +184,8 @@ class CostModel:
         num_layers: int = 32,
         kv_size: int = 1024,
         ffn_size: int | None = None,
+        attention_layers: int | None = None,
+        linear_state: int = 0,
         mask: str = "causal",
         flops: float = 400e12,
         bandwidth: float = 50e9,
@@ -197,16 +199,27 @@ class CostModel:
         causal attention: ``6 * hidden * layers`` FLOPs per token pair; ring: K and V of every layer
         travel forward, K, V and their gradients backward; activations: ``34 * hidden`` bytes a
         token a layer (Korthikanti et al.) for the memory model.
+
+        A hybrid (Qwen3.5, Qwen3-Next: Gated DeltaNet layers beside full attention) gives
+        ``attention_layers``, the layers with softmax attention (default: all): only those pay the
+        quadratic and the ring terms; every layer pays its projections, and each of the others a
+        recurrence of ``linear_state`` values (heads x key dim x value dim) per token: about
+        ``6 * 3 * linear_state`` FLOPs a token (state update, delta and read-out, forward and
+        backward), linear in length.
         """
         h = as_count(hidden_size, "hidden_size")
         layers = as_count(num_layers, "num_layers")
         kv = as_count(kv_size, "kv_size")
         ffn = 3.5 * h if ffn_size is None else as_count(ffn_size, "ffn_size")
+        attn = layers if attention_layers is None else as_count(attention_layers, "attention_layers", minimum=0)
+        if attn > layers:
+            raise ValueError(f"attention_layers ({attn}) must be at most num_layers ({layers})")
+        state = as_count(linear_state, "linear_state", minimum=0)
         params = layers * (2.0 * h * h + 2.0 * h * kv + 3.0 * h * ffn)
         return cls(
-            linear=6.0 * params / flops,
-            attention=6.0 * h * layers / flops,
-            ring=3.0 * 2.0 * kv * bytes_per_value * layers / bandwidth,
+            linear=(6.0 * params + 18.0 * state * (layers - attn)) / flops,
+            attention=6.0 * h * attn / flops,
+            ring=3.0 * 2.0 * kv * bytes_per_value * attn / bandwidth,
             ring_latency=3.0 * layers * latency,
             mask=mask,
             memory_per_token=34.0 * h * layers,

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_threads
+from mmbalance.balancing.plan import DEFAULT_BETA
 from mmbalance.integrations.data import BalancedBatchSampler
 
 from .attention import ATTENTION_NAME
@@ -35,10 +36,12 @@ from .cp import (
     cost_model_of,
     install_attention_check,
     install_media_hook,
+    layer_mix,
     make_handle,
     model_refusal,
     pad_id,
     raw_rows,
+    text_config,
     vlm_family,
 )
 from .logs import balance_log
@@ -344,6 +347,12 @@ def _balance(trainer, lengths, cost, padding, context_parallel, max_tokens_per_r
         padding=padded,
         equal_counts=pairs,
     )
+    if isinstance(cost, str) and cost == "quadratic":
+        # a hybrid (Gated DeltaNet beside full attention) pays the quadratic term in its softmax-attention
+        # layers only: the sampler's attention weight scaled by their share
+        layers, attention = layer_mix(text_config(inner_model(trainer.model)))
+        if attention < layers:
+            options["beta"] = DEFAULT_BETA * attention / layers
     if order == "trainer":
         options["order"] = TrainerDraw(trainer, trainer._train_batch_size, args.gradient_accumulation_steps)
         options["drop_last"] = False  # (the draw decides what an epoch holds)

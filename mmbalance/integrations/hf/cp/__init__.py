@@ -12,7 +12,7 @@ from .attention import install_attention_check, model_refusal  # importing it re
 from .collate import CPBatchSampler, CPCollator, SlotMeta, TaggedDataset
 from .families import SUPPORTED, vlm_family
 from .handle import DynamicCPHandle, apply_dynamic_cp, make_handle
-from .inputs import pad_id, split_sequences
+from .inputs import layer_mix, pad_id, split_sequences, text_config
 from .media import install_media_hook
 from .plan import cost_model_of, plan_layout
 from .shard import CPShard
@@ -23,5 +23,6 @@ from .vlm_cut import GroupCutter
 __all__ = [
     "SUPPORTED", "CPBatchSampler", "CPCollator", "CPShard", "DynamicCPHandle", "GroupCutter", "RankSlice",
     "SlotMeta", "StreamLoader", "TaggedDataset", "apply_dynamic_cp", "cost_model_of", "install_attention_check", "install_media_hook",
-    "make_handle", "model_refusal", "pad_id", "plan_layout", "raw_rows", "split_sequences", "vlm_family",
+    "layer_mix", "make_handle", "model_refusal", "pad_id", "plan_layout", "raw_rows", "split_sequences", "text_config",
+    "vlm_family",
 ]  # fmt: skip

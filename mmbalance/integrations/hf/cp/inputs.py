@@ -16,8 +16,8 @@ from ..attention import ATTENTION_NAME
 from ..compat import language_model
 
 __all__ = [
-    "IGNORE", "Sequences", "check_attention", "ffn_size", "model_device", "pad_id", "positions", "split_sequences",
-    "text_config",
+    "IGNORE", "Sequences", "check_attention", "ffn_size", "layer_mix", "linear_state", "model_device", "pad_id",
+    "positions", "split_sequences", "text_config",
 ]  # fmt: skip
 
 IGNORE = -100
@@ -207,6 +207,30 @@ def model_device(model) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def layer_mix(text) -> tuple[int, int]:
+    """``(layers, attention_layers)`` of a text config: every decoder layer, and those whose
+    ``layer_types`` entry is softmax attention (full, sliding or chunked); without ``layer_types``
+    every layer is. The others (``linear_attention``: Gated DeltaNet, ...) cost linearly in length."""
+    from ..mixers import _ATTENTION_TYPES
+
+    layers = int(getattr(text, "num_hidden_layers", 32) or 32)
+    types = getattr(text, "layer_types", None)
+    if not types:
+        return layers, layers
+    types = list(types)[:layers]
+    return layers, sum(1 for t in types if str(t) in _ATTENTION_TYPES) + max(layers - len(types), 0)
+
+
+def linear_state(text) -> int:
+    """Values of one linear-attention layer's recurrent state per token's update (heads x key dim
+    x value dim, from Qwen3.5's and Qwen3-Next's ``linear_num_value_heads``,
+    ``linear_key_head_dim``, ``linear_value_head_dim``); 0 where the config has none."""
+    heads = getattr(text, "linear_num_value_heads", None)
+    dk = getattr(text, "linear_key_head_dim", None)
+    dv = getattr(text, "linear_value_head_dim", None)
+    return int(heads) * int(dk) * int(dv) if heads and dk and dv else 0
 
 
 def ffn_size(text) -> float | None:

@@ -20,7 +20,7 @@ from mmbalance.balancing.cp_schedule import CPGroup
 from mmbalance.collectives import RankMismatchError
 from mmbalance.collectives.ring.plan import ring_plan
 
-from .inputs import ffn_size, text_config
+from .inputs import ffn_size, layer_mix, linear_state, text_config
 from .shard import CPShard
 
 __all__ = [
@@ -38,8 +38,9 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------ the cost
 def cost_model_of(model, cost) -> CostModel | Callable:
-    """The planner's cost for ``cost``: ``"quadratic"`` (a dense transformer of the model's text
-    shape, :meth:`CostModel.transformer`: linear + causal attention + ring terms), ``"linear"``
+    """The planner's cost for ``cost``: ``"quadratic"`` (a transformer of the model's text shape,
+    :meth:`CostModel.transformer`: linear + causal attention + ring terms, the quadratic and ring
+    terms only for its softmax-attention layers: ``inputs.layer_mix``), ``"linear"``
     (tokens), a :class:`CostModel`, or a callable as :func:`~mmbalance.balancing.cp_schedule`
     takes it."""
     if isinstance(cost, CostModel) or (callable(cost) and not isinstance(cost, str)):
@@ -54,11 +55,14 @@ def cost_model_of(model, cost) -> CostModel | Callable:
     head_dim = int(getattr(text, "head_dim", None) or h // heads)
     kv = int(getattr(text, "num_key_value_heads", heads) or heads) * head_dim
     ffn = ffn_size(text)
+    layers, attention = layer_mix(text)  # a hybrid's linear-attention layers cost linearly
     return CostModel.transformer(
         hidden_size=h,
-        num_layers=int(getattr(text, "num_hidden_layers", 32) or 32),
+        num_layers=layers,
         kv_size=kv,
         ffn_size=round(ffn) if ffn else None,
+        attention_layers=attention,
+        linear_state=linear_state(text),
     )
 
 
