@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
         "kernels/test_attention_features.py",
         "kernels/test_attention_tiles.py",
         "pyops/test_attention_op_features_triton.py",
+        "kernels/test_delta_rule_kernel.py",
     ],
 )
 def test_kernels_under_interpreter(kernel_tests):

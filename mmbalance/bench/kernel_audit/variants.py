@@ -12,6 +12,9 @@ none).
   specialises them at a real launch; bandwidth kernels, so 128-bit global loads/stores and no
   spills.
 - The LSE merge (``kernels/merge.py``): 128-bit accesses, no spills.
+- The gated delta rule's chunk state (``kernels/delta_rule.py``): Qwen3.5's and Qwen3-Next's head
+  dims (keys and values of 128), float32 and bfloat16 inputs; a latency-bound walk over the
+  chunk's tokens with a ``K x BLOCK_C`` float32 block in registers: no spills.
 - Attention forward and backward (``kernels/attention_fwd.py``, ``attention_bwd.py``,
   ``attention_bwd_dkdv.py``): bfloat16 at head dims 64 and 128 and float32 at 128, causal with
   two-run positions; at head dim 128 (the tightest register budget) every feature variant (windows,
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from mmbalance.kernels import attention_bwd, attention_bwd_dkdv, attention_fwd, merge, varlen
+from mmbalance.kernels import attention_bwd, attention_bwd_dkdv, attention_fwd, delta_rule, merge, varlen
 from mmbalance.kernels.attention_common import block_d, bwd_config, dot_precision, fwd_config
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "variants",
     "varlen_variants",
     "merge_variants",
+    "delta_rule_variants",
     "attention_fwd_variants",
     "attention_bwd_variants",
 ]
@@ -107,6 +111,31 @@ def merge_variants() -> list[dict]:
         for dtype_b in ("bf16", "fp32")
         for head_dim in (64, 128)
     ]
+
+
+# -------------------------------------------------------------------------------------- delta rule
+def delta_rule_variants() -> list[dict]:
+    """The chunk state at key and value dims 128 (Qwen3.5, Qwen3-Next) and 64, float32 and bfloat16."""
+    kernel = delta_rule.delta_rule_chunk_state_kernel
+    entries = []
+    for dtype in ("fp32", "bf16"):
+        for key_dim, value_dim in ((128, 128), (64, 64)):
+            cfg = delta_rule.chunk_state_config(key_dim, value_dim)
+            entries.append(
+                dict(
+                    name=f"delta_rule_chunk_state_{dtype}_k{key_dim}_v{value_dim}",
+                    kernel=kernel,
+                    signature=_signature(
+                        kernel, dtype, {"cu_ptr": "*i32", "m_ptr": "*fp32", "u_ptr": "*fp32"}
+                    ),
+                    constexprs=dict(
+                        KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=cfg["BLOCK_K"], BLOCK_C=cfg["BLOCK_C"]
+                    ),  # fmt: skip
+                    num_warps=cfg["num_warps"],
+                    expect={"spill_bytes": 0},
+                )
+            )
+    return entries
 
 
 # ------------------------------------------------------------------------------- attention forward
@@ -328,4 +357,5 @@ def variants(capability: int) -> list[dict]:
         + attention_bwd_variants(capability)
         + merge_variants()
         + varlen_variants()
+        + delta_rule_variants()
     )

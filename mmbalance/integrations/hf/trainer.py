@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_threads
 from mmbalance.balancing.plan import DEFAULT_BETA
+from mmbalance.collectives.teardown import release_at_exit, wait_for_backend_threads
 from mmbalance.integrations.data import BalancedBatchSampler
 
 from .attention import ATTENTION_NAME
