@@ -5,8 +5,10 @@ Every rank draws its own examples; ``handle.shard`` post-balances them into CP g
 every parameter gradient, summed over ranks, must equal a one-process reference (each sequence
 alone through the stock eager attention, token-loss sum over the global count).
 
-argv: one or more ``family:form:scenario`` runs: family llama | qwen2, or one with attention
-features (sliding windows, softcap, sinks: see :func:`tiny_model`), batch form packed | padded,
+argv: one or more ``family:form:scenario`` runs: family llama | qwen2, one with attention
+features (sliding windows, softcap, sinks: see :func:`tiny_model`), or a Gated DeltaNet hybrid
+(qwen3_5, qwen3_5_moe, qwen3_next: a linear-attention layer and a full-attention one; their
+decay parameters are held to 5e-5, see the comment there), batch form packed | padded,
 scenario long (one sequence over 2x the budget) | mixed (a schedule of degrees 3 and 1, forced by a
 cost with an expensive ring; the model wrapped in DDP, which averages the gradients) | fsdp2 (the
 data of long, the model under FSDP2: every decoder layer and the root ``fully_shard``-ed) | ckpt (the
@@ -73,6 +75,22 @@ def tiny_model(attn: str):
                    {"head_dim": 8, "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     }  # fmt: skip
+    if FAMILY in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # Gated DeltaNet beside full attention
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        from tests.integrations.hybrids import tiny_config
+
+        cfg = tiny_config(FAMILY)
+        cfg.vocab_size, cfg.pad_token_id, cfg.max_position_embeddings = VOCAB, 0, 512
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+        # decays of e^-0.1 to e^-1.3 a token: transformers initialises A up to 16 (e^-21 a token), where the
+        # stock chunked rule's float32 gradient of the decay is itself far off the float64 truth (74% in one
+        # head of this model, against 3e-6 here), so no reference could hold the split run to 1e-5
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "A_log"):
+                    module.A_log.copy_(torch.linspace(0.1, 1.0, module.A_log.numel()).log())
+        return model
     cls, cfg_cls, extra = families[FAMILY]
     cfg = cfg_cls(**common, **extra)
     torch.manual_seed(0)
@@ -93,6 +111,7 @@ def examples(world: int) -> list[list[dict]]:
         lengths = [[9, 11], [17, 20, 2], [90, 5], [12, 70]]  # 90 and 70 > BUDGET, in {0, 2} and {1, 3}
     elif SCENARIO in ("compile", "pair", "lora", "switch"):  # 2 ranks: 90 > BUDGET over both
         lengths = [[9, 90], [17, 5]]
+
     elif SCENARIO == "triple":
         lengths = [[9, 23, 30], [100, 3], [17, 2], [12, 20]]  # 100 > BUDGET in {1, 2, 3}
     else:
@@ -174,7 +193,7 @@ def run_one() -> None:
     attn_calls = []
     if SCENARIO != "compile":  # (hooks are guarded by dynamo: they would cost recompiles there)
         # the dtype the attention gave (o_proj's input: its output is bfloat16 under autocast anyway)
-        base.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
+        next(layer for layer in base.model.layers if hasattr(layer, "self_attn")).self_attn.o_proj.register_forward_pre_hook(
             lambda m, a: attn_calls.append(a[0].dtype)
         )
     if SCENARIO == "ckpt":
@@ -258,8 +277,12 @@ def run_one() -> None:
             if not p.requires_grad:  # a LoRA model's frozen base
                 continue
             diff = (grads[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-30)
-            worst = max(worst, float(diff))
-            assert diff <= tol_grad, f"gradient of {n}: relative error {float(diff):.2e}"
+            # a Gated DeltaNet's decay parameters (one number a head) take the sum over every token
+            # of the decay's gradient, which cancels: float32 rounds it differently wherever a sequence
+            # is cut (the per-token decay gradients agree to about 1e-6; these sums to about 1.4e-5)
+            tol = 5e-5 if n.endswith(("linear_attn.A_log", "linear_attn.dt_bias")) and SCENARIO != "amp" else tol_grad
+            worst = max(worst, float(diff) * tol_grad / tol)
+            assert diff <= tol, f"gradient of {n}: relative error {float(diff):.2e}"
         print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"], "loss_rel": rel,
                           "grad_rel": worst, "before": stats["before"], "after": stats["after"], "graphs": graphs}))  # fmt: skip
     handle.remove()

@@ -50,6 +50,33 @@ def test_plain_loop_matches_one_process_reference_on_4_ranks():
         assert g["largest_shard"] <= 64 and g["loss_rel"] <= 1e-5 and g["grad_rel"] <= 1e-5, g
 
 
+HYBRID_RUNS = ["qwen3_5:packed:long", "qwen3_5_moe:padded:long", "qwen3_next:packed:mixed", "qwen3_5:padded:fsdp2",
+               "qwen3_next:packed:ckpt"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gated_deltanet_hybrids_match_the_reference_on_4_ranks():
+    """Qwen3.5, Qwen3.5-MoE and Qwen3-Next (a Gated DeltaNet layer and a full-attention one; the
+    conv windows and the recurrent states handed along each CP group, cp/linear.py): one sequence
+    over twice the budget split over 3 ranks beside a rank of degree 1 (long), degrees 3 and 1 under
+    DDP (mixed), under FSDP2 and with gradient checkpointing; the summed loss and every gradient
+    against each sequence alone through the stock layers."""
+    out = launch(SCRIPT, *HYBRID_RUNS, nproc=4, timeout=900)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["run"] for x in lines] == HYBRID_RUNS, out[-3000:]
+    for x in lines:
+        assert sorted(x["degrees"]) == [1, 3] and x["largest_shard"] <= 64, x
+        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5, x
+
+
+@pytest.mark.distributed
+def test_a_gated_deltanet_sequence_split_over_two_ranks_matches_the_reference():
+    out = launch(SCRIPT, "qwen3_5:packed:pair", nproc=2, timeout=600)
+    (line,) = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert line["degrees"] == [2] and line["loss_rel"] <= 1e-5 and line["grad_rel"] <= 1e-5, line
+
+
 FEATURE_RUNS = ["mistral16:packed:long", "mistral:padded:long", "gemma2:packed:long", "gemma3:padded:long",
                 "cohere2:packed:long", "gptoss:packed:long", "qwen2sw:padded:long"]  # fmt: skip
 

@@ -47,10 +47,9 @@ def test_a_config_without_layer_types_is_all_attention_and_bad_counts_are_refuse
 
 
 def test_balance_trainer_scales_the_samplers_attention_weight(tmp_path):
+    from mmbalance.integrations.hf import balance_trainer
     from tests.integrations.hybrids import tiny
     from tests.integrations.test_every_trainer import _args, _collate, _rows
-
-    from mmbalance.integrations.hf import balance_trainer
 
     model = tiny("qwen3_5")  # layer_types: one linear-attention layer, one full-attention layer
     assert layer_mix(model.config) == (2, 1)

@@ -48,7 +48,26 @@ def _packed(n=(5, 9, 4)):
     return {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
 
 
-@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+# the Gated DeltaNet layers that run under a shard (cp/linear.py; tests/integrations/test_dynamic_cp.py)
+CP_RUNS = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
+
+
+@pytest.mark.parametrize("model_type", sorted(CP_RUNS))
+def test_dynamic_cp_takes_the_gated_deltanet_hybrids(model_type):
+    from mmbalance.integrations.hf.cp.linear import CP_LINEAR
+
+    model = _family(model_type)
+    assert MIXER_CLASS[model_type] in CP_LINEAR
+    register_attention()
+    model.set_attn_implementation("mmbalance_varlen")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=64)
+    layer = next(m for m in model.modules() if type(m).__name__ == MIXER_CLASS[model_type])
+    assert "forward" in layer.__dict__  # the layer takes a shard now
+    handle.remove()
+    assert "forward" not in layer.__dict__
+
+
+@pytest.mark.parametrize("model_type", sorted(set(HYBRIDS) - CP_RUNS))
 def test_dynamic_cp_refuses_a_hybrid_by_its_mixer(model_type):
     model = _family(model_type)
     register_attention()

@@ -38,6 +38,7 @@ from ..attention import (
 from ..compat import language_model
 from ..mixers import describe_mixers, model_mixers
 from .inputs import check_attention, text_config
+from .linear import CP_LINEAR, install_linear_cp, remove_linear_cp
 from .shard import MEDIA_KEYWORD, CPShard
 
 __all__ = [
@@ -56,7 +57,7 @@ def model_refusal(model) -> str | None:
     ``None``: read before anything moves, so every rank refuses alike at ``apply_dynamic_cp`` (and
     ``balance_trainer``) instead of at the first forward."""
     config = text_config(model)
-    mixers = model_mixers(language_model(model))
+    mixers = {cls: layers for cls, layers in model_mixers(language_model(model)).items() if cls not in CP_LINEAR}
     if mixers:
         return (
             f"{type(model).__name__}, whose decoder mixes tokens outside attention ({describe_mixers(mixers)}): "
@@ -81,6 +82,7 @@ def install_attention_check(model, module=None) -> None:
     the model's forward past its hooks). One hook however often it is installed;
     :func:`remove_attention_check` once per installation."""
     module = model if module is None else module
+    install_linear_cp(model)  # the Gated DeltaNet layers take the shard too (linear.py)
     users = module.__dict__.get("_mmbalance_attention_check_users", 0)
     module.__dict__["_mmbalance_attention_check_users"] = users + 1
     if module.__dict__.get("_mmbalance_attention_check") is not None:
@@ -98,6 +100,7 @@ def install_attention_check(model, module=None) -> None:
 def remove_attention_check(module) -> None:
     """Undo one :func:`install_attention_check` on ``module``: the last installer's removal takes
     the hook off."""
+    remove_linear_cp(module)
     users = module.__dict__.get("_mmbalance_attention_check_users", 0) - 1
     module.__dict__["_mmbalance_attention_check_users"] = max(users, 0)
     if users > 0:
