@@ -17,7 +17,7 @@ from types import ModuleType
 
 from mmbalance.bench.harness import HelpFormatter, fresh_path, usage_error
 
-BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf", "sampler", "cp")
+BENCHES = ("planners", "varlen", "alltoall", "attention", "overlap", "hf", "sampler", "cp", "gdn")
 DEVICE_BENCHES = ("varlen", "attention", "hf")  # the benchmarks that take --device
 
 
@@ -57,6 +57,10 @@ def load_benchmark(name: str) -> ModuleType:
         from mmbalance.bench import cp
 
         return cp
+    if name == "gdn":
+        from mmbalance.bench.cp import gdn
+
+        return gdn
     if name == "kernel_audit":
         from mmbalance.bench import kernel_audit
 

@@ -57,6 +57,7 @@ def test_every_benchmark_loads_by_its_name():
             f"mmbalance.bench.{name}",
             f"mmbalance.bench.moves.{name}",
             f"mmbalance.bench.planners.{name}",
+            f"mmbalance.bench.cp.{name}",
         )
         assert module.__name__ in rooms and callable(module.main), module.__name__
     with pytest.raises(ValueError, match="name must be one of"):

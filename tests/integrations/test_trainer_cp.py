@@ -66,6 +66,22 @@ def test_trainer_with_context_parallel_trains_like_without_it_and_resumes():
         assert sum(seen.values()) == -(-N // step) * step
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trainer_with_context_parallel_on_a_gated_deltanet_hybrid_trains_like_without_it():
+    """balance_trainer on a tiny Qwen3.5 on 4 ranks, with and without context_parallel=True (the long
+    examples split over CP groups, their Gated DeltaNet states handed along): the same weights."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"MMB_TMP": tmp, "MMB_MODE": "hybrid", "MMB_FAMILY": "qwen3_5"}
+        launch(SCRIPT, nproc=4, timeout=600, env=env)
+        w = {n: torch.load(Path(tmp) / f"{n}.pt") for n in ("plain", "cp")}
+        logs = {r: json.loads((Path(tmp) / f"cp-rank{r}.json").read_text()) for r in range(4)}
+        plain = {r: json.loads((Path(tmp) / f"plain-rank{r}.json").read_text()) for r in range(4)}
+    assert max(logs[r]["max_tokens"] for r in range(4)) <= S.BUDGET
+    assert max(plain[r]["max_tokens"] for r in range(4)) > S.BUDGET  # the budget splits something
+    assert worst_rel(w["cp"], w["plain"]) <= 1e-5
+
+
 def _replay(drawn: list[list], world: int) -> dict:
     """Plain SGD on the logged micro-batches: those logged at one optimizer step (every rank's,
     every slot's) form the step, normalized by its labelled tokens over all ranks. Every pass ends

@@ -35,12 +35,29 @@ BUDGET = 52
 
 
 def build_model(vocab: int = VOCAB, layers: int = 2, max_positions: int = 128):
-    """A tiny Llama (seed 0) on the ``mmbalance_varlen`` attention (the CP trainer scripts share it)."""
+    """A tiny Llama (seed 0) on the ``mmbalance_varlen`` attention (the CP trainer scripts share it);
+    ``MMB_FAMILY=qwen3_5``: a tiny Qwen3.5 instead (a Gated DeltaNet layer and a full-attention one,
+    its decays e^-0.1..e^-1.3 a token as in ``cp_plain_loop.py``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from mmbalance.integrations.hf import register_attention
 
     register_attention()
+    family = os.environ.get("MMB_FAMILY", "llama")
+    if family != "llama":
+        from transformers import AutoModelForCausalLM
+
+        from tests.integrations.hybrids import tiny_config
+
+        cfg = tiny_config(family)
+        cfg.vocab_size, cfg.pad_token_id, cfg.max_position_embeddings = vocab, 0, max_positions
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="mmbalance_varlen", dtype=torch.float32)
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "A_log"):
+                    module.A_log.copy_(torch.linspace(0.1, 1.0, module.A_log.numel()).log())
+        return model
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
@@ -119,7 +136,9 @@ def train(name: str, cp: bool, resume: str | None = None, ckpt: bool = False):
     model = build_model()
     seen = watch(model)
     attn: list[int] = []  # layer 0's attention calls: twice a forward under gradient checkpointing
-    model.model.layers[0].self_attn.register_forward_hook(lambda m, i, o: attn.append(1))
+    next(layer for layer in model.model.layers if hasattr(layer, "self_attn")).self_attn.register_forward_hook(
+        lambda m, i, o: attn.append(1)
+    )
     data = Logged(examples())
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
     kw = {"context_parallel": True, "max_tokens_per_rank": BUDGET} if cp else {}
@@ -207,6 +226,9 @@ def main() -> None:
         stream("stream", cp=False)
         stream("stream-cp", cp=True)
         loop("loop")
+    elif os.environ.get("MMB_MODE") == "hybrid":  # a Gated DeltaNet hybrid, with and without CP
+        train("plain", cp=False)
+        train("cp", cp=True)
     else:
         train("plain", cp=False)
         train("cp", cp=True, ckpt=True)
