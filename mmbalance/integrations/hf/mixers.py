@@ -25,6 +25,7 @@ import sys
 import torch
 
 __all__ = [
+    "ATTENTION_TYPES",
     "MIXER_NAME",
     "PADDED_EXACT",
     "SequencesApart",
@@ -41,8 +42,8 @@ MIXER_NAME = re.compile(
     r"(Mamba|Mixer|GatedDeltaNet|DeltaNet|DeltaAttention|ShortConv|ShortConvolution|LinearAttention|"
     r"LightningAttention|RecurrentBlock|Rglru|RGLRU|Rwkv|RWKV|xLSTM|Retention|Hyena|SSM)"
 )
-# layer types that are softmax attention (run by the attention backend) or mix no tokens
-_ATTENTION_TYPES = {
+#: ``layer_types`` entries that are softmax attention (run by the attention backend)
+ATTENTION_TYPES = {
     "full_attention",
     "sliding_attention",
     "chunked_attention",
@@ -126,7 +127,7 @@ def config_mixers(config, module=None) -> list[str]:
     classes the modeling module of ``module`` (one of its layers) defines. ``[]``: none."""
     types = getattr(config, "layer_types", None)
     if types:
-        return sorted({str(t) for t in types} - _ATTENTION_TYPES - _NOT_MIXING)
+        return sorted({str(t) for t in types} - ATTENTION_TYPES - _NOT_MIXING)
     if module is not None:
         return _module_mixers(type(module).__module__)
     return []

@@ -213,14 +213,14 @@ def layer_mix(text) -> tuple[int, int]:
     """``(layers, attention_layers)`` of a text config: every decoder layer, and those whose
     ``layer_types`` entry is softmax attention (full, sliding or chunked); without ``layer_types``
     every layer is. The others (``linear_attention``: Gated DeltaNet, ...) cost linearly in length."""
-    from ..mixers import _ATTENTION_TYPES
+    from ..mixers import ATTENTION_TYPES
 
     layers = int(getattr(text, "num_hidden_layers", 32) or 32)
     types = getattr(text, "layer_types", None)
     if not types:
         return layers, layers
     types = list(types)[:layers]
-    return layers, sum(1 for t in types if str(t) in _ATTENTION_TYPES) + max(layers - len(types), 0)
+    return layers, sum(1 for t in types if str(t) in ATTENTION_TYPES) + max(layers - len(types), 0)
 
 
 def linear_state(text) -> int:
