@@ -26,7 +26,9 @@ create, and the third runs degree 1) | pair (2 ranks: a sequence over the budget
 | lora (the data of pair, the model a peft LoRA ``PeftModel``: the handle shards the model inside,
 and ``remove()`` leaves it without a hook) | switch (2 ranks: the attention switched away from
 mmbalance_varlen after ``apply_dynamic_cp``, sdpa for Mistral, eager otherwise; a forward of a
-shard and the next ``shard`` raise on every rank). In the sub-group scenarios each group is
+shard and the next ``shard`` raise on every rank) | switch1 (2 ranks: rank 0 alone switches to
+eager after ``shard``; both ranks raise within seconds, naming the attention and the rank). In the
+sub-group scenarios each group is
 checked against its own reference (its examples, its count). Rank 0 prints one JSON line per run.
 """
 
@@ -109,7 +111,7 @@ def examples(world: int) -> list[list[dict]]:
         lengths = [[9, 23], [150, 5], [17, 30, 2], [12]]  # 150 > 2 * BUDGET
     elif SCENARIO == "strided":
         lengths = [[9, 11], [17, 20, 2], [90, 5], [12, 70]]  # 90 and 70 > BUDGET, in {0, 2} and {1, 3}
-    elif SCENARIO in ("compile", "pair", "lora", "switch"):  # 2 ranks: 90 > BUDGET over both
+    elif SCENARIO in ("compile", "pair", "lora", "switch", "switch1"):  # 2 ranks: 90 > BUDGET over both
         lengths = [[9, 90], [17, 5]]
 
     elif SCENARIO == "triple":
@@ -176,6 +178,9 @@ def run_one() -> None:
         return
     if SCENARIO == "switch":
         run_switch()
+        return
+    if SCENARIO == "switch1":
+        run_switch_one()
         return
     from mmbalance.balancing import CostModel
     from mmbalance.integrations.hf import apply_dynamic_cp
@@ -393,6 +398,38 @@ def run_switch() -> None:
     dist.all_gather_object(every, caught)
     if rank == 0:
         print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "raised": every}))
+    handle.remove()
+    dist.barrier()
+
+
+def run_switch_one() -> None:
+    """Rank 0 alone switches its attention to eager after ``shard``: both ranks raise within
+    seconds (rank 0 naming eager, rank 1 naming rank 0), none waits in the ring for the other."""
+    import time
+
+    from mmbalance.integrations.hf import apply_dynamic_cp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model("mmbalance_varlen")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET)
+    inputs = handle.shard(batch_of(examples(world)[rank]))
+    assert max(handle.stats["degrees"]) == 2, handle.stats
+    if rank == 0:
+        model.set_attn_implementation("eager")
+    start = time.monotonic()
+    try:
+        model(**inputs)
+    except ValueError as exc:
+        text = str(exc)
+    else:
+        raise AssertionError(f"rank {rank}: the forward ran")
+    took = time.monotonic() - start
+    want = "'eager'" if rank == 0 else "rank 0 of this rank's context-parallel group runs another attention"
+    assert want in text and "mmbalance_varlen" in text, text
+    every = [None] * world
+    dist.all_gather_object(every, took)
+    if rank == 0:
+        print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "seconds": every}))
     handle.remove()
     dist.barrier()
 

@@ -123,11 +123,15 @@ def test_two_ranks_with_a_lora_model_match_the_reference_and_a_switched_attentio
     model (the model inside is sharded; ``remove()`` leaves it without a hook) match the
     one-process reference. Then the attention switched after ``apply_dynamic_cp`` (Mistral with a
     window to sdpa, Gemma 2 to eager; by ``set_attn_implementation`` and by the config's field):
-    a forward of a shard and the next ``shard`` raise on every rank, instead of a wrong loss."""
-    runs = ["llama:packed:pair", "qwen2:padded:lora", "mistral16:packed:switch", "gemma2:padded:switch"]
+    a forward of a shard and the next ``shard`` raise on every rank, instead of a wrong loss; one
+    rank alone switching after ``shard`` makes both raise within 5 seconds, naming the attention."""
+    runs = ["llama:packed:pair", "qwen2:padded:lora", "mistral16:packed:switch", "gemma2:padded:switch",
+            "llama:packed:switch1"]  # fmt: skip
     out = launch(SCRIPT, *runs, nproc=2, timeout=600)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [x["run"] for x in lines] == runs, out[-3000:]
+    # one rank alone switched after shard: both raise at once (the group agrees before any ring)
+    assert all(t < 5.0 for t in lines.pop()["seconds"]), lines
     for x in lines[:2]:
         assert x["degrees"] == [2] and x["largest_shard"] <= 64, x
         assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5, x

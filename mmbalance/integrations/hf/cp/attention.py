@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mmbalance.collectives.group import comm_device
 from mmbalance.collectives.ring import ring_attention
 from mmbalance.pyops.attention_ops import attention_block
 
@@ -90,11 +91,44 @@ def install_attention_check(model, module=None) -> None:
 
     @torch.compiler.disable
     def hook(module, args, kwargs):
-        if kwargs.get(CP_KEYWORD) is not None:
-            check_attention(model)
+        shard = kwargs.get(CP_KEYWORD)
+        if shard is not None:
+            agree_on_attention(model, shard)
         return None
 
     module.__dict__["_mmbalance_attention_check"] = module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def agree_on_attention(model, shard: CPShard) -> None:
+    """Every member of the shard's CP group checks its own attention (:func:`~.inputs.check_attention`)
+    and the group agrees on the answers (one small all-reduce, degree > 1 only) before any ring
+    runs: a rank whose attention was switched after ``shard`` raises its ValueError, and every
+    other member raises one naming that rank and the attention, at once, instead of waiting in the
+    ring for it until the process group's timeout."""
+    try:
+        check_attention(model)
+        mine: ValueError | None = None
+    except ValueError as exc:
+        mine = exc
+    group = shard.process_group()  # collectively made on every rank, whatever its degree
+    if shard.degree > 1 and group is not None:
+        import torch.distributed as dist
+
+        flags = torch.zeros(shard.degree, dtype=torch.int32)
+        flags[shard.group_rank] = 0 if mine is None else 1
+        flags = flags.to(comm_device(group))
+        dist.all_reduce(flags, group=group)
+        bad = [int(r) for r in torch.nonzero(flags.cpu()).flatten()]
+        if mine is None and bad:
+            who = ", ".join(f"rank {dist.get_global_rank(group, i)}" for i in bad)
+            raise ValueError(
+                f"model: {who} of this rank's context-parallel group runs another attention than "
+                f"{ATTENTION_NAME!r} (switched after handle.shard), so its ring would never start: every rank "
+                f"of the group stops here. Keep model.set_attn_implementation({ATTENTION_NAME!r}) on every rank, "
+                "or handle.remove() first on every rank to train without context parallelism"
+            )
+    if mine is not None:
+        raise mine
 
 
 def remove_attention_check(module) -> None:
