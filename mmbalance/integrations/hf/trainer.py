@@ -204,6 +204,14 @@ def balance_trainer(
             examples it holds without balancing, and only their split over ranks and micro-batches
             changes, so with the loss normalized by the step's token count training is the same).
 
+    Preference pairs: a DPO trainer (``loss.PAIR_MEAN_LOSSES``: TRL's ``DPOTrainer``, LLaMA-Factory's
+    and ms-swift's DPO) averages its loss over each micro-batch's pairs, so its micro-batches keep the
+    trainer's own number of pairs (``per_device_train_batch_size``) and only which pairs go together
+    changes (``BalancedBatchSampler(equal_counts=True)``); the loss stays the trainer's own. A pair is
+    priced by its longer row where the collator pads, both rows where it packs, read from the pair
+    columns or measured by the trainer's collator (vision DPO); ``lengths`` may give them instead.
+    ``context_parallel`` and streamed data are refused for pairs.
+
     Streaming: with an ``IterableDataset``, every rank reads its slice of the stream (examples
     ``rank, rank + world, ...``), batches ``per_device_train_batch_size`` of them with the
     trainer's collator, and each micro-batch is post-balanced over the ranks by one all-to-all
@@ -235,9 +243,9 @@ def balance_trainer(
     distributed work.
 
     Raises:
-        ValueError: a trainer whose loss regrouping would change (a preference, reward or RL loss, a
-            ``compute_loss`` of its own, a model whose loss is a mean over each micro-batch), named
-            with the reason; ``lengths`` of a different size than the dataset; a dataset smaller than one
+        ValueError: a trainer whose loss regrouping would change (a reward or RL loss, KTO, ORPO, a
+            ``compute_loss`` of its own, a model whose loss is a mean over each micro-batch, a DPO
+            option that couples a micro-batch's pairs), named with the reason; ``lengths`` of a different size than the dataset; a dataset smaller than one
             step with ``dataloader_drop_last``; an unsized or missing ``train_dataset``; accelerate
             set to split or dispatch batches (both assume one global batch per step).
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
