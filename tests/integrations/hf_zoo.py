@@ -32,6 +32,8 @@ MODELS = (
     "qwen2_5_omni",
     "qwen3_vl_moe",
     "idefics3",
+    "qwen3_5",
+    "qwen3_5_moe",
 )
 
 
@@ -104,6 +106,27 @@ def build(name: str, seed: int = 0):
             **ids,
         )
         model = tf.Qwen3VLMoeForConditionalGeneration(cfg)
+    elif name in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet beside full attention in the language model, Qwen3-VL's tower
+        if not hasattr(tf, "Qwen3_5MoeConfig"):
+            import pytest
+
+            pytest.skip(f"transformers {tf.__version__} has no Qwen3.5")
+        vision = {k: v for k, v in qwen3_vision.items() if k != "deepstack_visual_indexes"}
+        text = _text(num_hidden_layers=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                     linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                     linear_value_head_dim=8, rope_parameters=_qwen_rope([4, 2, 2], mrope_interleaved=True))  # fmt: skip
+        if name == "qwen3_5":
+            cfg = tf.Qwen3_5Config(text_config=text, vision_config=vision, **ids)
+            model = tf.Qwen3_5ForConditionalGeneration(cfg)
+        else:
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16)  # fmt: skip
+            cfg = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **ids)
+            model = tf.Qwen3_5MoeForConditionalGeneration(cfg)
+        with torch.no_grad():  # decays of e^-0.1..e^-1.3 a token (cp_plain_loop.py says why)
+            for module in model.modules():
+                if hasattr(module, "A_log"):
+                    module.A_log.copy_(torch.linspace(0.1, 1.0, module.A_log.numel()).log())
     elif name == "idefics3":
         cfg = tf.Idefics3Config(
             vision_config=dict(
@@ -196,7 +219,7 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     spec = spec or [[]]
     rows, types = [], []
-    if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni"):
+    if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni", "qwen3_5", "qwen3_5_moe"):
         row = 3 * TPATCH * PATCH * PATCH
         pix, grids, vpix, vgrids, feats = [], [], [], [], []
         img = IMG
@@ -206,7 +229,7 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
                 if isinstance(item, tuple) and item[0] == "video":
                     _, t, h, w = item
                     n = t * h * w // MERGE**2
-                    groups = [h * w // MERGE**2] * t if name.startswith("qwen3_vl") else [n]
+                    groups = [h * w // MERGE**2] * t if name.startswith(("qwen3_vl", "qwen3_5")) else [n]
                     for k in groups:
                         ids += [TEXT + 2, VS] + [VID] * k + [VE]
                         tt += [0, 0] + [2] * k + [0]

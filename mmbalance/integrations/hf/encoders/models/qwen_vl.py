@@ -37,6 +37,11 @@ class QwenVisionAdapter(EncoderAdapter):
         "Qwen3VLForConditionalGeneration",
         "Qwen3VLModel",
         "Qwen2_5OmniThinkerForConditionalGeneration",
+        # Qwen3.5 (Gated DeltaNet language model, Qwen3-VL's tower without deepstack)
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5Model",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5MoeModel",
     )
     _SOURCES = (
         ("image", "pixel_values", "image_grid_thw"),
