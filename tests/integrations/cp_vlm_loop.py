@@ -59,6 +59,8 @@ SPECS = {
     # Qwen3-VL puts a timestamp and its own start/end tokens around every temporal patch: 7 of
     # them make 140 tokens, over twice the budget as well
     "qwen3_vl": [[[("video", 7, 8, 8)], ("text", 3)], *QWEN[1:]],
+    # Qwen3.5: Qwen3-VL's video tokens, a Gated DeltaNet layer beside a full-attention one
+    "qwen3_5": [[[("video", 7, 8, 8)], ("text", 3)], *QWEN[1:]],
     # LLaVA: 16 tokens an image; eight in one sequence make 143 tokens
     "llava": [[[1] * 8, ("text", 3)], [[1, 1]], [[1], ("text", 2)], [[1], ("text", 2)]],
     # the Qwen2.5-Omni thinker: a clip of 480 mel frames is 120 audio tokens (130 with its text),
@@ -182,7 +184,9 @@ def run_one() -> None:
 
     attn_calls = []
     lm = language_model(model)
-    lm.layers[0].self_attn.register_forward_hook(lambda m, i, o: attn_calls.append(1))
+    next(layer for layer in lm.layers if hasattr(layer, "self_attn")).self_attn.register_forward_hook(
+        lambda m, i, o: attn_calls.append(1)
+    )
     if BALANCE.endswith("ckpt"):  # transformers' gradient checkpointing: towers and decoder layers
         model.gradient_checkpointing_enable()
         model.train()

@@ -73,6 +73,22 @@ def test_qwen3_vl_llava_and_omni_steps_match_one_process_reference_on_4_ranks():
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_qwen3_5_steps_with_media_in_split_sequences_match_the_reference_on_4_ranks():
+    """Qwen3.5 (Gated DeltaNet beside full attention, Qwen3-VL's tower): a video over twice the
+    budget split over 3 ranks, images straddling shard boundaries, with and without encoder
+    balancing: the same checks (its Gated DeltaNet states handed along each CP group)."""
+    runs = ["qwen3_5:plain", "qwen3_5:encoder"]
+    out = launch(SCRIPT, *runs, nproc=4, timeout=840)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["run"] for x in lines] == runs, out[-3000:]
+    for x in lines:
+        assert sorted(x["degrees"]) == [1, 3] and x["largest_shard"] <= 64
+        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5, x
+        assert x["split_items"]["image"] >= 1 and x["split_items"]["video"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
     """FSDP2 (every decoder layer, the towers but LLaVA's, the root): ``shard`` moves the encoder
     inputs and leaves encoding and the feature move to the forward, where FSDP2 gathers the
@@ -112,6 +128,7 @@ SPECS = {
     "qwen3_vl": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
     "qwen3_vl_moe": [[("video", 2, 4, 4)], [(4, 4)]],
     "llava": [[1], [], [1, 1]],
+    "qwen3_5": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
 }
 
 

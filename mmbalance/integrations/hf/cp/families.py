@@ -86,6 +86,9 @@ _QWEN = {
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL",
     "Qwen3VLForConditionalGeneration": "Qwen3-VL",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE",
+    # Gated DeltaNet language models (their layers under a shard: linear.py), Qwen3-VL's tower
+    "Qwen3_5ForConditionalGeneration": "Qwen3.5",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE",
 }
 _LLAVA = {"LlavaForConditionalGeneration": "LLaVA"}
 _OMNI = {"Qwen2_5OmniThinkerForConditionalGeneration": "Qwen2.5-Omni thinker"}
@@ -169,8 +172,8 @@ def check_feature_rows(ids, streams, mm: Mapping) -> None:
 
 
 class _Qwen(VLMFamily):
-    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE: images and videos through the Qwen ViT,
-    M-RoPE positions from ``get_rope_index``."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE: images and videos
+    through the Qwen ViT, M-RoPE positions from ``get_rope_index``."""
 
     mrope = True
 
