@@ -405,6 +405,8 @@ _LOSS_WITHOUT_KEYWORDS_UNTIL = {
     "Qwen3VLForConditionalGeneration": (5, 17),
     "Qwen3VLMoeForConditionalGeneration": (5, 17),
     "Qwen2_5OmniThinkerForConditionalGeneration": (5, 17),
+    "Qwen3_5ForConditionalGeneration": (5, 17),
+    "Qwen3_5MoeForConditionalGeneration": (5, 17),
 }
 
 
@@ -448,7 +450,7 @@ def loss_takes_token_count(model) -> bool:
 def install_loss_keywords(model, module=None):
     """Make ``model``'s loss see the loss keywords its forward was called with (``num_items_in_batch``,
     ``shift_labels``) where the installed release's forward does not pass them on (Qwen3-VL,
-    Qwen3-VL-MoE and the Qwen2.5-Omni thinker before 5.17 call their loss with the logits and
+    Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE and the Qwen2.5-Omni thinker before 5.17 call their loss with the logits and
     labels alone, so a step's global token count and the labels shifted on whole sequences were
     lost): the loss function then takes them from the call, read by hooks on ``module`` (the
     module the loop calls, default ``model``; a peft wrapper calls the model's forward past its
