@@ -89,6 +89,7 @@ def text_runs(tmp_path_factory):
     return {mode: _run(tmp / mode, "text", mode) for mode in ("plain", "trainer", "sampler")}
 
 
+@pytest.mark.slow
 def test_dpo_pairs_balanced_whole_to_the_plain_runs_weights(text_runs):
     sys.path.insert(0, str(PROGRAM.parent))
     import preference_program
@@ -102,6 +103,7 @@ def test_dpo_pairs_balanced_whole_to_the_plain_runs_weights(text_runs):
     _balance_keys(text_runs["sampler"])  # the balanced sampler's own draw: every pair once too
 
 
+@pytest.mark.slow
 def test_dpo_of_a_vision_language_model_with_images(tmp_path):
     plain = _run(tmp_path / "plain", "vlm", "plain")
     balanced = _run(tmp_path / "trainer", "vlm", "trainer")
