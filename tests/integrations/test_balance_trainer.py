@@ -64,6 +64,25 @@ def _replay(batches_by_step: list[list[list[int]]]) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_gated_deltanet_hybrid_trains_like_the_replay(monkeypatch):
+    """A tiny Qwen3.5 (Gated DeltaNet beside full attention, padded micro-batches of different
+    sizes): ``balance_trainer`` on 2 ranks trains to the weights of the one-process replay of the
+    logged micro-batches normalized by each step's global token count (1e-5 of the change)."""
+    monkeypatch.setenv("MMB_FAMILY", "qwen3_5")
+    with tempfile.TemporaryDirectory() as tmp:
+        launch(SCRIPT, nproc=2, timeout=600, env={"MMB_TMP": tmp, "MMB_FAMILY": "qwen3_5"})
+        full = [json.loads((Path(tmp) / f"full-rank{r}.json").read_text())["batches"] for r in (0, 1)]
+        got = torch.load(Path(tmp) / "full.pt")
+    g = S.ACCUM
+    steps = [[mb for r in range(2) for mb in full[r][s * g : (s + 1) * g]] for s in range(len(full[0]) // g)]
+    want = _replay(steps)
+    start = S.build_model().state_dict()
+    gap = sum(float(((got[k] - want[k]).double() ** 2).sum()) for k in want) ** 0.5
+    change = sum(float(((want[k] - start[k]).double() ** 2).sum()) for k in want) ** 0.5
+    assert change > 0 and gap / change <= 1e-5, gap / change
+
+
 def test_two_ranks_train_like_the_replay_and_resume_in_order():
     with tempfile.TemporaryDirectory() as tmp:
         launch(SCRIPT, nproc=2, timeout=600, env={"MMB_TMP": tmp})  # every rank must exit with code 0
