@@ -65,6 +65,19 @@ def end_like_a_program() -> None:
     atexit._run_exitfuncs()
 
 
+def exit_after_barrier(code: int) -> None:
+    """End a launched training program with ``code``: a barrier when a process group is up (so no
+    rank leaves while another still talks to it), the output flushed, then ``os._exit``, which skips
+    the interpreter's teardown where a plain gloo program can abort (torch's bug)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 # gloo's own message when a pair of ranks fails to connect while the group is created: a race in
 # its TCP rendezvous (pytorch/pytorch#53270, #57469), before any code of the test has run
 _GLOO_CONNECT = "connectFullMesh failed"

@@ -75,7 +75,7 @@ HOUSES = {
         may_import={"cp": ("attention", "encoders")},
         # what differs between transformers releases; the model in its wrappers; the balance in the logs;
         # which trainers' losses regrouping keeps
-        floor=("compat", "wrappers", "logs", "loss", "mixers"),
+        floor=("compat", "wrappers", "logs", "loss", "mixers", "lengths"),
         top=("trainer", "every"),
     ),  # fmt: skip
     # plan (host arithmetic, the same on every rank), the transports, the entry calls (agreement,

@@ -71,11 +71,7 @@ def main() -> int:
 if __name__ == "__main__":
     code = main()
     if "--hard-exit" in sys.argv:
-        import torch.distributed as dist
+        from tests.dist_utils import exit_after_barrier
 
-        if dist.is_initialized():
-            dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_after_barrier(code)
     sys.exit(code)

@@ -121,11 +121,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    import torch.distributed as dist
+    from tests.dist_utils import exit_after_barrier
 
-    if dist.is_initialized():  # a plain gloo program can abort in the interpreter's teardown (torch's bug)
-        dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_after_barrier(main())
