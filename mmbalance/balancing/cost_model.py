@@ -211,7 +211,9 @@ class CostModel:
         layers = as_count(num_layers, "num_layers")
         kv = as_count(kv_size, "kv_size")
         ffn = 3.5 * h if ffn_size is None else as_count(ffn_size, "ffn_size")
-        attn = layers if attention_layers is None else as_count(attention_layers, "attention_layers", minimum=0)
+        attn = (
+            layers if attention_layers is None else as_count(attention_layers, "attention_layers", minimum=0)
+        )
         if attn > layers:
             raise ValueError(f"attention_layers ({attn}) must be at most num_layers ({layers})")
         state = as_count(linear_state, "linear_state", minimum=0)

@@ -12,7 +12,9 @@ from tests import procs
 
 def test_the_quick_sweep_reports_the_handoff_against_the_gather(tmp_path):
     out = tmp_path / "rows.jsonl"
-    done = procs.run([sys.executable, "-m", "mmbalance.bench.cp.gdn", "--quick", "--json", str(out)], timeout=600)
+    done = procs.run(
+        [sys.executable, "-m", "mmbalance.bench.cp.gdn", "--quick", "--json", str(out)], timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["op"] == "gdn_cp_handoff" and row["degree"] == 2 and row["length"] == 1024, row

@@ -69,7 +69,9 @@ QWEN_SPECIAL_START = 151643  # <|endoftext|> in Qwen2's vocabulary
 QWEN_VOCAB = 151936  # the embedding rows of Qwen2-VL
 
 
-def build_tokenizer(vocab_size: int = 400, special_start: int = QWEN_SPECIAL_START) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    vocab_size: int = 400, special_start: int = QWEN_SPECIAL_START
+) -> PreTrainedTokenizerFast:
     """The byte-level BPE, its special tokens from id ``special_start`` on (Qwen2's own ids by
     default; a small vocabulary for tests that need no framework's hard-coded ids)."""
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))

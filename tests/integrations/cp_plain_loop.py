@@ -198,9 +198,9 @@ def run_one() -> None:
     attn_calls = []
     if SCENARIO != "compile":  # (hooks are guarded by dynamo: they would cost recompiles there)
         # the dtype the attention gave (o_proj's input: its output is bfloat16 under autocast anyway)
-        next(layer for layer in base.model.layers if hasattr(layer, "self_attn")).self_attn.o_proj.register_forward_pre_hook(
-            lambda m, a: attn_calls.append(a[0].dtype)
-        )
+        next(
+            layer for layer in base.model.layers if hasattr(layer, "self_attn")
+        ).self_attn.o_proj.register_forward_pre_hook(lambda m, a: attn_calls.append(a[0].dtype))
     if SCENARIO == "ckpt":
         model.gradient_checkpointing_enable()
         model.train()
@@ -285,7 +285,11 @@ def run_one() -> None:
             # a Gated DeltaNet's decay parameters (one number a head) take the sum over every token
             # of the decay's gradient, which cancels: float32 rounds it differently wherever a sequence
             # is cut (the per-token decay gradients agree to about 1e-6; these sums to about 1.4e-5)
-            tol = 5e-5 if n.endswith(("linear_attn.A_log", "linear_attn.dt_bias")) and SCENARIO != "amp" else tol_grad
+            tol = (
+                5e-5
+                if n.endswith(("linear_attn.A_log", "linear_attn.dt_bias")) and SCENARIO != "amp"
+                else tol_grad
+            )
             worst = max(worst, float(diff) * tol_grad / tol)
             assert diff <= tol, f"gradient of {n}: relative error {float(diff):.2e}"
         print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"], "loss_rel": rel,

@@ -15,7 +15,8 @@ over ranks, must equal a one-process reference (each example alone through the s
 token-loss sum over the global count); every image and frame is encoded exactly once in the world
 (the rows of the vision tower's calls); no rank's language model embeds more than the budget.
 
-argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | llava (LLaVA
+argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | glm4v | glm46v |
+kimi_k25 | mistral3 (these four on 2 ranks: ``PAIR``) | llava (LLaVA
 has no video: a document of eight images stands in for it) | qwen2_5_omni (the thinker: a long
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
 (``apply_encoder_balance`` on the same model) | fsdp2 (the model under FSDP2: every decoder layer,
@@ -72,6 +73,18 @@ SPECS = {
         [[(8, 8)], ("text", 2)],
     ],
 }
+# the families since Qwen3-VL, on 2 ranks: rank 0's four media of 16 tokens each make an 83-token
+# sequence (over the budget: split over both ranks, media cut at the boundary), rank 1's short
+# examples join that group of 2
+PAIR = {
+    "glm4v": [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
+    "glm46v": [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
+    "kimi_k25": [[[(8, 8), (8, 8), ("video", 3, 8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
+    "mistral3": [[[(32, 32), (32, 32), (32, 32), (32, 32)]], [[(16, 16)], ("text", 3)]],
+}
+SPECS.update(PAIR)
+# the degrees of the step's CP groups
+DEGREES = {name: [2] for name in PAIR}
 
 
 def towers(model) -> list:
@@ -82,6 +95,13 @@ def towers(model) -> list:
     if FAMILY == "llava":
         return [
             (core(model).vision_tower, lambda a, kw: int((a[0] if a else kw["pixel_values"]).shape[0]), 1)
+        ]
+    if FAMILY == "mistral3":  # Pixtral's rows: the images' own patches
+        p = int(core(model).vision_tower.config.patch_size)
+        return [(core(model).vision_tower, lambda a, kw: int((kw["image_sizes"] // p).prod(-1).sum()), 8)]
+    if FAMILY == "kimi_k25":
+        return [
+            (core(model).vision_tower, lambda a, kw: int((a[0] if a else kw["pixel_values"]).shape[0]), 4)
         ]
     visual = core(model).visual
     out = [(visual, lambda a, kw: int((a[0] if a else next(iter(kw.values()))).shape[0]),
@@ -111,7 +131,7 @@ def examples(model) -> list[list[dict]]:
                 g = torch.Generator().manual_seed(100 + k)
                 ids = torch.randint(1, 90, (1, spec[1]), generator=g)
                 text = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-                if FAMILY not in ("llava", "qwen2_5_omni"):
+                if FAMILY not in ("llava", "qwen2_5_omni", "kimi_k25", "mistral3"):
                     text["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int32)
                 mine.append(text)
             else:
@@ -212,11 +232,11 @@ def run_one() -> None:
     )
     assert max(embedded) <= BUDGET, f"rank {rank} embedded {max(embedded)} tokens, budget {BUDGET}"
     assert stats["largest_shard"] <= BUDGET, stats
-    assert sorted(stats["degrees"]) == [1, 3], stats
+    assert sorted(stats["degrees"]) == DEGREES.get(FAMILY, [1, 3]), stats
     assert stats["split_items"]["image"] >= 1, stats
     if FAMILY == "qwen2_5_omni":  # the long clip's rows reach three ranks
         assert stats["split_items"]["audio"] >= 1, stats
-    elif FAMILY != "llava":  # LLaVA has no video stream
+    elif FAMILY not in ("llava", *PAIR):  # LLaVA has no video stream
         assert stats["split_items"]["video"] >= 1, stats
     # every image, frame and clip encoded once in the world: one call per tower and rank, real rows
     # or a stand-in
@@ -235,7 +255,9 @@ def run_one() -> None:
         flat = [b for mine in data for b in mine]
         rows = sum(
             int(b[k].shape[0]) for b in flat for k in ("pixel_values", "pixel_values_videos") if k in b
-        ) + sum(int(b["feature_attention_mask"].sum()) for b in flat if "feature_attention_mask" in b)
+        ) if FAMILY != "mistral3" else sum(int((b["image_sizes"] // hf_zoo.P).prod(-1).sum()) for b in flat
+                                            if "image_sizes" in b)  # fmt: skip
+        rows += sum(int(b["feature_attention_mask"].sum()) for b in flat if "feature_attention_mask" in b)
         assert int(encoded) == rows, f"{int(encoded)} rows encoded in the world, the media have {rows}"
         ref = tiny("eager")
         count = sum(int((b["labels"][0, 1:] != -100).sum()) for b in flat)

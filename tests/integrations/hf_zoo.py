@@ -19,6 +19,7 @@ AUD, AS, AE = 104, 105, 106
 PATCH, TPATCH, MERGE = 4, 2, 2
 S, P = 16, 4  # tile side and patch of the CLIP/InternViT towers
 PINPOINTS = [[16, 32], [32, 16], [32, 32]]
+GEMMA3_TOKENS = 4  # Gemma 3's projector pools a tile's (S / P)**2 patches into 4 tokens
 MEL, MSP = 8, 16  # Qwen2-Audio: fixed 2 * MSP = 32 mel frames per clip
 
 MODELS = (
@@ -34,7 +35,30 @@ MODELS = (
     "idefics3",
     "qwen3_5",
     "qwen3_5_moe",
+    "glm4v",
+    "glm4v_moe",
+    "glm46v",
+    "kimi_k25",
+    "gemma3",
+    "paligemma",
+    "mistral3",
+    "qwen3_omni_moe",
+    "llava_onevision",
 )
+# the config class a family needs, where some release of the test matrix lacks it
+NEEDS = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "kimi_k25": "Kimi_K25Config"}
+
+
+def available(name: str) -> bool:
+    """Whether the installed transformers has the family ``name``."""
+    import transformers as tf
+
+    return hasattr(tf, NEEDS.get(name, "PreTrainedModel"))
+
+
+# the families whose items are the Qwen ViTs' (flattened patches with *_grid_thw rows)
+GRID_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni", "qwen3_5", "qwen3_5_moe",
+                 "glm4v", "glm4v_moe", "glm46v", "kimi_k25", "qwen3_omni_moe")  # fmt: skip
 
 
 def _text(**extra):
@@ -106,7 +130,10 @@ def build(name: str, seed: int = 0):
             **ids,
         )
         model = tf.Qwen3VLMoeForConditionalGeneration(cfg)
-    elif name in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet beside full attention in the language model, Qwen3-VL's tower
+    elif name in (
+        "qwen3_5",
+        "qwen3_5_moe",
+    ):  # Gated DeltaNet beside full attention in the language model, Qwen3-VL's tower
         if not hasattr(tf, "Qwen3_5MoeConfig"):
             import pytest
 
@@ -127,6 +154,78 @@ def build(name: str, seed: int = 0):
             for module in model.modules():
                 if hasattr(module, "A_log"):
                     module.A_log.copy_(torch.linspace(0.1, 1.0, module.A_log.numel()).log())
+    elif name in ("glm4v", "glm4v_moe", "glm46v"):
+        rope = _qwen_rope([4, 2, 2], partial_rotary_factor=1.0)
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, image_size=16,
+                      **qwen_vision)  # fmt: skip
+        glm_ids = dict(image_token_id=IMG, video_token_id=VID, image_start_token_id=VS, image_end_token_id=VE,
+                       video_start_token_id=VS, video_end_token_id=VE)  # fmt: skip
+        if name == "glm4v":
+            cfg = tf.Glm4vConfig(text_config=_text(rope_parameters=rope), vision_config=vision, **glm_ids)
+            model = tf.Glm4vForConditionalGeneration(cfg)
+        elif name == "glm46v":
+            cfg = tf.Glm46VConfig(text_config=_text(model_type="glm4v_text", rope_parameters=rope),
+                                  vision_config=dict(vision, model_type="glm4v_vision"), **glm_ids)  # fmt: skip
+            model = tf.Glm46VForConditionalGeneration(cfg)
+        else:
+            text = _text(rope_parameters=rope, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                         n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=2, head_dim=16)  # fmt: skip
+            cfg = tf.Glm4vMoeConfig(text_config=text, vision_config=vision, **glm_ids)
+            model = tf.Glm4vMoeForConditionalGeneration(cfg)
+    elif name == "kimi_k25":
+        if not hasattr(tf, "Kimi_K25Config"):
+            import pytest
+
+            pytest.skip(f"transformers {tf.__version__} has no Kimi-K2.5")
+        text = _text(model_type="deepseek_v3", num_hidden_layers=2, num_key_value_heads=2, moe_intermediate_size=16,
+                     n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                     first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                     qk_nope_head_dim=8, v_head_dim=16)  # fmt: skip
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      patch_size=PATCH, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, merge_kernel_size=[2, 2])  # fmt: skip
+        cfg = tf.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                                image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS,
+                                vision_end_token_id=VE, tie_word_embeddings=False)  # fmt: skip
+        model = tf.Kimi_K25ForConditionalGeneration(cfg)
+    elif name in ("gemma3", "paligemma"):
+        siglip = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=S, patch_size=P)  # fmt: skip
+        gemma = _text(head_dim=16, hidden_activation="gelu_pytorch_tanh")
+        if name == "gemma3":
+            gemma.update(model_type="gemma3_text", num_hidden_layers=2, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+            cfg = tf.Gemma3Config(vision_config=siglip, text_config=gemma, mm_tokens_per_image=GEMMA3_TOKENS,
+                                  image_token_index=IMG, boi_token_index=VS, eoi_token_index=VE)  # fmt: skip
+            model = tf.Gemma3ForConditionalGeneration(cfg)
+        else:
+            gemma.update(model_type="gemma")
+            cfg = tf.PaliGemmaConfig(vision_config=dict(siglip, projection_dim=32), text_config=gemma,
+                                     image_token_index=IMG, projection_dim=32)  # fmt: skip
+            model = tf.PaliGemmaForConditionalGeneration(cfg)
+    elif name == "qwen3_omni_moe":  # the thinker: Qwen3-VL's tower, an audio tower, an MoE language model
+        audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=MEL,
+                     max_source_positions=64, n_window=50, n_window_infer=800, output_dim=32,
+                     downsample_hidden_size=8)  # fmt: skip
+        text = _text(**qwen3_text, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     decoder_sparse_step=1)  # fmt: skip
+        cfg = tf.Qwen3OmniMoeThinkerConfig(audio_config=audio, vision_config=qwen3_vision, text_config=text,
+                                           audio_token_id=AUD, image_token_id=IMG, video_token_id=VID,
+                                           vision_start_token_id=VS, audio_start_token_id=AS)  # fmt: skip
+        model = tf.Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
+    elif name == "llava_onevision":
+        siglip = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=S, patch_size=P, vision_use_head=False)  # fmt: skip
+        cfg = tf.LlavaOnevisionConfig(vision_config=siglip, text_config=_text(model_type="qwen2"),
+                                      image_token_index=IMG, video_token_index=VID, vision_feature_layer=-1,
+                                      vision_feature_select_strategy="full",
+                                      image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]])  # fmt: skip
+        model = tf.LlavaOnevisionForConditionalGeneration(cfg)
+    elif name == "mistral3":
+        pixtral = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, head_dim=16, image_size=32, patch_size=P)  # fmt: skip
+        cfg = tf.Mistral3Config(vision_config=pixtral, text_config=_text(model_type="mistral", head_dim=16),
+                                image_token_index=IMG, spatial_merge_size=2, vision_feature_layer=-1)  # fmt: skip
+        model = tf.Mistral3ForConditionalGeneration(cfg)
     elif name == "idefics3":
         cfg = tf.Idefics3Config(
             vision_config=dict(
@@ -210,6 +309,11 @@ def _finish(rows: list[list[int]], types: list[list[int]] | None = None) -> dict
     return out
 
 
+def _audio3_out_len(n: int) -> int:  # Qwen3-Omni: chunks of 100 frames, 13 rows each, then the rest
+    rest = (n % 100 - 1) // 2 + 1
+    return ((rest - 1) // 2 + 1 - 1) // 2 + 1 + (n // 100) * 13
+
+
 def _audio_out_len(n: int) -> int:
     return ((n - 1) // 2 + 1 - 2) // 2 + 1
 
@@ -219,8 +323,9 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     spec = spec or [[]]
     rows, types = [], []
-    if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni", "qwen3_5", "qwen3_5_moe"):
-        row = 3 * TPATCH * PATCH * PATCH
+    if name in GRID_FAMILIES:
+        kimi, glm = name == "kimi_k25", name.startswith("glm")
+        row = 3 * (1 if kimi else TPATCH) * PATCH * PATCH
         pix, grids, vpix, vgrids, feats = [], [], [], [], []
         img = IMG
         for seq in spec:
@@ -228,16 +333,20 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
             for item in seq:
                 if isinstance(item, tuple) and item[0] == "video":
                     _, t, h, w = item
-                    n = t * h * w // MERGE**2
-                    groups = [h * w // MERGE**2] * t if name.startswith(("qwen3_vl", "qwen3_5")) else [n]
-                    for k in groups:
-                        ids += [TEXT + 2, VS] + [VID] * k + [VE]
+                    n = (1 if kimi else t) * h * w // MERGE**2  # Kimi-K2.5 averages a clip's frames
+                    per_frame = name.startswith(("qwen3_vl", "qwen3_5", "glm"))
+                    groups = [h * w // MERGE**2] * t if per_frame else [n]
+                    for k in groups:  # GLM-4.xV: a video's placeholders are image tokens
+                        ids += [TEXT + 2, VS] + [IMG if glm else VID] * k + [VE]
                         tt += [0, 0] + [2] * k + [0]
                     vgrids.append([t, h, w])
                     vpix.append(torch.randn(t * h * w, row, generator=g))
+                    if kimi:
+                        vpix[-1] = vpix[-1].reshape(-1, 3, PATCH, PATCH)
                 elif isinstance(item, tuple) and item[0] == "audio":
-                    ids += [AS] + [AUD] * _audio_out_len(item[1]) + [AE, TEXT + 1]
-                    tt += [0] * (_audio_out_len(item[1]) + 3)
+                    n = _audio3_out_len(item[1]) if name == "qwen3_omni_moe" else _audio_out_len(item[1])
+                    ids += [AS] + [AUD] * n + [AE, TEXT + 1]
+                    tt += [0] * (n + 3)
                     feats.append(item[1])
                 else:
                     h, w = item
@@ -246,11 +355,13 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
                     tt += [0] + [1] * n + [0, 0]
                     grids.append([1, h, w])
                     pix.append(torch.randn(h * w, row, generator=g))
+                    if kimi:
+                        pix[-1] = pix[-1].reshape(-1, 3, PATCH, PATCH)
             ids += [TEXT + 3] * 3
             tt += [0] * 3
             rows.append(ids)
             types.append(tt)
-        out = _finish(rows, types if name != "qwen2_5_omni" else None)
+        out = _finish(rows, types if name not in ("qwen2_5_omni", "kimi_k25", "qwen3_omni_moe") else None)
         if pix:
             out.update(pixel_values=torch.cat(pix), image_grid_thw=torch.tensor(grids))
         if vpix:
@@ -263,6 +374,69 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
                 f[i, :, :n] = torch.randn(MEL, n, generator=g)
                 m[i, :n] = 1
             out.update(input_features=f, feature_attention_mask=m)
+        return out
+    if name in ("gemma3", "paligemma"):  # one image a tile; the image tokens are one block (token_type_ids)
+        n_tok = GEMMA3_TOKENS if name == "gemma3" else (S // P) ** 2
+        count = 0
+        for seq in spec:
+            ids = [TEXT] * 4
+            for _ in seq:
+                ids += [VS] + [IMG] * n_tok + [VE, TEXT + 1]
+                count += 1
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        out["token_type_ids"] = (out["input_ids"] == IMG).long()
+        if name == "paligemma":  # a prefix (images and prompt) seen whole, then the answer
+            out["token_type_ids"] = torch.zeros_like(out["input_ids"])
+            out["token_type_ids"][:, -3:] = 1
+        if count:
+            out["pixel_values"] = torch.randn(count, 3, S, S, generator=g)
+        return out
+    if name == "llava_onevision":  # images at their sizes (anyres tiles), ("video", frames) clips
+        from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+        core = model.model
+        pinpoints = model.config.image_grid_pinpoints
+        sizes, tiles, videos = [], [], []
+        for seq in spec:
+            ids = [TEXT] * 4
+            for item in seq:
+                if item[0] == "video":
+                    ids += [VID] * (item[1] * (-(-S // P // 2)) ** 2 + 1) + [TEXT + 1]
+                    videos.append(item[1])
+                    continue
+                n = image_size_to_num_patches(list(item), pinpoints, S)
+                with torch.no_grad():  # the token count the model's own packing gives
+                    packed, _ = core.pack_image_features([torch.zeros(n, (S // P) ** 2, 32)], torch.tensor([item]),
+                                                         image_newline=core.image_newline)  # fmt: skip
+                ids += [IMG] * packed[0].shape[0] + [TEXT + 1]
+                sizes.append(list(item))
+                tiles.append(n)
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if sizes:
+            pv = torch.zeros(len(sizes), max(tiles), 3, S, S)
+            for i, t in enumerate(tiles):
+                pv[i, :t] = torch.randn(t, 3, S, S, generator=g)
+            out.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
+        if videos:  # every video of a batch has the same frame count
+            out["pixel_values_videos"] = torch.randn(len(videos), videos[0], 3, S, S, generator=g)
+        return out
+    if name == "mistral3":  # images at their own sizes (pixels, multiples of patch x merge = 8)
+        sizes = []
+        for seq in spec:
+            ids = [TEXT] * 4
+            for h, w in seq:
+                ids += [VS] + [IMG] * ((h // (2 * P)) * (w // (2 * P))) + [VE, TEXT + 1]
+                sizes.append([h, w])
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if sizes:
+            hm, wm = max(s[0] for s in sizes), max(s[1] for s in sizes)
+            pv = torch.zeros(len(sizes), 3, hm, wm)
+            for i, (h, w) in enumerate(sizes):
+                pv[i, :, :h, :w] = torch.randn(3, h, w, generator=g)
+            out.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
         return out
     if name == "llava":
         n_tok = (S // P) ** 2
@@ -385,9 +559,17 @@ def collate(batches: list[dict], left=False) -> dict:
             rows.append(torch.cat([pad, t]) if on_left else torch.cat([t, pad]))
         out[key] = torch.stack(rows)
     media = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
-             "video_second_per_grid")  # fmt: skip
+             "video_second_per_grid", "image_sizes")  # fmt: skip
     for key in media:
         parts = [b[key] for b in batches if key in b]
+        if parts and key == "pixel_values" and "image_sizes" in batches[0] and parts[0].dim() == 4:
+            h, w = (
+                max(int(p.shape[-2]) for p in parts),
+                max(int(p.shape[-1]) for p in parts),
+            )  # Mistral 3's sizes
+            parts = [
+                torch.nn.functional.pad(p, (0, w - int(p.shape[-1]), 0, h - int(p.shape[-2]))) for p in parts
+            ]
         if parts:
             out[key] = torch.cat(parts)
     clips = [b for b in batches if "input_features" in b]

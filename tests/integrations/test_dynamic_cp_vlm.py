@@ -89,6 +89,24 @@ def test_qwen3_5_steps_with_media_in_split_sequences_match_the_reference_on_4_ra
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_families_since_qwen3_vl_split_their_media_over_2_ranks_exactly():
+    """GLM-4.1V, GLM-4.6V, Kimi-K2.5 (a video clip too) and Mistral 3 (images at their own sizes):
+    four media in a sequence over the budget, split over 2 ranks and cut at the boundary, with and
+    without encoder balancing: loss and every gradient within 1e-5 of each example alone, every
+    item encoded once in the world."""
+    runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3") if hf_zoo.available(name)
+            for balance in ("plain", "encoder")]  # fmt: skip
+    out = launch(SCRIPT, *runs, nproc=2, timeout=840)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert [x["run"] for x in lines] == runs, out[-3000:]
+    for x in lines:
+        assert x["degrees"] == [2] and x["largest_shard"] <= 64, x
+        assert x["loss_rel"] <= 1e-5 and x["grad_rel"] <= 1e-5, x
+        assert x["split_items"]["image"] >= 1, x
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
     """FSDP2 (every decoder layer, the towers but LLaVA's, the root): ``shard`` moves the encoder
     inputs and leaves encoding and the feature move to the forward, where FSDP2 gathers the
@@ -129,7 +147,12 @@ SPECS = {
     "qwen3_vl_moe": [[("video", 2, 4, 4)], [(4, 4)]],
     "llava": [[1], [], [1, 1]],
     "qwen3_5": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
+    "glm4v": [[(4, 4)], [(8, 4), (2, 6)], []],
+    "glm46v": [[(4, 4), (6, 2)], []],
+    "kimi_k25": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
+    "mistral3": [[(16, 32)], [], [(8, 8), (24, 16)]],
 }
+MROPE = ("qwen", "glm")  # the families whose positions are M-RoPE rows from get_rope_index
 
 
 def _grads(model) -> dict:
@@ -170,7 +193,7 @@ def test_one_process_shard_matches_the_stock_forward(name):
         rows[0]["second_per_grid_ts"] = torch.tensor([0.5])
     batch = hf_zoo.collate(rows, left=[i == 1 for i in range(len(rows))])
     handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
-    if name.startswith("qwen"):
+    if name.startswith(MROPE):
         # what LLaMA-Factory's collator precomputes: the M-RoPE rows of the padded batch [3, B, L]
         # (checked against shard's own, then left out; a differing row is refused by name) and
         # the deltas (left out)
@@ -183,14 +206,16 @@ def test_one_process_shard_matches_the_stock_forward(name):
         real = int(batch["attention_mask"][1].nonzero()[3])
         bad = pos.clone()
         bad[:, 1, real] += 5
-        with pytest.raises(ValueError, match=r"position_ids'\]: the collator's M-RoPE positions of sequence 1"):
+        with pytest.raises(
+            ValueError, match=r"position_ids'\]: the collator's M-RoPE positions of sequence 1"
+        ):
             handle.shard({**batch, "position_ids": bad})
         batch["position_ids"], batch["rope_deltas"] = pos, deltas
     inputs = handle.shard(batch)
     assert "rope_deltas" not in inputs
     _matches_each_example_alone(model, inputs, ref, rows)
     total = sum(int(b["input_ids"].shape[1]) for b in rows)
-    if name.startswith("qwen"):
+    if name.startswith(MROPE):
         # the positions are the model's own, computed on the whole sequence
         want_pos = []
         for b in rows:
@@ -206,9 +231,11 @@ def test_one_process_shard_matches_the_stock_forward(name):
         assert torch.equal(inputs["position_ids"][0, 0], text)
     else:
         assert inputs["position_ids"].shape == (1, total)
-    assert handle.stats["encoded_rows"] == sum(
-        int(batch[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in batch
-    )
+    if "image_sizes" in batch:  # Mistral 3: an image's own patches travel
+        encoded = int(((batch["image_sizes"] // hf_zoo.P).prod(-1)).sum())
+    else:
+        encoded = sum(int(batch[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in batch)
+    assert handle.stats["encoded_rows"] == encoded
     handle.remove()
 
 
@@ -349,6 +376,26 @@ def test_other_multimodal_models_are_refused_by_name(name):
         apply_dynamic_cp(model, max_tokens_per_rank=64)
     text = str(info.value)
     assert type(model).__name__ in text and all(c in text for c in SUPPORTED), text
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("gemma3", "both ways"), ("paligemma", "both ways"), ("glm4v_moe", "packed rows"),
+     ("llava_onevision", "anyres"), ("qwen3_omni_moe", "deepstack")],
+)  # fmt: skip
+def test_families_whose_media_cannot_be_split_yet_are_refused_with_the_reason(name, reason):
+    register_attention()
+    model = hf_zoo.build(name)
+    with pytest.raises(ValueError, match=rf"does not shard {type(model).__name__}: .*{reason}"):
+        apply_dynamic_cp(model, max_tokens_per_rank=64)
+
+
+def test_glm_videos_are_refused_by_name():
+    model = _model("glm4v")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
+    with pytest.raises(ValueError, match=r"pixel_values_videos.*GLM-4.1V videos"):
+        handle.shard(hf_zoo.batch("glm4v", model, [[("video", 2, 4, 4)]]))
+    handle.remove()
 
 
 QWEN_BATCH = ("qwen2_vl", [[(4, 4)], []])

@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.6")
 
+from mmbalance.integrations.hf.compat import transformers_version  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.integrations import hf_zoo as Z  # noqa: E402
 
@@ -38,8 +39,26 @@ SPECS = {
     "idefics3": [[[3, 1], [2]], [[1]], []],
     "qwen3_5": [[[(4, 4), (2, 6)], [("video", 2, 4, 4)]], [[(6, 4)]], []],
     "qwen3_5_moe": [[[(4, 4)], [("video", 3, 4, 4)]], [[(6, 4)]], []],
+    # GLM-4.xV: a batch holds images or videos (their placeholders are the same token)
+    "glm4v": [[[(4, 4), (2, 6)], [(6, 4), (4, 2)]], [[("video", 2, 4, 4)]], []],
+    "glm4v_moe": [[[(4, 4), (2, 6)], [(6, 4)]], [[(2, 2)]], []],
+    "glm46v": [[[(4, 4), (2, 6)], [(6, 4)]], [[(2, 2)]], []],
+    "kimi_k25": [[[(4, 4), (2, 6)], [("video", 3, 4, 4)]], [[(6, 4)]], []],
+    "gemma3": [[[1, 1], [1, 1]], [[1]], []],
+    "paligemma": [[[1, 1], [1, 1]], [[1]], []],
+    "mistral3": [[[(16, 32), (8, 8)], [(24, 16)]], [[(8, 16)]], []],
+    "qwen3_omni_moe": [[[("audio", 30), (4, 4)], [("audio", 130), ("audio", 110), (2, 6)]], [[("audio", 60), (2, 4)]],
+                       []],  # fmt: skip
+    "llava_onevision": [[[(20, 40), (30, 30)], [("video", 2)]], [[(16, 16)]], []],
 }
-ENCODERS = {"qwen2_audio": {"audio"}, "qwen2_5_omni": {"audio", "vision"}}
+# families added with transformers' newer vision-language models: their balance must improve
+IMPROVED = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "gemma3", "paligemma", "mistral3", "qwen3_omni_moe",
+            "llava_onevision")  # fmt: skip
+ENCODERS = {
+    "qwen2_audio": {"audio"},
+    "qwen2_5_omni": {"audio", "vision"},
+    "qwen3_omni_moe": {"audio", "vision"},
+}
 
 
 def _spec(name: str, rank: int, world: int):
@@ -141,6 +160,7 @@ LORA = ("qwen2_vl", "llava")
 @functools.cache
 def _run(world: int, mode: str) -> list[dict]:
     names = {"plain": Z.MODELS, "lora": LORA}.get(mode, WRAPPED)
+    names = tuple(n for n in names if Z.available(n))
     return run_distributed(_same_results, world, names, mode, timeout=840, pg_timeout=300)
 
 
@@ -153,6 +173,8 @@ CASES = (
 
 @pytest.mark.parametrize(("name", "world", "mode"), CASES, ids=[f"{n}-{w}ranks-{m}" for n, w, m in CASES])
 def test_balanced_model_gives_the_unbalanced_loss_and_gradients(name, world, mode):
+    if not Z.available(name):
+        pytest.skip(f"transformers {transformers_version()} has no {name}")
     for rank, res in enumerate(_run(world, mode)):
         ref_loss, loss = res[name]["loss"]
         assert loss == pytest.approx(ref_loss, rel=1e-5), f"rank {rank}: loss {loss} vs unbalanced {ref_loss}"
@@ -163,6 +185,8 @@ def test_balanced_model_gives_the_unbalanced_loss_and_gradients(name, world, mod
         for enc in stats.values():
             assert set(enc) == {"before", "after", "moved"}
             assert 1.0 <= enc["after"] <= enc["before"] + 1e-12 and 0.0 <= enc["moved"] <= 1.0
+            if name in IMPROVED:
+                assert enc["after"] < enc["before"], f"rank {rank}: {name}'s {enc} not improved"
 
 
 # ---------------------------------------------------------------------------------- balance, edge steps
@@ -341,3 +365,24 @@ def test_a_user_adapter_balances_a_model_mmbalance_does_not_know():
         assert res["loss"][1] == pytest.approx(res["loss"][0], rel=1e-6)
         np.testing.assert_allclose(res["grads"][1], res["grads"][0], rtol=1e-5, atol=1e-7)
         assert res["stats"]["after"] < res["stats"]["before"]
+
+
+def test_a_family_not_balanced_yet_is_refused_with_the_reason():
+    """Before any process group is needed: the class and the reason, not a generic 'no adapter'."""
+    import transformers as tf
+
+    from mmbalance.integrations.hf import apply_encoder_balance
+
+    if not hasattr(tf, "Molmo2Config"):
+        pytest.skip(f"transformers {transformers_version()} has no Molmo2")
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, vocab_size=128, additional_vocab_size=8)  # fmt: skip
+    vision = dict(hidden_size=32, num_hidden_layers=3, head_dim=16, image_size=[28, 28], patch_size=7)
+    adapter = dict(vision_feature_layer=[-1, -2], hidden_size=32, text_hidden_size=32, intermediate_size=64)
+    model = tf.Molmo2ForConditionalGeneration(
+        tf.Molmo2Config(vision_config=vision, text_config=text, adapter_config=adapter)
+    )
+    with pytest.raises(
+        ValueError, match=r"Molmo2ForConditionalGeneration: its encoders are not balanced: its pooling"
+    ):
+        apply_encoder_balance(model)

@@ -53,6 +53,8 @@ def test_balance_trainer_scales_the_samplers_attention_weight(tmp_path):
 
     model = tiny("qwen3_5")  # layer_types: one linear-attention layer, one full-attention layer
     assert layer_mix(model.config) == (2, 1)
-    trainer = transformers.Trainer(model=model, args=_args(tmp_path), train_dataset=_rows(), data_collator=_collate)
+    trainer = transformers.Trainer(
+        model=model, args=_args(tmp_path), train_dataset=_rows(), data_collator=_collate
+    )
     balance_trainer(trainer)
     assert trainer.balanced_sampler.beta == pytest.approx(DEFAULT_BETA / 2)

@@ -100,4 +100,6 @@ def test_balancing_keeps_preference_and_rl_losses(plain, tmp_path):
         keys = {k for row in json.loads((out / f"{name}.json").read_text()) for k in row}
         assert "mmbalance/batches/cost_after" in keys, (name, sorted(keys))
     rows = [r for r in json.loads((out / "dpo.json").read_text()) if "mmbalance/batches/cost_after" in r]
-    assert all(r["mmbalance/batches/cost_after"] <= r["mmbalance/batches/cost_before"] + 1e-12 for r in rows), rows
+    assert all(
+        r["mmbalance/batches/cost_after"] <= r["mmbalance/batches/cost_before"] + 1e-12 for r in rows
+    ), rows

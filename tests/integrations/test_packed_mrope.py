@@ -164,3 +164,44 @@ def test_a_per_layer_feed_forward_width_prices_as_its_mean():
     assert got == cost_model_of(model, "quadratic")
     per_layer.intermediate_size = 64
     assert got != cost_model_of(model, "quadratic")
+
+
+# the vision-language families since Qwen3-VL (tests/integrations/hf_zoo.py), their language models
+# given a packed row of text sequences with the collator's 2-D positions
+SINCE_QWEN3_VL = ("gemma3", "glm46v", "kimi_k25", "llava_onevision", "mistral3", "qwen3_omni_moe")
+
+
+@pytest.mark.parametrize("name", SINCE_QWEN3_VL)
+def test_a_packed_row_of_a_newer_family_is_each_sequence_alone_under_sdpa(name):
+    """Under ``mmbalance_varlen`` (and ``keep_sequences_apart`` where the model needs it), the packed
+    row's logits and the gradients of a weighted sum equal each sequence alone through the stock
+    model under ``sdpa`` (1e-5)."""
+    if not hf_zoo.available(name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    model, ref = hf_zoo.build(name, seed=4).eval(), hf_zoo.build(name, seed=4).eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    ref.set_attn_implementation("sdpa")
+    handle = keep_sequences_apart(model)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(5, 80, (1, n), generator=g) for n in LENGTHS]
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    out = _out(model, torch.cat(seqs, 1), pos)
+    w = torch.randn(out.shape, generator=g)
+    (out * w).sum().backward()
+    alone, at = [], 0
+    for s in seqs:
+        o = _out(ref, s)
+        (o * w[:, at : at + s.shape[1]]).sum().backward()
+        alone.append(o)
+        at += s.shape[1]
+    torch.testing.assert_close(out, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
+    got = dict(model.named_parameters())
+    checked = 0
+    for k, p in ref.named_parameters():
+        if p.grad is None:
+            continue
+        torch.testing.assert_close(got[k].grad, p.grad, rtol=1e-4, atol=1e-5, msg=k)
+        checked += 1
+    assert checked
+    if handle is not None:
+        handle.remove()

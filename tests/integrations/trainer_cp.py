@@ -52,7 +52,9 @@ def build_model(vocab: int = VOCAB, layers: int = 2, max_positions: int = 128):
         cfg = tiny_config(family)
         cfg.vocab_size, cfg.pad_token_id, cfg.max_position_embeddings = vocab, 0, max_positions
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="mmbalance_varlen", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            cfg, attn_implementation="mmbalance_varlen", dtype=torch.float32
+        )
         with torch.no_grad():
             for module in model.modules():
                 if hasattr(module, "A_log"):
@@ -136,9 +138,9 @@ def train(name: str, cp: bool, resume: str | None = None, ckpt: bool = False):
     model = build_model()
     seen = watch(model)
     attn: list[int] = []  # layer 0's attention calls: twice a forward under gradient checkpointing
-    next(layer for layer in model.model.layers if hasattr(layer, "self_attn")).self_attn.register_forward_hook(
-        lambda m, i, o: attn.append(1)
-    )
+    next(
+        layer for layer in model.model.layers if hasattr(layer, "self_attn")
+    ).self_attn.register_forward_hook(lambda m, i, o: attn.append(1))
     data = Logged(examples())
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
     kw = {"context_parallel": True, "max_tokens_per_rank": BUDGET} if cp else {}

@@ -30,7 +30,10 @@ import torch.distributed as dist
 
 from ..harness import Row, base_parser, device_name, report, spawn
 
-SHAPES = {"qwen3.5": dict(v_heads=32, k_heads=16, key=128, value=128), "small": dict(v_heads=8, k_heads=8, key=64, value=64)}
+SHAPES = {
+    "qwen3.5": dict(v_heads=32, k_heads=16, key=128, value=128),
+    "small": dict(v_heads=8, k_heads=8, key=64, value=64),
+}
 
 
 def _median_ms(fn, reps: int, cuda: bool) -> float:
@@ -121,7 +124,11 @@ def main(argv=None) -> None:
     else:
         args.shape, args.degrees = ("qwen3.5" if gpu else "small"), [2, 4]
         args.lengths = [8192, 32768] if gpu else [4096, 16384]
-    report(run(args), args.json, "Gated DeltaNet under CP: the state hand-off against gathering the sequence, per layer")
+    report(
+        run(args),
+        args.json,
+        "Gated DeltaNet under CP: the state hand-off against gathering the sequence, per layer",
+    )
 
 
 if __name__ == "__main__":

@@ -283,7 +283,9 @@ def _check_mixers(module, plan, rows: int, length: int, cu, position_ids, attent
     )
     if not (packed or blind):
         return
-    if getattr(module, "is_causal", True) is False:  # an encoder's attention (a vision tower beside a hybrid LM)
+    if (
+        getattr(module, "is_causal", True) is False
+    ):  # an encoder's attention (a vision tower beside a hybrid LM)
         return
     config = getattr(module, "config", None)
     if packed and kept_apart(config):  # its every mixer runs the row's sequences apart (keep_sequences_apart)

@@ -58,7 +58,9 @@ def model_refusal(model) -> str | None:
     ``None``: read before anything moves, so every rank refuses alike at ``apply_dynamic_cp`` (and
     ``balance_trainer``) instead of at the first forward."""
     config = text_config(model)
-    mixers = {cls: layers for cls, layers in model_mixers(language_model(model)).items() if cls not in CP_LINEAR}
+    mixers = {
+        cls: layers for cls, layers in model_mixers(language_model(model)).items() if cls not in CP_LINEAR
+    }
     if mixers:
         return (
             f"{type(model).__name__}, whose decoder mixes tokens outside attention ({describe_mixers(mixers)}): "

@@ -92,8 +92,27 @@ _QWEN = {
 }
 _LLAVA = {"LlavaForConditionalGeneration": "LLaVA"}
 _OMNI = {"Qwen2_5OmniThinkerForConditionalGeneration": "Qwen2.5-Omni thinker"}
+# GLM-4.1V and GLM-4.6V (images; GLM-4.5V's language model runs packed rows wrong: mixers.py)
+_GLM = {"Glm4vForConditionalGeneration": "GLM-4.1V", "Glm46VForConditionalGeneration": "GLM-4.6V"}
+_KIMI = {"Kimi_K25ForConditionalGeneration": "Kimi-K2.5"}
+_MISTRAL3 = {"Mistral3ForConditionalGeneration": "Mistral 3"}
 #: the multimodal model classes ``apply_dynamic_cp`` shards (text decoders work as they are)
-SUPPORTED: tuple[str, ...] = tuple(_QWEN) + tuple(_LLAVA) + tuple(_OMNI)
+SUPPORTED: tuple[str, ...] = (
+    tuple(_QWEN) + tuple(_LLAVA) + tuple(_OMNI) + tuple(_GLM) + tuple(_KIMI) + tuple(_MISTRAL3)
+)
+#: vision-language models ``apply_dynamic_cp`` refuses with the reason (their encoders may be balanced)
+NOT_SHARDED = {
+    "Gemma3ForConditionalGeneration": "the tokens of each image attend to one another both ways "
+    "(token_type_ids blocks), which the ring attention of a split sequence does not run",
+    "PaliGemmaForConditionalGeneration": "its prefix (image and prompt) attends both ways (token_type_ids), "
+    "which the ring attention of a split sequence does not run",
+    "Glm4vMoeForConditionalGeneration": "transformers' GLM-4.5V language model runs packed rows into one "
+    "another under every attention, and a CP shard is a packed row",
+    "LlavaOnevisionForConditionalGeneration": "an image's rows come from packing all its tiles together "
+    "(anyres unpadding and newlines), so its tiles cannot be encoded where the rows are needed",
+    "Qwen3OmniMoeThinkerForConditionalGeneration": "its positions (audio and video interleaved) and "
+    "deepstack rows are not carried into split sequences yet",
+}
 # a FLOP rate to turn encoder FLOPs into the seconds of the "quadratic" cost (CostModel.transformer)
 _FLOPS = 400e12
 
@@ -178,7 +197,7 @@ class _Qwen(VLMFamily):
     mrope = True
 
     def __init__(self, cls_name: str):
-        self.label = _QWEN[cls_name]
+        self.label = _QWEN.get(cls_name) or _GLM[cls_name]
         keys = {
             "pixel_values",
             "image_grid_thw",
@@ -228,6 +247,52 @@ class _Qwen(VLMFamily):
                 pos, _ = rope(seq_ids.reshape(1, -1), **kw)
                 out.append(pos[:, 0, :].t().to(torch.int64).cpu())
         return torch.cat(out) if out else torch.zeros(0, 3, dtype=torch.int64)
+
+
+class _Glm(_Qwen):
+    """GLM-4.1V and GLM-4.6V: images through their Qwen-style ViT, M-RoPE positions from
+    ``get_rope_index`` (which reads ``mm_token_type_ids``). Their videos' placeholders are image
+    tokens (only ``mm_token_type_ids`` tells them apart), which the shard's placeholder streams do not
+    follow yet: a batch with videos is refused by name."""
+
+    def streams(self, model):
+        return [("image", int(model.config.image_token_id))]
+
+    def positions(self, model, batch, ids, kinds, spans):
+        if batch.get("pixel_values_videos") is not None:
+            raise ValueError(
+                f"batch['pixel_values_videos']: handle.shard does not split {self.label} videos (their placeholders "
+                "are image tokens that only mm_token_type_ids tells apart); train videos without dynamic CP"
+            )
+        return super().positions(model, batch, ids, kinds, spans)
+
+
+class _Kimi(VLMFamily):
+    """Kimi-K2.5: images and video clips (a clip's frames pooled into one frame's rows) through its
+    ViT; 1-D positions (its DeepSeek-V3 language model has no M-RoPE)."""
+
+    label = "Kimi-K2.5"
+    batch_keys = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"})
+
+    def streams(self, model):
+        cfg = model.config
+        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
+
+    def item_streams(self, adapter, meta):
+        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
+
+
+class _Mistral3(VLMFamily):
+    """Mistral 3: images at their own sizes through Pixtral (``image_sizes``), 1-D positions."""
+
+    label = "Mistral 3"
+    batch_keys = frozenset({"pixel_values", "image_sizes", "vision_feature_layer"})
+
+    def streams(self, model):
+        return [("image", int(model.config.image_token_id))]
+
+    def item_streams(self, adapter, meta):
+        return np.zeros(meta.shape[0], dtype=np.int64)
 
 
 def _grids(batch: Mapping, kinds: list[np.ndarray], merge2: int) -> dict:
@@ -369,6 +434,17 @@ def vlm_family(model) -> VLMFamily | None:
             return _Llava()
         if cls.__name__ in _OMNI:
             return _QwenOmni()
+        if cls.__name__ in _GLM:
+            return _Glm(cls.__name__)
+        if cls.__name__ in _KIMI:
+            return _Kimi()
+        if cls.__name__ in _MISTRAL3:
+            return _Mistral3()
+    for cls in type(model).__mro__:
+        if cls.__name__ in NOT_SHARDED:
+            raise ValueError(
+                f"model: apply_dynamic_cp does not shard {name}{wrapper_hint(model)}: {NOT_SHARDED[cls.__name__]}"
+            )
     config = getattr(model, "config", None)
     multimodal = any(
         getattr(config, key, None) is not None for key in ("vision_config", "audio_config", "thinker_config")

@@ -10,10 +10,22 @@ thinker's ViT)                                   ``t`` frames)                  
 LLaVA (1.5)                            vision    an image (one tile)            one per tile
 LLaVA-NeXT                             vision    a tile (``image_sizes``:       one per tile
                                                  base tile + grid tiles)
+LLaVA-OneVision                        vision    a tile (as LLaVA-NeXT), a      one per tile
+                                                 video frame
 InternVL                               vision    a tile                         one per tile
 Idefics3, SmolVLM                      vision    a real tile (padding dropped)  one per tile
 Qwen2-Audio                            audio     a clip (always 30 s)           one per clip
 Qwen2.5-Omni thinker                   audio     a clip (its valid frames)      linear in its frames
+Qwen3-Omni-MoE thinker                 vision,   as Qwen3-VL; a clip (its       as Qwen3-VL; linear in its
+                                       audio     valid frames)                  frames
+GLM-4.1V, GLM-4.5V, GLM-4.6V           vision    an image, or one frame of a    linear in its patches plus
+                                                 video                          attention per frame
+Gemma 3, PaliGemma                     vision    an image (a pan-and-scan crop  one per image
+                                                 is an image of its own)
+Mistral 3                              vision    an image (its own size; only   linear in its patches plus
+                                                 its patches travel)            attention over the image
+Kimi-K2.5                              vision    an image or a whole clip       linear in its patches plus
+                                                 (frames attend to each other)  attention over the clip
 =====================================  ========  =============================  ==========================
 
 Encoder outputs go back through the models' public hooks: ``mm_encoder_outputs`` for images and
@@ -22,19 +34,31 @@ for audio towers (which have no such hook). Everything after the encoder (LLaVA-
 packing, M-RoPE positions, the language model) runs on the item's own rank, unchanged.
 """
 
+from .gemma import Gemma3Adapter, PaliGemmaAdapter
+from .glm import GlmVisionAdapter
 from .idefics3 import Idefics3Adapter
 from .internvl import InternVLAdapter
-from .llava import LlavaAdapter, LlavaNextAdapter
+from .kimi import KimiVisionAdapter
+from .llava import LlavaAdapter, LlavaNextAdapter, LlavaOnevisionAdapter
+from .mistral3 import Mistral3Adapter
 from .qwen_audio import Qwen2AudioAdapter
-from .qwen_omni import QwenOmniAudioAdapter
-from .qwen_vl import Qwen3VLMoeVisionAdapter, QwenVisionAdapter
+from .qwen_omni import Qwen3OmniAudioAdapter, QwenOmniAudioAdapter
+from .qwen_vl import Qwen3OmniVisionAdapter, Qwen3VLMoeVisionAdapter, QwenVisionAdapter
 
 __all__ = [
+    "Gemma3Adapter",
+    "GlmVisionAdapter",
     "Idefics3Adapter",
     "InternVLAdapter",
+    "KimiVisionAdapter",
     "LlavaAdapter",
     "LlavaNextAdapter",
+    "LlavaOnevisionAdapter",
+    "Mistral3Adapter",
+    "PaliGemmaAdapter",
     "Qwen2AudioAdapter",
+    "Qwen3OmniAudioAdapter",
+    "Qwen3OmniVisionAdapter",
     "Qwen3VLMoeVisionAdapter",
     "QwenOmniAudioAdapter",
     "QwenVisionAdapter",

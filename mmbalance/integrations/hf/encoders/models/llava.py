@@ -1,4 +1,5 @@
-"""LLaVA (1.5) and LLaVA-NeXT: fixed-resolution CLIP towers, one item per tile.
+"""LLaVA (1.5), LLaVA-NeXT and LLaVA-OneVision: fixed-resolution CLIP / SigLIP towers, one item per
+tile (and per video frame in LLaVA-OneVision).
 
 The tower's feature layer and selection strategy come from the forward's ``vision_feature_layer`` /
 ``vision_feature_select_strategy`` when given there, else from the config, as in the models
@@ -13,7 +14,7 @@ import torch
 from ..adapter import packed_rows, register_adapter
 from .common import TileAdapter, as_int, core, mm_outputs, pending_pixels, pooled, vision_feature_options
 
-__all__ = ["LlavaAdapter", "LlavaNextAdapter"]
+__all__ = ["LlavaAdapter", "LlavaNextAdapter", "LlavaOnevisionAdapter"]
 
 
 class _ClipTiles(TileAdapter):
@@ -120,5 +121,94 @@ class LlavaNextAdapter(_ClipTiles):
         )
         mm = mm_outputs(kwargs)
         mm["image"] = pooled(packed)
+        kwargs["mm_encoder_outputs"] = mm
+        return kwargs
+
+
+@register_adapter
+class LlavaOnevisionAdapter(_ClipTiles):
+    """LLaVA-OneVision: items are the real tiles of every image (the base tile and the grid tiles
+    ``image_sizes`` implies; one tile only for an image of a sample that holds several, as the
+    model does when ``batch_num_images`` says so) and every frame of every video. The tower,
+    feature selection and projector run per tile anywhere; the anyres packing and newline tokens
+    of an image, and a video's pooling and newline, run on the item's own rank."""
+
+    model_classes = ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionModel")
+
+    def _tokens_per_tile(self, model, vision_feature_select_strategy: str) -> int:
+        cfg = self._tower(model).config
+        side = as_int(cfg.image_size) // as_int(cfg.patch_size)
+        cls = 1 if str(getattr(cfg, "model_type", "")).startswith("clip") else 0  # SigLIP has no CLS token
+        return side * side + cls - (1 if vision_feature_select_strategy == "default" else 0)
+
+    def extract(self, model, kwargs):
+        pix = pending_pixels(kwargs)
+        videos = kwargs.get("pixel_values_videos")
+        if videos is not None and mm_outputs(kwargs).get("video") is not None:
+            videos = None
+        if pix is None and videos is None:
+            return None
+        parts, context = [], {"options": self.call_options(model, kwargs), "ntiles": [], "videos": None}
+        if pix is not None:
+            sizes = kwargs.get("image_sizes")
+            if sizes is None:
+                raise ValueError("pixel_values is given without image_sizes")
+            from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+            cfg = model.config
+            sizes_list = torch.as_tensor(sizes).tolist()
+            counts = kwargs.get("batch_num_images")
+            patching = (
+                [True] * len(sizes_list)
+                if counts is None
+                else [int(n) == 1 for n in counts for _ in range(int(n))]
+            )
+            ntiles = [
+                image_size_to_num_patches(image_size=s, grid_pinpoints=cfg.image_grid_pinpoints,
+                                          patch_size=cfg.vision_config.image_size) if patch else 1
+                for s, patch in zip(sizes_list, patching)
+            ]  # fmt: skip
+            if pix.dim() == 5:
+                parts.append(torch.cat([p[:n] for p, n in zip(pix, ntiles)]))
+            elif pix.dim() == 4 and pix.shape[0] == sum(ntiles):
+                parts.append(pix)
+            else:
+                raise ValueError(
+                    f"pixel_values of shape {tuple(pix.shape)} does not match image_sizes ({sum(ntiles)} tiles)"
+                )
+            context.update(ntiles=ntiles, image_sizes=sizes)
+        if videos is not None:
+            if videos.dim() != 5:
+                raise ValueError(
+                    f"pixel_values_videos must be [videos, frames, C, H, W], got {tuple(videos.shape)}"
+                )
+            context["videos"] = tuple(videos.shape[:2])
+            parts.append(videos.reshape(-1, *videos.shape[2:]))
+            kwargs["pixel_values_videos"] = None
+        items = self._tiles(model, kwargs, torch.cat(parts) if len(parts) > 1 else parts[0], context)
+        return items
+
+    def restore(self, model, kwargs, items, outputs):
+        c = core(model)
+        options, context = items.context["options"], items.context
+        per_tile = self._tokens_per_tile(model, options["vision_feature_select_strategy"])
+        feats = outputs[0].reshape(len(items), per_tile, outputs[0].shape[-1])
+        n_image = sum(context["ntiles"])
+        mm = mm_outputs(kwargs)
+        if n_image:
+            # the forward calls get_image_features without vision_aspect_ratio: the config's
+            packed, _ = c.pack_image_features(
+                list(torch.split(feats[:n_image], context["ntiles"])),
+                context["image_sizes"],
+                image_newline=c.image_newline,
+                vision_aspect_ratio=getattr(model.config, "vision_aspect_ratio", None) or "anyres_max_9",
+            )
+            mm["image"] = pooled(packed)
+        if context["videos"] is not None:
+            count, frames = context["videos"]
+            pooled_frames = c.apply_pooling(feats[n_image:])
+            video = pooled_frames.reshape(count, frames * pooled_frames.shape[1], -1)
+            newline = c.image_newline[None, None, :].repeat(count, 1, 1).to(video.device)
+            mm["video"] = pooled(torch.cat((video, newline), dim=1))
         kwargs["mm_encoder_outputs"] = mm
         return kwargs

@@ -17,7 +17,7 @@ from ...compat import feature_rows
 from ..adapter import EncoderAdapter, Items, flops_linear, packed_rows, register_adapter
 from .common import as_int, core, dtype_device, mm_outputs, pooled
 
-__all__ = ["QwenVisionAdapter", "Qwen3VLMoeVisionAdapter"]
+__all__ = ["Qwen3OmniVisionAdapter", "Qwen3VLMoeVisionAdapter", "QwenVisionAdapter"]
 
 
 @register_adapter
@@ -48,13 +48,24 @@ class QwenVisionAdapter(EncoderAdapter):
         ("video", "pixel_values_videos", "video_grid_thw"),
     )
 
+    #: the tower's attribute on the model's feature owner
+    tower = "visual"
+    #: whether the tower attends within each temporal frame only (else within a whole video)
+    per_frame_attention = True
+    #: whether a video's frames are pooled into one frame's rows (Kimi-K2.5's temporal mean)
+    pools_frames = False
+
     def _visual(self, model):
-        return core(model).visual
+        return getattr(core(model), self.tower)
 
     def _row(self, model) -> int:
         """Values per patch, from the config (reading a weight would gather it under FSDP2)."""
         cfg = self._visual(model).config
         return int(cfg.in_channels) * int(cfg.temporal_patch_size) * as_int(cfg.patch_size) ** 2
+
+    def _patch_shape(self, model) -> tuple[int, ...]:
+        """The shape of one patch as the tower takes it (a flat row here)."""
+        return (self._row(model),)
 
     def _merge(self, model) -> int:
         return int(self._visual(model).spatial_merge_size)
@@ -97,14 +108,16 @@ class QwenVisionAdapter(EncoderAdapter):
 
     def encode(self, model, payload, meta):
         grid = torch.as_tensor(meta[:, 1:4], dtype=torch.long, device=payload[0].device)
-        out = core(model).get_image_features(payload[0], grid, return_dict=True)
+        pixels = payload[0].reshape(-1, *self._patch_shape(model))
+        out = core(model).get_image_features(pixels, grid, return_dict=True)
         outs = [feature_rows(out.pooler_output)]  # one tensor, or per item, by version
         for layer in getattr(out, "deepstack_features", None) or []:
             outs.append(feature_rows(layer))
         return outs
 
     def out_rows(self, model, meta):
-        return meta[:, 1:4].prod(1) // self._merge(model) ** 2
+        frames = 1 if self.pools_frames else meta[:, 1]
+        return frames * meta[:, 2] * meta[:, 3] // self._merge(model) ** 2
 
     def dummy(self, model):
         m = self._merge(model)
@@ -138,11 +151,13 @@ class QwenVisionAdapter(EncoderAdapter):
 
     def cost(self, model, meta, rows):
         cfg = self._visual(model).config
-        depth = int(cfg.depth)
+        depth = int(getattr(cfg, "depth", None) or cfg.num_hidden_layers)
         hidden = int(getattr(cfg, "embed_dim", None) or cfg.hidden_size)
         ffn = int(getattr(cfg, "intermediate_size", 0) or hidden * getattr(cfg, "mlp_ratio", 4))
         frame = (meta[:, 2] * meta[:, 3]).astype(np.float64)  # patches per frame
         t = meta[:, 1].astype(np.float64)
+        if not self.per_frame_attention:  # one attention span per video
+            frame, t = frame * t, np.ones_like(t)
         full = depth
         window = frame
         if getattr(cfg, "window_size", None) and getattr(cfg, "fullatt_block_indexes", None) is not None:
@@ -158,3 +173,10 @@ class Qwen3VLMoeVisionAdapter(QwenVisionAdapter):
     """Qwen3-VL-MoE: the Qwen3-VL vision tower (the experts are in the language model only)."""
 
     model_classes: tuple[str, ...] = ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel")
+
+
+@register_adapter
+class Qwen3OmniVisionAdapter(QwenVisionAdapter):
+    """The Qwen3-Omni thinker's vision tower: Qwen3-VL's (deepstack layers included)."""
+
+    model_classes: tuple[str, ...] = ("Qwen3OmniMoeThinkerForConditionalGeneration",)
