@@ -171,6 +171,7 @@ def test_a_per_layer_feed_forward_width_prices_as_its_mean():
 SINCE_QWEN3_VL = ("gemma3", "glm46v", "kimi_k25", "llava_onevision", "mistral3", "qwen3_omni_moe")
 
 
+@pytest.mark.slow  # 6 models, about 45 s: the newest release (their packing is transformers' own mask)
 @pytest.mark.parametrize("name", SINCE_QWEN3_VL)
 def test_a_packed_row_of_a_newer_family_is_each_sequence_alone_under_sdpa(name):
     """Under ``mmbalance_varlen`` (and ``keep_sequences_apart`` where the model needs it), the packed

@@ -56,6 +56,7 @@ __all__ = [
     "TRANSFORMERS_FLOOR",
     "feature_owner",
     "feature_rows",
+    "forward_adds_video_newline",
     "feeding_encoder_outputs",
     "LOSS_KEYWORDS",
     "install_encoder_outputs_hook",
@@ -128,7 +129,11 @@ _STREAMS = {
 
 # model classes whose get_*_features returned every item's rows concatenated into one tensor
 # before a release (which split them per item)
-_PER_ITEM_SINCE = {"Qwen2_5OmniThinkerForConditionalGeneration": (5, 15)}
+# (the Qwen3-Omni thinker: one tensor in 5.10.4, per item in 5.16.1, taken as Qwen2.5-Omni's release)
+_PER_ITEM_SINCE = {
+    "Qwen2_5OmniThinkerForConditionalGeneration": (5, 15),
+    "Qwen3OmniMoeThinkerForConditionalGeneration": (5, 15),
+}
 
 
 def feature_owner(model) -> torch.nn.Module:
@@ -170,6 +175,13 @@ def takes_encoder_outputs(model) -> bool:
     (transformers >= 5.18 for the families that have it)."""
     owner: Any = type(feature_owner(model))
     return _class_takes_encoder_outputs(owner)
+
+
+def forward_adds_video_newline(model) -> bool:
+    """Whether LLaVA-OneVision's forward appends each video's newline row to the features
+    ``get_video_features`` returns (releases before ``mm_encoder_outputs``; since, the method
+    returns the row itself)."""
+    return not takes_encoder_outputs(model)
 
 
 def feature_rows(features) -> torch.Tensor:
@@ -407,6 +419,10 @@ _LOSS_WITHOUT_KEYWORDS_UNTIL = {
     "Qwen2_5OmniThinkerForConditionalGeneration": (5, 17),
     "Qwen3_5ForConditionalGeneration": (5, 17),
     "Qwen3_5MoeForConditionalGeneration": (5, 17),
+    # GLM-4.1V, GLM-4.5V, GLM-4.6V: no keywords in 5.16.1, passed in 5.19.0 (taken as Qwen3-VL's release)
+    "Glm4vForConditionalGeneration": (5, 17),
+    "Glm4vMoeForConditionalGeneration": (5, 17),
+    "Glm46VForConditionalGeneration": (5, 17),
 }
 
 

@@ -16,8 +16,9 @@ InternVL                               vision    a tile                         
 Idefics3, SmolVLM                      vision    a real tile (padding dropped)  one per tile
 Qwen2-Audio                            audio     a clip (always 30 s)           one per clip
 Qwen2.5-Omni thinker                   audio     a clip (its valid frames)      linear in its frames
-Qwen3-Omni-MoE thinker                 vision,   as Qwen3-VL; a clip (its       as Qwen3-VL; linear in its
-                                       audio     valid frames)                  frames
+Qwen3-Omni-MoE thinker                 vision    as Qwen3-VL (its audio tower   as Qwen3-VL
+                                                 stays with the thinker:
+                                                 ``qwen_omni.py`` says why)
 GLM-4.1V, GLM-4.5V, GLM-4.6V           vision    an image, or one frame of a    linear in its patches plus
                                                  video                          attention per frame
 Gemma 3, PaliGemma                     vision    an image (a pan-and-scan crop  one per image
@@ -35,15 +36,19 @@ packing, M-RoPE positions, the language model) runs on the item's own rank, unch
 """
 
 from .gemma import Gemma3Adapter, PaliGemmaAdapter
-from .glm import GlmVisionAdapter
 from .idefics3 import Idefics3Adapter
 from .internvl import InternVLAdapter
-from .kimi import KimiVisionAdapter
 from .llava import LlavaAdapter, LlavaNextAdapter, LlavaOnevisionAdapter
 from .mistral3 import Mistral3Adapter
 from .qwen_audio import Qwen2AudioAdapter
-from .qwen_omni import Qwen3OmniAudioAdapter, QwenOmniAudioAdapter
-from .qwen_vl import Qwen3OmniVisionAdapter, Qwen3VLMoeVisionAdapter, QwenVisionAdapter
+from .qwen_omni import QwenOmniAudioAdapter
+from .qwen_vl import (
+    GlmVisionAdapter,
+    KimiVisionAdapter,
+    Qwen3OmniVisionAdapter,
+    Qwen3VLMoeVisionAdapter,
+    QwenVisionAdapter,
+)
 
 __all__ = [
     "Gemma3Adapter",
@@ -57,7 +62,6 @@ __all__ = [
     "Mistral3Adapter",
     "PaliGemmaAdapter",
     "Qwen2AudioAdapter",
-    "Qwen3OmniAudioAdapter",
     "Qwen3OmniVisionAdapter",
     "Qwen3VLMoeVisionAdapter",
     "QwenOmniAudioAdapter",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...compat import forward_adds_video_newline
 from ..adapter import packed_rows, register_adapter
 from .common import TileAdapter, as_int, core, mm_outputs, pending_pixels, pooled, vision_feature_options
 
@@ -208,7 +209,9 @@ class LlavaOnevisionAdapter(_ClipTiles):
             count, frames = context["videos"]
             pooled_frames = c.apply_pooling(feats[n_image:])
             video = pooled_frames.reshape(count, frames * pooled_frames.shape[1], -1)
-            newline = c.image_newline[None, None, :].repeat(count, 1, 1).to(video.device)
-            mm["video"] = pooled(torch.cat((video, newline), dim=1))
+            if not forward_adds_video_newline(model):
+                newline = c.image_newline[None, None, :].repeat(count, 1, 1).to(video.device)
+                video = torch.cat((video, newline), dim=1)
+            mm["video"] = pooled(video)
         kwargs["mm_encoder_outputs"] = mm
         return kwargs

@@ -76,7 +76,9 @@ class Mistral3Adapter(EncoderAdapter):
         dtype, device = dtype_device(self._tower(model))
         # two merged tokens (see encode)
         step, m = self._patch(model) * self._merge(model), self._merge(model)
-        x = torch.zeros(2 * m * m, self._channels(model) * self._patch(model) ** 2, dtype=dtype, device=device)
+        x = torch.zeros(
+            2 * m * m, self._channels(model) * self._patch(model) ** 2, dtype=dtype, device=device
+        )
         return [x], np.array([[step, 2 * step]], dtype=np.int64)
 
     def out_rows(self, model, meta, **options):
@@ -88,7 +90,9 @@ class Mistral3Adapter(EncoderAdapter):
         want = int(self.out_rows(model, meta).sum())
         if want == 1:  # get_image_features squeezes a one-token call's rows away: a second item pads it
             extra, extra_meta = self.dummy(model)
-            out = self.encode(model, [torch.cat([payload[0], extra[0]])], np.concatenate([meta, extra_meta]), **options)
+            out = self.encode(
+                model, [torch.cat([payload[0], extra[0]])], np.concatenate([meta, extra_meta]), **options
+            )
             return [out[0][:want]]
         p, c = self._patch(model), self._channels(model)
         rows = (meta[:, 0] // p) * (meta[:, 1] // p)

@@ -1,5 +1,6 @@
-"""The natural-resolution Qwen ViTs: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and the
-Qwen2.5-Omni thinker's vision tower.
+"""The natural-resolution Qwen ViTs: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, the
+Qwen2.5-Omni and Qwen3-Omni thinkers' vision towers; and the towers that take the same inputs
+(patches with ``*_grid_thw`` rows): GLM-4.1V / 4.5V / 4.6V and Kimi-K2.5 (below).
 
 One item per image, and one per temporal frame of a video (``t`` frames of ``h x w`` patches): the
 towers attend within each frame only (``cu_seqlens`` restart at every frame; Qwen2.5's windows lie
@@ -17,7 +18,8 @@ from ...compat import feature_rows
 from ..adapter import EncoderAdapter, Items, flops_linear, packed_rows, register_adapter
 from .common import as_int, core, dtype_device, mm_outputs, pooled
 
-__all__ = ["Qwen3OmniVisionAdapter", "Qwen3VLMoeVisionAdapter", "QwenVisionAdapter"]
+__all__ = ["GlmVisionAdapter", "KimiVisionAdapter", "Qwen3OmniVisionAdapter", "Qwen3VLMoeVisionAdapter",
+           "QwenVisionAdapter"]  # fmt: skip
 
 
 @register_adapter
@@ -180,3 +182,52 @@ class Qwen3OmniVisionAdapter(QwenVisionAdapter):
     """The Qwen3-Omni thinker's vision tower: Qwen3-VL's (deepstack layers included)."""
 
     model_classes: tuple[str, ...] = ("Qwen3OmniMoeThinkerForConditionalGeneration",)
+
+
+@register_adapter
+class GlmVisionAdapter(QwenVisionAdapter):
+    """GLM-4.1V, GLM-4.5V (GLM-4.1V's tower beside a mixture-of-experts language model) and
+    GLM-4.6V: one item per image and one per temporal frame of a video. The tower attends within
+    each frame and resamples its position table to each item's own grid, so a frame encoded apart
+    gives exactly its rows. The models take a video's placeholders as image tokens
+    (``mm_token_type_ids`` tells them apart): a batch carries images or videos, as the models
+    themselves require."""
+
+    model_classes: tuple[str, ...] = (
+        "Glm4vForConditionalGeneration",
+        "Glm4vModel",
+        "Glm4vMoeForConditionalGeneration",
+        "Glm4vMoeModel",
+        "Glm46VForConditionalGeneration",
+        "Glm46VModel",
+    )
+
+
+@register_adapter
+class KimiVisionAdapter(QwenVisionAdapter):
+    """Kimi-K2.5: a ViT over ``[patches, 3, p, p]`` pixels, one item per image or video clip. A
+    clip is one attention span and its frames are averaged into one frame's rows before the 2 x 2
+    merge, so a clip is never split: it returns ``h * w / 4`` rows whatever its ``t``, and costs the
+    attention of all its ``t * h * w`` patches."""
+
+    model_classes: tuple[str, ...] = ("Kimi_K25ForConditionalGeneration", "Kimi_K25Model")
+    tower = "vision_tower"
+    splits_frames = False
+    per_frame_attention = False
+    pools_frames = True
+
+    def _patch_shape(self, model):
+        p = as_int(self._visual(model).config.patch_size)
+        return (3, p, p)
+
+    def _row(self, model) -> int:
+        return int(np.prod(self._patch_shape(model)))
+
+    def _merge(self, model) -> int:
+        kernel = self._visual(model).merge_kernel_size
+        h, w = (kernel, kernel) if isinstance(kernel, int) else kernel
+        if h != w:
+            raise ValueError(
+                f"Kimi-K2.5: merge_kernel_size {kernel} is not square (an item's rows assume it is)"
+            )
+        return int(h)
