@@ -49,6 +49,14 @@ MODELS = (
 NEEDS = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "kimi_k25": "Kimi_K25Config"}
 
 
+def kimi_videos_run() -> bool:
+    """Whether the installed transformers runs Kimi-K2.5's video clips itself (5.16.1 and 5.19.0 split
+    a clip's pooled rows by its frames and fail; 5.24 runs them)."""
+    import transformers as tf
+
+    return tuple(int(x) for x in tf.__version__.split(".")[:2]) >= (5, 24)
+
+
 def available(name: str) -> bool:
     """Whether the installed transformers has the family ``name``."""
     import transformers as tf

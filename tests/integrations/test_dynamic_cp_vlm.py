@@ -149,7 +149,7 @@ SPECS = {
     "qwen3_5": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
     "glm4v": [[(4, 4)], [(8, 4), (2, 6)], []],
     "glm46v": [[(4, 4), (6, 2)], []],
-    "kimi_k25": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
+    "kimi_k25": [[(4, 4)], [("video", 3, 4, 4), (8, 4)] if hf_zoo.kimi_videos_run() else [(8, 4)], []],
     "mistral3": [[(16, 32)], [], [(8, 8), (24, 16)]],
 }
 MROPE = ("qwen", "glm")  # the families whose positions are M-RoPE rows from get_rope_index

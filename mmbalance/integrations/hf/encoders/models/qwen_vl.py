@@ -223,6 +223,15 @@ class KimiVisionAdapter(QwenVisionAdapter):
     def _row(self, model) -> int:
         return int(np.prod(self._patch_shape(model)))
 
+    def encode(self, model, payload, meta):
+        # the tower and projector as get_image_features runs them, split here by each item's
+        # pooled rows (before 5.2x get_image_features split a clip's rows by its frames)
+        c = core(model)
+        grid = torch.as_tensor(meta[:, 1:4], dtype=torch.long, device=payload[0].device)
+        pixels = payload[0].reshape(-1, *self._patch_shape(model))
+        rows = c.mm_projector(c.vision_tower(pixels, grid_thw=grid).pooler_output).squeeze(1)
+        return [rows.reshape(-1, rows.shape[-1])]
+
     def _merge(self, model) -> int:
         kernel = self._visual(model).merge_kernel_size
         h, w = (kernel, kernel) if isinstance(kernel, int) else kernel
