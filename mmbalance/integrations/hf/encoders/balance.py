@@ -245,7 +245,6 @@ NOT_BALANCED = {
     "from the language model's output) in the releases tested, so nothing can be checked against it",
     "Gemma4ForConditionalGeneration": "its tower pools each image by patch positions padded to the call's "
     "max_patches, and the rows of an image encoded beside others are not yet proven to match",
-    "Gemma4Model": "see Gemma4ForConditionalGeneration",
     "Molmo2ForConditionalGeneration": "its pooling indices (image_token_pooling) point into the whole batch's "
     "patches; an item's indices are not yet re-based when it moves",
     "MiniCPMV4_6ForConditionalGeneration": "its NaViT pixel_values pack every slice into one image; the "
@@ -253,6 +252,7 @@ NOT_BALANCED = {
     "Ernie4_5_VLMoeForConditionalGeneration": "its resampler pairs a video's frames and runs images and "
     "videos apart, which one call of the tower per step does not yet cover",
 }
+NOT_BALANCED["Gemma4Model"] = NOT_BALANCED["Gemma4ForConditionalGeneration"]
 
 
 def apply_encoder_balance(
