@@ -135,7 +135,7 @@ HOUSES = {
             },
         },
         may_import={"attention": ("kernel_audit",)},
-        floor=("harness", "profile", "regress"),
+        floor=("harness", "processes", "profile", "regress"),
         no_prefix_families=True,
     ),  # fmt: skip
 }

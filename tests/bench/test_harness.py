@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmbalance.bench.harness import describe_exit
+from mmbalance.bench.processes import describe_exit
 
 
 @pytest.mark.parametrize(

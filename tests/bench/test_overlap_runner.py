@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from mmbalance.bench.harness import send_report, start_processes
 from mmbalance.bench.moves.overlap import _collect
+from mmbalance.bench.processes import send_report, start_processes
 
 
 def _streams(rank: int, queue, items: int, then: str) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmbalance.bench.harness import describe_exit
+from mmbalance.bench.processes import describe_exit
 from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp  # noqa: F401 - the workers' module resolves tensors through it
 
-from mmbalance.bench.harness import await_reports, exit_code, send_report, settle, start_processes
+from mmbalance.bench.processes import await_reports, exit_code, send_report, settle, start_processes
 from tests.dist_utils import end_like_a_program, worker_context
 
 

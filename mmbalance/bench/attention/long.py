@@ -22,7 +22,8 @@ import time
 import numpy as np
 import torch
 
-from ..harness import Row, child_dies_with_parent, device_name
+from ..harness import Row, device_name
+from ..processes import child_dies_with_parent
 
 
 def _rss_kib(field: str) -> int:

@@ -19,7 +19,8 @@ import time
 import numpy as np
 import torch
 
-from ..harness import Row, device_name, spawn
+from ..harness import Row, device_name
+from ..processes import spawn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _median_ms(fn, reps: int, sync) -> float:
 
 
 def _ring_worker(rank: int, world: int, cfg: RingConfig, reps: int) -> dict[str, float]:
-    """One rank of the ring benchmark (run by :func:`~mmbalance.bench.harness.spawn`)."""
+    """One rank of the ring benchmark (run by :func:`~mmbalance.bench.processes.spawn`)."""
     import torch.distributed as dist
 
     from mmbalance.collectives import cp_shard, ring_attention

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..harness import Row, base_parser, device_name, report, spawn
+from ..harness import Row, base_parser, device_name, report
+from ..processes import spawn
 
 SHAPES = {
     "qwen3.5": dict(v_heads=32, k_heads=16, key=128, value=128),

@@ -46,7 +46,8 @@ import numpy as np
 
 from mmbalance.balancing import CostModel
 
-from ..harness import Row, child_dies_with_parent, device_name
+from ..harness import Row, device_name
+from ..processes import child_dies_with_parent
 from . import schemes
 from .data import FILL, draw
 

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..harness import check_outputs, command_parser, cpu_cores, save_plot, spawn, usage_error
+from ..harness import check_outputs, command_parser, cpu_cores, save_plot, usage_error
+from ..processes import spawn
 
 ORDERS = [("vision", "audio", "text"), ("text", "vision", "audio")]
 HIDDEN, HEADS, ENC_HIDDEN = 64, 4, 32

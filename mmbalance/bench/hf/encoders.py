@@ -23,7 +23,8 @@ import time
 
 import numpy as np
 
-from ..harness import Row, base_parser, device_name, report, spawn
+from ..harness import Row, base_parser, device_name, report
+from ..processes import spawn
 from . import train_step
 
 CONFIGS = {

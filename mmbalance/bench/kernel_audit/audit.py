@@ -43,7 +43,7 @@ import tempfile
 import time
 import warnings
 
-from ..harness import die_with_parent, lifeline
+from ..processes import die_with_parent, lifeline
 
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
@@ -329,7 +329,7 @@ def audit_all(configs: list[dict], capability: int, ptxas_arch: str, jobs: int =
     rows: dict[int, dict] = {}
     try:
         context = multiprocessing.get_context("fork")
-        # the compiling processes end with this one, however it ends (harness.die_with_parent)
+        # the compiling processes end with this one, however it ends (processes.die_with_parent)
         parent = lifeline()
         with ProcessPoolExecutor(
             jobs, mp_context=context, initializer=die_with_parent, initargs=parent

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..harness import Row, base_parser, device_name, report, spawn
+from ..harness import Row, base_parser, device_name, report
+from ..processes import spawn
 
 PER_RANK = 60
 

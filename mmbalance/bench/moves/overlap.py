@@ -31,18 +31,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from ..harness import (
-    Row,
-    base_parser,
-    device_name,
-    exit_code,
-    exits_in_words,
-    report,
-    send_report,
-    settle,
-    start_processes,
-    time_cpu,
-)
+from ..harness import Row, base_parser, device_name, report, time_cpu
+from ..processes import exit_code, exits_in_words, send_report, settle, start_processes
 
 
 @dataclasses.dataclass(frozen=True)

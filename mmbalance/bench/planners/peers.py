@@ -17,7 +17,8 @@ import tempfile
 
 import numpy as np
 
-from ..harness import Row, child_dies_with_parent
+from ..harness import Row
+from ..processes import child_dies_with_parent
 
 # Runs in the peers' environment (``.venv-peers``): lengths in from a .npy file, destination ranks
 # out to another, the peer's own times and version as JSON on stdout.

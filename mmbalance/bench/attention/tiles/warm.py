@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...harness import die_with_parent, lifeline
+from ...processes import die_with_parent, lifeline
 from .check import make_case, table_config
 from .shapes import SHAPES
 
@@ -81,7 +81,7 @@ class Warmer:
                 import concurrent.futures
                 import multiprocessing
 
-                # the workers end with this process, however it ends (harness.die_with_parent)
+                # the workers end with this process, however it ends (processes.die_with_parent)
                 self.pool = concurrent.futures.ProcessPoolExecutor(
                     self.workers,
                     mp_context=multiprocessing.get_context("spawn"),
