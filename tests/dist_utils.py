@@ -12,20 +12,25 @@ run in which gloo failed to connect the new group (a race in its rendezvous, bef
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-import traceback
-from datetime import timedelta
-from pathlib import Path
 
-import torch.multiprocessing as mp
+#: the environment this process started with, before any import below could add to it (the fork
+#: server imports this module first: ``_run_script`` compares a launched rank's with it)
+_ENV_AT_START = dict(os.environ)
 
-from mmbalance.bench.harness import (
+import contextlib  # noqa: E402 - after the environment is taken
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from mmbalance.bench.processes import (  # noqa: E402
     await_reports,
     describe_exit,
     died_without_report,
@@ -42,7 +47,18 @@ REPO = Path(__file__).resolve().parents[1]
 # then starts in a fraction of a second instead of re-importing torch (seconds of CPU each, and
 # the multi-process tests start hundreds of them). The server itself runs no torch op, so forking
 # it is safe; each worker still gets its own process and process group.
-_PRELOAD = ["torch", "torch.distributed", "numpy", "mmbalance.collectives", "tests.dist_utils"]
+# The launched programs (``launch``) start there too: transformers' models, its Trainer and the
+# integration are seconds of CPU more per process, and 4 ranks share 2 cores.
+_PRELOAD = ["tests.dist_utils", "torch", "torch.distributed", "numpy", "mmbalance.collectives",
+            "transformers", "transformers.trainer", "accelerate", "mmbalance.integrations.hf"]  # fmt: skip
+
+#: environment variables that the preloaded modules may read as they are imported: a launched rank
+#: whose environment differs from the fork server's in one of these runs in a fresh interpreter
+#: (``exec``), as an unpreloaded launch does
+_IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP", "CUDA", "NVIDIA", "TRITON",
+                    "HF_", "HUGGINGFACE", "TRANSFORMERS", "ACCELERATE", "TOKENIZERS", "MMBALANCE", "LD_")  # fmt: skip
+#: ... but for these, which a preloaded rank applies itself (unbuffered output, faulthandler, threads)
+_APPLIED_IN_THE_RANK = {"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "OMP_NUM_THREADS"}
 
 
 def worker_context():
@@ -285,7 +301,7 @@ def _dump_stacks(proc: subprocess.Popen, log) -> None:
 
 
 def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict | None = None,
-           grace: float = LAUNCH_GRACE) -> str:  # fmt: skip
+           grace: float = LAUNCH_GRACE, preloaded: bool = True) -> str:  # fmt: skip
     """Run the Python file ``script`` on ``nproc`` ranks with the environment ``torchrun`` gives its
     workers (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...), from the repository root.
 
@@ -298,18 +314,109 @@ def launch(script, *args: str, nproc: int = 2, timeout: float = 300.0, env: dict
     every process it started (DataLoader workers), writes every thread's Python stack into its log
     (faulthandler, SIGABRT) before the kill, and the report shows each log's end. Returns rank 0's
     stdout.
+
+    ``preloaded`` (the default): each rank is a child of the fork server (``_PRELOAD`` imported)
+    that runs the script as ``python script`` would (``__main__``, ``sys.argv``, the environment,
+    the working directory, a session of its own) and ends as a forked worker does
+    (``end_like_a_program``, then ``os._exit``): the interpreter's own finalization is left out.
+    Programs whose exit is under test run with ``preloaded=False``, in fresh interpreters.
     """
     for _ in range(3):
         try:
-            return _launch_once(script, args, nproc, timeout, env, grace)
+            return _launch_once(script, args, nproc, timeout, env, grace, preloaded)
         except _PortTaken:
             pass
     raise AssertionError(f"{script}: rank 0's store found its port taken three times")
 
 
-def _launch_once(script, args, nproc: int, timeout: float, env: dict | None, grace: float) -> str:
+class _PreloadedRank:
+    """A launched rank forked from the fork server, behind the part of ``subprocess.Popen`` that
+    ``_launch_once`` uses."""
+
+    def __init__(self, proc):
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return exit_code(self.proc)
+
+    def poll(self) -> int | None:
+        return exit_code(self.proc)
+
+    def wait(self, timeout: float) -> int:
+        end = time.monotonic() + timeout
+        while (code := exit_code(self.proc)) is None:
+            if time.monotonic() > end:
+                raise subprocess.TimeoutExpired(str(self.proc), timeout)
+            time.sleep(0.05)
+        return code
+
+
+def _run_script(script: str, args: tuple, env: dict, log_path: str) -> None:
+    """A rank of a preloaded ``launch``, in a child of the fork server: ``python script *args``
+    with the environment ``env``, its output into ``log_path``."""
+    import faulthandler
+    import runpy
+
+    os.setsid()  # a session of its own, as the unpreloaded rank has: the launcher stops it whole
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(REPO)
+    differs = [k for k in set(_ENV_AT_START) | set(env)
+               if k.startswith(_IMPORT_TIME_ENV) and k not in _APPLIED_IN_THE_RANK
+               and _ENV_AT_START.get(k) != env.get(k)]  # fmt: skip
+    if differs:  # the preloaded modules read another environment: a fresh interpreter reads this one
+        os.execve(sys.executable, [sys.executable, script, *args], env)
+    # what the imports set themselves (torch: TORCHINDUCTOR_CACHE_DIR), as they would have
+    added = {k: v for k, v in os.environ.items() if k not in _ENV_AT_START and k not in env}
+    os.environ.clear()
+    os.environ.update(env, **added)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own streams
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    import torch
+
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # read at torch's import: applied here instead
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, exit code 1
+        traceback.print_exc()
+        code = 1
+    end_like_a_program()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def _start_rank(script, args, env: dict, log, preloaded: bool):
+    if not preloaded:
+        return subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = worker_context().Process(target=_run_script, args=(str(script), args, env, log.name), daemon=False)
+    start_processes([proc])
+    return _PreloadedRank(proc)
+
+
+def _launch_once(script, args, nproc: int, timeout: float, env: dict | None, grace: float,
+                 preloaded: bool = True) -> str:  # fmt: skip
     port = str(_free_port())
-    procs, logs = [], []
+    procs, logs, timed_out = [], [], False
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for rank in range(nproc):
@@ -319,10 +426,8 @@ def _launch_once(script, args, nproc: int, timeout: float, env: dict | None, gra
                            PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
-                logs.append(open(os.path.join(tmp, f"rank{rank}.log"), "w+"))  # noqa: SIM115 - closed below
-                procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=REPO,
-                                              env=env_r, stdout=logs[-1], stderr=subprocess.STDOUT, text=True,
-                                              start_new_session=True))  # fmt: skip
+                logs.append(open(os.path.join(tmp, f"rank{rank}.log"), "a+"))  # noqa: SIM115 - closed below
+                procs.append(_start_rank(script, args, env_r, logs[-1], preloaded))
             deadline, timed_out, failed_at = time.monotonic() + timeout, False, None
             while True:
                 codes = [p.poll() for p in procs]  # every one polled (any() would stop at the first)
@@ -345,7 +450,10 @@ def _launch_once(script, args, nproc: int, timeout: float, env: dict | None, gra
                         _dump_stacks(proc, log)
             for proc in procs:
                 if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:  # a preloaded rank killed before its setsid
+                        os.kill(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=30)  # a killed process ends; never wait without a bound
             outs = []
             for log in logs:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
 
 import pytest
 
-from tests.dist_utils import launch, run_distributed
+from tests.dist_utils import REPO, launch, run_distributed
 from tests.faults.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -90,7 +91,7 @@ def test_exit_codes_are_right_when_threads_start_and_poll_processes_at_once():
     import concurrent.futures
     import random
 
-    from mmbalance.bench.harness import exit_code, settle, start_processes
+    from mmbalance.bench.processes import exit_code, settle, start_processes
     from tests.dist_utils import worker_context
 
     ctx = worker_context()
@@ -114,7 +115,7 @@ def test_settle_waits_for_processes_that_are_just_exiting():
     found about one process in six still running here)."""
     import multiprocessing as mp
 
-    from mmbalance.bench.harness import exit_code, settle, start_processes
+    from mmbalance.bench.processes import exit_code, settle, start_processes
 
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=os.getpid, daemon=True) for _ in range(60)]
@@ -172,7 +173,44 @@ def test_launch_returns_rank_0s_output(tmp_path):
     assert launch(script, nproc=2, timeout=120).strip() == "rank 0 of 2"
 
 
-def test_a_hung_launch_reports_where_each_rank_waits(tmp_path):
+def test_a_preloaded_launch_runs_the_script_as_python_would(tmp_path):
+    """A preloaded rank (the default) starts with transformers imported, and otherwise sees what
+    ``python script`` shows: ``__main__``, its arguments, its directory first on the path, the
+    launch's environment, the repository as its directory, a session of its own, one thread of
+    torch; a rank whose import-time environment differs from the fork server's (here a
+    ``TORCH_`` variable) runs in a fresh interpreter instead, as ``preloaded=False`` does."""
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import os, sys, json\n"
+        "import torch\n"
+        "print(json.dumps({'name': __name__, 'argv': sys.argv, 'path0': sys.path[0], 'cwd': os.getcwd(),\n"
+        "    'preloaded': 'transformers.trainer' in sys.modules, 'var': os.environ.get('MMB_VAR'),\n"
+        "    'session': os.getsid(0) == os.getpid(), 'threads': torch.get_num_threads()}))\n"
+        "sys.exit(int(os.environ['RANK']) * 0)\n"
+    )
+    want = {"name": "__main__", "argv": [str(script), "a", "b"], "path0": str(tmp_path), "cwd": str(REPO),
+            "var": "v", "session": True, "threads": 1}  # fmt: skip
+    for kw, preloaded in (
+        ({}, True),
+        ({"preloaded": False}, False),
+        ({"env": {"TORCH_MMB_TEST": "1"}}, False),
+    ):
+        env = {"MMB_VAR": "v", **kw.pop("env", {})}
+        got = json.loads(launch(script, "a", "b", nproc=2, timeout=120, env=env, **kw))
+        assert got == {**want, "preloaded": preloaded}, (kw, got)
+
+
+def test_a_preloaded_rank_that_raises_exits_1_with_its_traceback(tmp_path):
+    script = tmp_path / "raises.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise KeyError('the missing key')\n")
+    with pytest.raises(
+        AssertionError, match=r"rank 1's process exited with code 1[\s\S]*KeyError: 'the missing key'"
+    ):
+        launch(script, nproc=2, timeout=120, grace=2)
+
+
+@pytest.mark.parametrize("preloaded", [True, False])
+def test_a_hung_launch_reports_where_each_rank_waits(tmp_path, preloaded):
     """At the timeout every rank still running writes its Python stack into its log, and the
     report carries it (and the output printed before, unbuffered)."""
     script = tmp_path / "hangs.py"
@@ -189,7 +227,7 @@ def test_a_hung_launch_reports_where_each_rank_waits(tmp_path):
     )
     t0 = time.monotonic()
     with pytest.raises(AssertionError, match="did not finish in 3 s") as info:
-        launch(script, nproc=2, timeout=3)
+        launch(script, nproc=2, timeout=3, preloaded=preloaded)
     assert time.monotonic() - t0 < 60
     report = str(info.value)
     for rank in (0, 1):
