@@ -72,8 +72,8 @@ def end_like_a_program() -> None:
     """What a program's exit would do, run at the end of a worker: a forked worker ends with
     ``os._exit``, which skips the exit handlers (``atexit``) and the last garbage collection, so a
     rank that would fail there would otherwise pass. (The interpreter's own finalization is
-    exercised by the tests that run scripts to their end: the README block under torchrun, the
-    examples, the Trainer runs.)"""
+    exercised by the tests that run scripts to their end in fresh interpreters: the README block
+    under torchrun, the examples, the teardown programs, the framework runs.)"""
     import atexit
     import gc
 

@@ -248,6 +248,6 @@ def test_programs_that_end_ddp_with_a_collective_exit_cleanly(pattern):
     # DDP training, a last collective of the program's own, shutdown(), then the model is freed,
     # run to the interpreter's end. "late-peer" is the order in which ~ProcessGroupGloo deadlocked
     # (with dist.destroy_process_group() in place of shutdown(), rank 0 hangs there). Every rank
-    # must exit with code 0, in time.
-    out = launch(PROGRAM, pattern, nproc=2, timeout=300)
+    # must exit with code 0, in time (fresh interpreters: their finalization is what is tested).
+    out = launch(PROGRAM, pattern, nproc=2, timeout=300, preloaded=False)
     assert "rank 0 done: sum 2.0" in out

@@ -21,7 +21,8 @@ def _launch(
     nproc: int = 2,
     timeout: float = float(os.environ.get("MMB_EXAMPLE_TIMEOUT", 300)),
 ) -> str:
-    return launch(REPO / "examples" / script, *args, nproc=nproc, timeout=timeout)
+    # fresh interpreters, as a user runs them: the examples' ends are the interpreter's own
+    return launch(REPO / "examples" / script, *args, nproc=nproc, timeout=timeout, preloaded=False)
 
 
 def test_hf_qwen2vl_balances_and_keeps_the_losses():

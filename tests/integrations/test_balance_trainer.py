@@ -64,7 +64,6 @@ def _replay(batches_by_step: list[list[list[int]]]) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.slow
 def test_a_gated_deltanet_hybrid_trains_like_the_replay(monkeypatch):
     """A tiny Qwen3.5 (Gated DeltaNet beside full attention, padded micro-batches of different
     sizes): ``balance_trainer`` on 2 ranks trains to the weights of the one-process replay of the
