@@ -360,8 +360,15 @@ def _run_script(script: str, args: tuple, env: dict, log_path: str) -> None:
     """A rank of a preloaded ``launch``, in a child of the fork server: ``python script *args``
     with the environment ``env``, its output into ``log_path``."""
     import faulthandler
+    import multiprocessing
+    import multiprocessing.process
     import runpy
 
+    # multiprocessing as a program's main process has it: the platform's start method (DataLoader
+    # workers), no parent process, the main process's name
+    multiprocessing.set_start_method(None, force=True)
+    multiprocessing.process._parent_process = None
+    multiprocessing.current_process().name = "MainProcess"
     os.setsid()  # a session of its own, as the unpreloaded rank has: the launcher stops it whole
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -173,6 +175,13 @@ def test_launch_returns_rank_0s_output(tmp_path):
     assert launch(script, nproc=2, timeout=120).strip() == "rank 0 of 2"
 
 
+def _default_start_method() -> str:
+    code = "import multiprocessing; print(multiprocessing.get_start_method())"
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def test_a_preloaded_launch_runs_the_script_as_python_would(tmp_path):
     """A preloaded rank (the default) starts with transformers imported, and otherwise sees what
     ``python script`` shows: ``__main__``, its arguments, its directory first on the path, the
@@ -181,15 +190,18 @@ def test_a_preloaded_launch_runs_the_script_as_python_would(tmp_path):
     ``TORCH_`` variable) runs in a fresh interpreter instead, as ``preloaded=False`` does."""
     script = tmp_path / "where.py"
     script.write_text(
-        "import os, sys, json\n"
+        "import json, multiprocessing, os, sys\n"
         "import torch\n"
         "print(json.dumps({'name': __name__, 'argv': sys.argv, 'path0': sys.path[0], 'cwd': os.getcwd(),\n"
         "    'preloaded': 'transformers.trainer' in sys.modules, 'var': os.environ.get('MMB_VAR'),\n"
-        "    'session': os.getsid(0) == os.getpid(), 'threads': torch.get_num_threads()}))\n"
+        "    'session': os.getsid(0) == os.getpid(), 'threads': torch.get_num_threads(),\n"
+        "    'start': multiprocessing.get_start_method(), 'parent': multiprocessing.parent_process() is None,\n"
+        "    'process': multiprocessing.current_process().name}))\n"
         "sys.exit(int(os.environ['RANK']) * 0)\n"
     )
     want = {"name": "__main__", "argv": [str(script), "a", "b"], "path0": str(tmp_path), "cwd": str(REPO),
-            "var": "v", "session": True, "threads": 1}  # fmt: skip
+            "var": "v", "session": True, "threads": 1, "start": _default_start_method(), "parent": True,
+            "process": "MainProcess"}  # fmt: skip
     for kw, preloaded in (
         ({}, True),
         ({"preloaded": False}, False),
