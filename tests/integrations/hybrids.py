@@ -39,7 +39,10 @@ HYBRIDS: dict[str, dict] = {
         mamba_dt_rank=4,
     ),
     "bamba": dict(num_hidden_layers=2, attn_layer_indices=[1], **MAMBA),
-    "nemotron_h": dict(num_hidden_layers=2, hybrid_override_pattern="M*", **MAMBA),
+    # (its own names for the Mamba sizes: 128 heads and states by default)
+    "nemotron_h": dict(
+        num_hidden_layers=2, hybrid_override_pattern="M*", mamba_num_heads=4, ssm_state_size=8, **MAMBA
+    ),
     "falcon_h1": dict(num_hidden_layers=2, mamba_d_ssm=64, **MAMBA),
     "granitemoehybrid": dict(
         num_hidden_layers=2,
