@@ -39,9 +39,11 @@ _spec.loader.exec_module(S)
 COUNTED = 1 if tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 10) else 0
 
 
-def _replay(batches_by_step: list[list[list[int]]]) -> dict:
+def _replay(batches_by_step: list[list[list[int]]], each_its_own_mean: bool = False) -> dict:
     """Final weights of plain SGD on the logged micro-batches: per step the summed token losses of
-    every micro-batch of every rank over the step's count of labels, counted as Trainer counts them."""
+    every micro-batch of every rank over the step's count of labels, counted as Trainer counts them
+    (``each_its_own_mean``: the mean of the micro-batches' own token means instead, what a model
+    that opts out of the count trains to without the count)."""
     model = S.build_model()
     rows = [S.example(i, l) for i, l in enumerate(S.lengths())]
     opt = torch.optim.SGD(model.parameters(), lr=S.LR)
@@ -52,34 +54,63 @@ def _replay(batches_by_step: list[list[list[int]]]) -> dict:
         for b in batches:
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
             loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, S.VOCAB),
+                logits[:, :-1].reshape(-1, logits.shape[-1]),
                 b["labels"][:, 1:].reshape(-1),
                 ignore_index=-100,
                 reduction="sum",
             )
+            if each_its_own_mean:
+                loss = loss * count / (int(b["labels"][:, 1:].ne(-100).sum()) * len(batches))
             (loss / count).backward()
         opt.step()
     return model.state_dict()
 
 
+#: by the script's ``MMB_FAMILY``, the class each family must be: the vision-language classes opt
+#: out of the step's token count (``accepts_loss_kwargs = False``); Qwen3.5's language model mixes
+#: Gated DeltaNet layers with attention
+OPT_OUTS = {
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_vlm": "Qwen3_5ForConditionalGeneration",
+    "gemma4": "Gemma4ForConditionalGeneration",
+}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_gated_deltanet_hybrid_trains_like_the_replay(monkeypatch):
-    """A tiny Qwen3.5 (Gated DeltaNet beside full attention, padded micro-batches of different
-    sizes): ``balance_trainer`` on 2 ranks trains to the weights of the one-process replay of the
-    logged micro-batches normalized by each step's global token count (1e-5 of the change)."""
-    monkeypatch.setenv("MMB_FAMILY", "qwen3_5")
+@pytest.mark.parametrize("family", list(OPT_OUTS))
+def test_models_that_opt_out_of_the_token_count_train_like_the_replay(monkeypatch, family):
+    """Qwen3.5's and Gemma 4's vision-language classes (text only), which opt out of the step's
+    token count, and a tiny Qwen3.5 language model (Gated DeltaNet beside full attention); padded
+    micro-batches of different sizes, 3 SGD steps: ``balance_trainer`` on 2 ranks trains to the
+    weights of the one-process replay of the logged micro-batches normalized by each step's
+    global token count (1e-5 of the change), not to the mean of each micro-batch's own mean."""
+    if not hasattr(transformers, OPT_OUTS[family]):
+        pytest.skip(f"transformers {transformers.__version__} has no {OPT_OUTS[family]}")
+    monkeypatch.setenv("MMB_FAMILY", family)
+    model = S.build_model()
+    assert type(model).__name__ == OPT_OUTS[family]
     with tempfile.TemporaryDirectory() as tmp:
-        launch(SCRIPT, nproc=2, timeout=600, env={"MMB_TMP": tmp, "MMB_FAMILY": "qwen3_5"})
+        args = transformers.TrainingArguments(output_dir=tmp, use_cpu=True, report_to=[])
+        opts_out = transformers.Trainer(model=model, args=args).model_accepts_loss_kwargs is False
+        launch(SCRIPT, nproc=2, timeout=600, env={"MMB_TMP": tmp, "MMB_FAMILY": family, "MMB_STEPS": "3"})
         full = [json.loads((Path(tmp) / f"full-rank{r}.json").read_text())["batches"] for r in (0, 1)]
         got = torch.load(Path(tmp) / "full.pt")
     g = S.ACCUM
-    steps = [[mb for r in range(2) for mb in full[r][s * g : (s + 1) * g]] for s in range(len(full[0]) // g)]
+    steps = [
+        [mb for r in range(2) for mb in full[r][s * g : (s + 1) * g]] for s in range(3)
+    ]  # (then prefetched)
     want = _replay(steps)
     start = S.build_model().state_dict()
-    gap = sum(float(((got[k] - want[k]).double() ** 2).sum()) for k in want) ** 0.5
-    change = sum(float(((want[k] - start[k]).double() ** 2).sum()) for k in want) ** 0.5
-    assert change > 0 and gap / change <= 1e-5, gap / change
+
+    def norm(a: dict, b: dict) -> float:
+        return sum(float(((a[k] - b[k]).double() ** 2).sum()) for k in b) ** 0.5
+
+    change = norm(want, start)
+    assert change > 0 and norm(got, want) / change <= 1e-5, norm(got, want) / change
+    if family != "qwen3_5":  # the vision-language classes opt out; what they train to without the count:
+        assert opts_out
+        assert norm(_replay(steps, each_its_own_mean=True), want) / change > 1e-2  # the check can tell
 
 
 def test_two_ranks_train_like_the_replay_and_resume_in_order():

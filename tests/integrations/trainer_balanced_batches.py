@@ -1,6 +1,7 @@
 """Launched by test_balance_trainer.py on 2 CPU ranks (the environment torchrun gives its workers):
 transformers' Trainer on a tiny Llama with ``balance_trainer``, gradient accumulation 2, two epochs,
-a checkpoint after 3 optimizer steps; then a second Trainer resumes from that checkpoint. Every rank
+a checkpoint after 3 optimizer steps; then a second Trainer resumes from that checkpoint
+(``MMB_STEPS``: that many optimizer steps instead of the epochs). Every rank
 logs the micro-batches its loader fetched (dataset indices, in order) to ``$MMB_TMP``; rank 0 saves
 the final weights of both runs there."""
 
@@ -24,11 +25,31 @@ def lengths() -> list[int]:
 
 
 def build_model():
-    """A tiny Llama; ``MMB_FAMILY=qwen3_5``: a tiny Qwen3.5 (a model that opts out of the step's
-    token count, ``accepts_loss_kwargs = False``: ``balance_trainer`` hands it the count)."""
+    """A tiny Llama; by ``MMB_FAMILY``: ``qwen3_5``, a tiny Qwen3.5 language model (Gated DeltaNet
+    beside attention); ``qwen3_5_vlm``, Qwen3.5 as a vision-language model (text only here);
+    ``gemma4``, Gemma 4's vision-language class without towers. Both vision-language classes opt
+    out of the step's token count (``accepts_loss_kwargs = False``: ``balance_trainer`` hands it
+    the count)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     family = os.environ.get("MMB_FAMILY", "llama")
+    if family == "qwen3_5_vlm":
+        from tests.integrations import hf_zoo
+
+        return hf_zoo.build("qwen3_5")
+    if family == "gemma4":
+        # weights of unit scale: at the default 0.02 the q/k/v norms of so small a model amplify
+        # rounding, and one thread against two ends ten SGD steps 100% apart (3 steps: 1e-5)
+        from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+        text = Gemma4TextConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=16,
+                                layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=4,
+                                vocab_size_per_layer_input=VOCAB, global_head_dim=8, initializer_range=1.0)  # fmt: skip
+        torch.manual_seed(0)
+        return Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict(), vision_config=None,
+                                                           audio_config=None))  # fmt: skip
     if family != "llama":
         import sys
 
@@ -100,7 +121,7 @@ def train(name: str, resume: str | None = None):
         output_dir=os.path.join(tmp, "out"), num_train_epochs=EPOCHS, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUM, learning_rate=LR, optim="sgd", lr_scheduler_type="constant",
         max_grad_norm=0.0, weight_decay=0.0, logging_steps=1, report_to=[], save_strategy="steps", save_steps=3,
-        seed=0, use_cpu=True, disable_tqdm=True,
+        seed=0, use_cpu=True, disable_tqdm=True, max_steps=int(os.environ.get("MMB_STEPS", -1)),
     )  # fmt: skip
     model = build_model()
     data = Logged()
