@@ -59,9 +59,10 @@ _IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP",
                     "HF_", "HUGGINGFACE", "TRANSFORMERS", "ACCELERATE", "TOKENIZERS", "MMBALANCE", "LD_")  # fmt: skip
 #: ... but for these, which a preloaded rank applies itself (unbuffered output, faulthandler, threads)
 _APPLIED_IN_THE_RANK = {"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "OMP_NUM_THREADS"}
-#: ... and the caches' places, read when a cache is first used (torch.compile sets its own in the
-#: environment of the process that compiles: the tests' process, after the fork server started)
-_READ_WHEN_USED = ("_CACHE_DIR",)
+#: ... and what is read when first used, not at import, which the tests' own process sets as it
+#: runs (after the fork server started): the caches' places (torch.compile sets its own), and
+#: tokenizers' parallelism (set off once a process forks after using it)
+_READ_WHEN_USED = ("_CACHE_DIR", "TOKENIZERS_PARALLELISM")
 
 
 def worker_context():
@@ -382,10 +383,6 @@ def _run_script(script: str, args: tuple, env: dict, log_path: str) -> None:
                      if k.startswith(_IMPORT_TIME_ENV) and k not in _APPLIED_IN_THE_RANK
                      and not k.endswith(_READ_WHEN_USED) and _ENV_AT_START.get(k) != env.get(k))  # fmt: skip
     if differs:  # the preloaded modules read another environment: a fresh interpreter reads this one
-        os.write(
-            2,
-            f"launch: a fresh interpreter, the environment differs from the fork server's in {differs}\n".encode(),
-        )
         os.execve(sys.executable, [sys.executable, script, *args], env)
     # what the imports set themselves (torch: TORCHINDUCTOR_CACHE_DIR), as they would have
     added = {k: v for k, v in os.environ.items() if k not in _ENV_AT_START and k not in env}
