@@ -379,9 +379,9 @@ def _run_script(script: str, args: tuple, env: dict, log_path: str) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     os.chdir(REPO)
-    differs = sorted(k for k in set(_ENV_AT_START) | set(env)
-                     if k.startswith(_IMPORT_TIME_ENV) and k not in _APPLIED_IN_THE_RANK
-                     and not k.endswith(_READ_WHEN_USED) and _ENV_AT_START.get(k) != env.get(k))  # fmt: skip
+    differs = any(k.startswith(_IMPORT_TIME_ENV) and k not in _APPLIED_IN_THE_RANK
+                  and not k.endswith(_READ_WHEN_USED) and _ENV_AT_START.get(k) != env.get(k)
+                  for k in set(_ENV_AT_START) | set(env))  # fmt: skip
     if differs:  # the preloaded modules read another environment: a fresh interpreter reads this one
         os.execve(sys.executable, [sys.executable, script, *args], env)
     # what the imports set themselves (torch: TORCHINDUCTOR_CACHE_DIR), as they would have
