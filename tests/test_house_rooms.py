@@ -67,6 +67,7 @@ HOUSES = {
                 "stream_step": "move",
                 "vlm_step": "move",
                 "linear": "hook",
+                "blocks": "hook",
                 "attention": "hook",
                 "media": "hook",
                 "handle": "hook",

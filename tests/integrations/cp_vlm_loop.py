@@ -16,7 +16,8 @@ token-loss sum over the global count); every image and frame is encoded exactly 
 (the rows of the vision tower's calls); no rank's language model embeds more than the budget.
 
 argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | glm4v | glm46v |
-kimi_k25 | mistral3 (these four on 2 ranks: ``PAIR``) | llava (LLaVA
+kimi_k25 | mistral3 | gemma3 | paligemma (these six on 2 ranks: ``PAIR``; Gemma 3's images and
+PaliGemma's prefixes are bidirectional blocks cut by the shard boundaries) | llava (LLaVA
 has no video: a document of eight images stands in for it) | qwen2_5_omni (the thinker: a long
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
 (``apply_encoder_balance`` on the same model) | fsdp2 (the model under FSDP2: every decoder layer,
@@ -89,6 +90,12 @@ PAIR = {
     "glm46v": [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
     "kimi_k25": [[[(8, 8), (8, 8), ("video", 3, 8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
     "mistral3": [[[(32, 32), (32, 32), (32, 32), (32, 32)]], [[(16, 16)], ("text", 3)]],
+    # Gemma 3: 4 tokens an image, each image a bidirectional block; eleven make 84 tokens, and the
+    # zigzag boundaries at 21 and 63 cut the third and the ninth image
+    "gemma3": [[[1] * 11], [[1], ("text", 3)]],
+    # PaliGemma: 16 tokens an image, the prefix (images and prompt) one bidirectional block: four
+    # images make an 83-token sequence whose 80-token prefix spans both ranks
+    "paligemma": [[[1] * 4], [[1], ("text", 3)]],
 }
 if not hf_zoo_kimi_videos_run():  # transformers' own video path of Kimi-K2.5 fails before 5.24
     PAIR["kimi_k25"] = [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]]
@@ -109,10 +116,10 @@ def towers(model) -> list:
     if FAMILY == "mistral3":  # Pixtral's rows: the images' own patches
         p = int(core(model).vision_tower.config.patch_size)
         return [(core(model).vision_tower, lambda a, kw: int((kw["image_sizes"] // p).prod(-1).sum()), 8)]
-    if FAMILY == "kimi_k25":
-        return [
-            (core(model).vision_tower, lambda a, kw: int((a[0] if a else kw["pixel_values"]).shape[0]), 4)
-        ]
+    if FAMILY in ("kimi_k25", "gemma3", "paligemma"):
+        stand_in = 4 if FAMILY == "kimi_k25" else 1
+        rows = lambda a, kw: int((a[0] if a else kw["pixel_values"]).shape[0])  # noqa: E731
+        return [(core(model).vision_tower, rows, stand_in)]
     visual = core(model).visual
     out = [(visual, lambda a, kw: int((a[0] if a else next(iter(kw.values()))).shape[0]),
             int(visual.spatial_merge_size) ** 2)]  # fmt: skip
@@ -141,7 +148,12 @@ def examples(model) -> list[list[dict]]:
                 g = torch.Generator().manual_seed(100 + k)
                 ids = torch.randint(1, 90, (1, spec[1]), generator=g)
                 text = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-                if FAMILY not in ("llava", "qwen2_5_omni", "kimi_k25", "mistral3"):
+                if FAMILY == "gemma3":
+                    text["token_type_ids"] = torch.zeros_like(ids)
+                elif FAMILY == "paligemma":  # a prompt, then a one-token answer
+                    text["token_type_ids"] = torch.zeros_like(ids)
+                    text["token_type_ids"][:, -1] = 1
+                elif FAMILY not in ("llava", "qwen2_5_omni", "kimi_k25", "mistral3"):
                     text["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int32)
                 mine.append(text)
             else:

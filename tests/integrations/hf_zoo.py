@@ -195,9 +195,9 @@ def build(name: str, seed: int = 0):
                                 image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS,
                                 vision_end_token_id=VE, tie_word_embeddings=False)  # fmt: skip
         model = tf.Kimi_K25ForConditionalGeneration(cfg)
-    elif name in ("gemma3", "paligemma"):
+    elif name in ("gemma3", "paligemma"):  # (their towers' pooling head goes unused, as in their checkpoints)
         siglip = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, image_size=S, patch_size=P)  # fmt: skip
+                      num_attention_heads=2, image_size=S, patch_size=P, vision_use_head=False)  # fmt: skip
         gemma = _text(head_dim=16, hidden_activation="gelu_pytorch_tanh")
         if name == "gemma3":
             gemma.update(model_type="gemma3_text", num_hidden_layers=2, sliding_window=8,
@@ -556,7 +556,7 @@ def collate(batches: list[dict], left=False) -> dict:
     width = max(int(b["input_ids"].shape[1]) for b in batches)
     lefts = left if isinstance(left, (list, tuple)) else [left] * len(batches)
     out: dict = {}
-    for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
+    for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids"):
         if key not in batches[0]:
             continue
         fill = -100 if key == "labels" else 0

@@ -21,6 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 from mmbalance.balancing import CostModel  # noqa: E402
 from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
 from mmbalance.integrations.hf.cp import plan_layout, split_sequences  # noqa: E402
+from mmbalance.integrations.hf.cp.shard import CPShard  # noqa: E402
 from tests.dist_utils import REPO, launch, run_distributed  # noqa: E402
 
 SCRIPT = REPO / "tests" / "integrations" / "cp_plain_loop.py"
@@ -324,6 +325,9 @@ def test_refusals_name_chunks_blocks_and_cross_attention():
     blocks = VarlenMask(batch_size=1, q_length=4, kv_length=4, causal=True)
     blocks.blocks = torch.zeros(1, 4, dtype=torch.int64)
     assert "block masks" in str(refusal(Layer(), blocks, {}))
+    # a shard that carries its images' blocks runs them (cp/blocks.py)
+    with_blocks = CPShard(1, 0, None, np.array([0, 4]), 4, blocks=np.array([[1, 3]]))
+    assert refusal(Layer(), blocks, {}, with_blocks) is None
     assert "block masks" in str(refusal(Layer(), torch.ones(1, 1, 4, 4), {}))
     cross = type("X", (), {"is_causal": False, "config": None})()
     assert "cross-attention" in str(refusal(cross, None, {}))

@@ -90,12 +90,14 @@ def test_qwen3_5_steps_with_media_in_split_sequences_match_the_reference_on_4_ra
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_families_since_qwen3_vl_split_their_media_over_2_ranks_exactly():
-    """GLM-4.1V, GLM-4.6V, Kimi-K2.5 (a video clip too) and Mistral 3 (images at their own sizes):
-    four media in a sequence over the budget, split over 2 ranks and cut at the boundary, with and
-    without encoder balancing: loss and every gradient within 1e-5 of each example alone, every
-    item encoded once in the world."""
-    runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3") if hf_zoo.available(name)
-            for balance in ("plain", "encoder")]  # fmt: skip
+    """GLM-4.1V, GLM-4.6V, Kimi-K2.5 (a video clip too), Mistral 3 (images at their own sizes)
+    Gemma 3 (each image a bidirectional block, the blocks cut by the zigzag boundaries) and
+    PaliGemma (each prefix of images and prompt a bidirectional block over both ranks): media
+    in a sequence over the budget, split over 2 ranks and cut at the boundary, with and without
+    encoder balancing: loss and every gradient within 1e-5 of each example alone, every item
+    encoded once in the world."""
+    runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma")
+            if hf_zoo.available(name) for balance in ("plain", "encoder")]  # fmt: skip
     out = launch(SCRIPT, *runs, nproc=2, timeout=840)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [x["run"] for x in lines] == runs, out[-3000:]
@@ -151,6 +153,8 @@ SPECS = {
     "glm46v": [[(4, 4), (6, 2)], []],
     "kimi_k25": [[(4, 4)], [("video", 3, 4, 4), (8, 4)] if hf_zoo.kimi_videos_run() else [(8, 4)], []],
     "mistral3": [[(16, 32)], [], [(8, 8), (24, 16)]],
+    "gemma3": [[1, 1], [], [1]],  # each image a bidirectional block of its sequence
+    "paligemma": [[1, 1], [], [1]],  # each sequence's prefix (images, prompt) a bidirectional block
 }
 MROPE = ("qwen", "glm")  # the families whose positions are M-RoPE rows from get_rope_index
 
@@ -184,7 +188,7 @@ def _matches_each_example_alone(model, inputs: dict, ref, rows: list[dict]) -> N
 
 
 # the families since Qwen3-VL: on every release through the 2-rank test's encoder run, here on the newest
-NEWER = ("glm4v", "glm46v", "kimi_k25", "mistral3")
+NEWER = ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma")
 
 
 @pytest.mark.parametrize(
@@ -386,8 +390,7 @@ def test_other_multimodal_models_are_refused_by_name(name):
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("gemma3", "both ways"), ("paligemma", "both ways"), ("glm4v_moe", "packed rows"),
-     ("llava_onevision", "anyres"), ("qwen3_omni_moe", "deepstack")],
+    [("glm4v_moe", "packed rows"), ("llava_onevision", "anyres"), ("qwen3_omni_moe", "deepstack")],
 )  # fmt: skip
 def test_families_whose_media_cannot_be_split_yet_are_refused_with_the_reason(name, reason):
     register_attention()
@@ -425,6 +428,15 @@ BAD_BATCHES = {
                             ["input_features", "audio"]),
     "omni-video-without-seconds": (("qwen2_5_omni", [[("video", 2, 4, 4)]]), lambda b: None, ValueError,
                                    ["video_second_per_grid"]),
+    # Gemma 3's image blocks come from token_type_ids: without them, or with other ones, refused
+    "gemma3-no-token-types": (("gemma3", [[1, 1]]), lambda b: b.pop("token_type_ids"), ValueError,
+                              ["token_type_ids", "missing"]),
+    "gemma3-other-token-types": (("gemma3", [[1, 1]]), lambda b: b["token_type_ids"][0, :2].fill_(1), ValueError,
+                                 ["token_type_ids", "sequence 0"]),
+    "paligemma-no-token-types": (("paligemma", [[1]]), lambda b: b.pop("token_type_ids"), ValueError,
+                                 ["token_type_ids", "missing"]),
+    "paligemma-prefix-after-suffix": (("paligemma", [[1]]), lambda b: b["token_type_ids"][0, -1].fill_(0),
+                                      ValueError, ["token_type_ids", "sequence 0", "suffix"]),
 }  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Launched by test_trainer_cp_vlm.py on 4 CPU ranks (the environment torchrun gives its workers):
 transformers' Trainer on a tiny Qwen2-VL (``$MMB_FAMILY=qwen2_5_omni``: the Qwen2.5-Omni thinker,
-a long audio clip in place of the video) with ``balance_trainer``, first without context
+a long audio clip in place of the video; ``gemma3``: Gemma 3, a document of twenty images, each a
+bidirectional block; ``paligemma``: PaliGemma, a prefix of seven images, one bidirectional block) with ``balance_trainer``, first without context
 parallelism, then with ``context_parallel=True`` and a budget that splits the long video (clip)
 over 3 ranks. Every rank logs what its loader fetched, the largest number of tokens its embedding
 saw in one forward and the rows of every vision (and audio) tower call to ``$MMB_TMP``; rank 0
@@ -33,8 +34,21 @@ if FAMILY == "qwen2_5_omni":
         [[("audio", 480)], [(8, 8), ("audio", 40)], [(4, 4)], [], [("audio", 24)], [(8, 8)], [], [(4, 4), (4, 8)]]
         + [[(8, 4)], [], [("audio", 32), (4, 4)], [(8, 8)], [], [(4, 8)], [], [(4, 4)]]
     )  # fmt: skip
+if FAMILY == "gemma3":
+    # 4 tokens an image, each a bidirectional block: twenty images make 147 tokens
+    SPECS = (
+        [[1] * 20, [1, 1], [1], [], [1], [1], [], [1, 1]] + [[1], [], [1], [1, 1, 1], [], [1], [], [1]]
+    )  # fmt: skip
+if FAMILY == "paligemma":
+    # 16 tokens an image, every prefix (images and prompt) a bidirectional block: seven images make
+    # 140 tokens, a prefix of 137 over three ranks
+    SPECS = (
+        [[1] * 7, [1, 1], [1], [], [1], [1], [], [1, 1]] + [[1], [], [1], [1, 1], [], [1], [], [1]]
+    )  # fmt: skip
 N = len(SPECS)
-ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids")
+ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+#: the rows a tower call logs for a rank's stand-in item (Gemma 3's: a zero tile, logged as 0)
+STAND_IN = {"qwen2_vl": 4, "qwen2_5_omni": 4, "gemma3": 0, "paligemma": 0}
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "input_features",
               "feature_attention_mask")  # fmt: skip
 
@@ -87,7 +101,7 @@ def train(name: str, cp: bool):
     # Qwen2-VL's CP run recomputes in backward (gradient checkpointing). Not the Omni thinker's:
     # Trainer then builds DDP with find_unused_parameters=False, and the thinker's audio tower has a
     # parameter its forward never uses (audio_bos_eos_token), with or without context parallelism
-    ckpt = cp and FAMILY == "qwen2_vl"
+    ckpt = cp and FAMILY != "qwen2_5_omni"
     args = TrainingArguments(
         output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
         learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
@@ -98,7 +112,15 @@ def train(name: str, cp: bool):
     seen: list[int] = []
     tower: list[int] = []
     model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(int(i[0].numel())))
-    core(model).visual.register_forward_pre_hook(lambda m, a: tower.append(int(a[0].shape[0])))
+    if FAMILY in ("gemma3", "paligemma"):  # SigLIP, called with pixel_values=: a stand-in tile is all zeros
+
+        def tiles(m, a, kw):
+            pix = a[0] if a else kw["pixel_values"]
+            tower.append(0 if not bool(pix.any()) else int(pix.shape[0]))
+
+        core(model).vision_tower.register_forward_pre_hook(tiles, with_kwargs=True)
+    else:
+        core(model).visual.register_forward_pre_hook(lambda m, a: tower.append(int(a[0].shape[0])))
     attn: list[int] = []  # layer 0's attention calls: twice a forward under gradient checkpointing
     language_model(model).layers[0].self_attn.register_forward_hook(lambda m, i, o: attn.append(1))
     audio: list[int] = []

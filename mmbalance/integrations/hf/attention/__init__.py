@@ -8,6 +8,7 @@ registration, and the keyword through which a context-parallel shard runs a call
 
 from .backend import (
     CP_KEYWORD,
+    add_block_keys,
     logit_features,
     register_attention,
     register_shard_attention,
@@ -15,12 +16,15 @@ from .backend import (
 )
 from .compile import FullgraphUnsupported, outside_graph
 from .mask import ATTENTION_NAME, VarlenMask, varlen_mask
+from .plan import BlockPlan
 
 __all__ = [
     "ATTENTION_NAME",
+    "BlockPlan",
     "CP_KEYWORD",
     "FullgraphUnsupported",
     "VarlenMask",
+    "add_block_keys",
     "logit_features",
     "outside_graph",
     "register_attention",

@@ -58,6 +58,7 @@ from .plan import BlockPlan, plan_with_mask, plan_without_mask, refuse, rows_pla
 __all__ = [
     "ATTENTION_NAME",
     "CP_KEYWORD",
+    "add_block_keys",
     "logit_features",
     "register_attention",
     "register_shard_attention",
@@ -255,7 +256,7 @@ def varlen_attention(
         causal_offset=plan.causal_offset, q_runs=plan.q_runs, k_runs=plan.k_runs, **extra,
     )  # fmt: skip
     if plan.blocks is not None:
-        out = _add_block_keys(out, lse, q, k, v, plan.blocks, scale, extra.get("softcap"))
+        out = add_block_keys(out, lse, q, k, v, plan.blocks, scale, extra.get("softcap"))
     out = out.view(b, lq, h, width)
     if width != dv:
         out = out[..., :dv]
@@ -324,8 +325,10 @@ def _one_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tenso
     return query, key, value
 
 
-def _add_block_keys(out, lse, q, k, v, bp: BlockPlan, scale: float, softcap) -> Tensor:
-    """Merge each block query's attention over its block's later keys into ``out``."""
+def add_block_keys(out, lse, q, k, v, bp: BlockPlan, scale: float, softcap) -> Tensor:
+    """Merge each block query's attention over its block's later keys into ``out`` (``[T, H, D]``,
+    with its float32 ``lse [H, T]``); ``k``/``v`` are the rows ``bp.k_index`` points into (this
+    call's keys, or a context-parallel group's gathered block keys)."""
     extra: dict[str, Any] = {} if softcap is None else {"softcap": softcap}
     out2, lse2 = attention_block(
         q.index_select(0, bp.q_index), k.index_select(0, bp.k_index), v.index_select(0, bp.k_index),

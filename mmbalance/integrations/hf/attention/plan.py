@@ -301,10 +301,16 @@ def host_plan(
 
 def plan_mask(spec: VarlenMask, device: torch.device) -> None:
     """Plan the op calls of ``spec``'s layers ahead of them (their usual shape: the mask's batch,
-    query and key lengths), as the mask function does inside ``torch.compile``."""
+    query and key lengths), as the mask function does inside ``torch.compile``. A mask this
+    backend cannot run is left unplanned: the layer's call plans it and raises there, and a call
+    that does not use the plan (a context-parallel shard's: its own layout, ``cp/``) is not
+    refused for it."""
     key = (spec.q_length, spec.kv_length, spec.batch_size, device)
     if key not in spec.plans:
-        spec.plans[key] = host_plan(spec, spec.batch_size, spec.q_length, spec.kv_length, None, device)
+        try:
+            spec.plans[key] = host_plan(spec, spec.batch_size, spec.q_length, spec.kv_length, None, device)
+        except ValueError:
+            return
 
 
 @outside_graph(ATTENTION_NAME, "its planning of a call")

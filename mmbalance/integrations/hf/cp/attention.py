@@ -13,8 +13,9 @@ down to every attention call, so ``mmbalance_varlen`` finds the shard there and 
 Both run what the layer asks for on top of the causal mask: a sliding window (``sliding_window``
 or the mask's own window, per layer as Gemma 2/3 and gpt-oss mix them; the ring skips the shards
 a window cannot reach, and a window at least as long as every sequence of the step is plain causal
-attention), logit softcapping (``softcap``, Gemma 2) and attention sinks (``s_aux``, gpt-oss; once
-per query). What cannot run is refused by name: by the model's config when the handle is made
+attention), logit softcapping (``softcap``, Gemma 2), attention sinks (``s_aux``, gpt-oss; once
+per query) and Gemma 3's bidirectional image blocks (the later keys of a query's own image, a
+second op call over the group's gathered image keys: :mod:`.blocks`). What cannot run is refused by name: by the model's config when the handle is made
 (:func:`model_refusal`), and per call as a backstop (:func:`refusal`).
 """
 
@@ -38,6 +39,8 @@ from ..attention import (
 )
 from ..compat import language_model
 from ..mixers import describe_mixers, model_mixers
+from .blocks import with_block_keys
+from .families import vlm_family
 from .inputs import check_attention, text_config
 from .linear import CP_LINEAR, install_linear_cp, remove_linear_cp
 from .shard import MEDIA_KEYWORD, CPShard
@@ -69,7 +72,15 @@ def model_refusal(model) -> str | None:
         )
     if getattr(config, "attention_chunk_size", None):
         return f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
-    if getattr(config, "use_bidirectional_attention", False):
+    try:
+        family = vlm_family(model)
+    except ValueError:  # a multimodal model apply_dynamic_cp refuses by itself, with its reason
+        family = None
+    # PaliGemma's text config says bidirectional for its prefix: the model's own mask is causal
+    # with the prefix as a block, and the shard runs that block (blocks.py)
+    if getattr(config, "use_bidirectional_attention", False) and not (
+        family is not None and family.prefix_blocks
+    ):
         return "bidirectional attention (use_bidirectional_attention=True)"
     if getattr(config, "is_causal", True) is False:
         return "bidirectional attention (config.is_causal=False)"
@@ -146,13 +157,16 @@ def remove_attention_check(module) -> None:
         handle.remove()
 
 
-def refusal(module, attention_mask, kwargs: dict) -> NotImplementedError | None:
-    """The error for a feature of this call that the ring cannot run, or ``None``."""
+def refusal(module, attention_mask, kwargs: dict, shard: CPShard | None = None) -> NotImplementedError | None:
+    """The error for a feature of this call that the ring cannot run, or ``None`` (bidirectional
+    image blocks run when ``shard`` carries them: :mod:`.blocks`)."""
     config = getattr(module, "config", None)
     if getattr(config, "attention_chunk_size", None):
         return _not_run("chunked attention (attention_chunk_size)")
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", False) if causal is None else causal  # as varlen_attention reads it
+    if isinstance(attention_mask, VarlenMask):  # the mask's own causality wins, as in varlen_attention
+        causal = attention_mask.causal
     if not causal:
         return _not_run("bidirectional or cross-attention (is_causal=False)")
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
@@ -162,8 +176,10 @@ def refusal(module, attention_mask, kwargs: dict) -> NotImplementedError | None:
             return _not_run(f"a two-sided sliding window (the mask's window {attention_mask.window})")
         if attention_mask.chunk is not None:
             return _not_run("chunked attention (a chunked mask)")
-        if attention_mask.blocks is not None:
-            return _not_run("block masks (bidirectional blocks, block_sequence_ids)")
+        if attention_mask.blocks is not None and getattr(shard, "blocks", None) is None:
+            return _not_run(
+                "block masks (bidirectional blocks, block_sequence_ids) in a shard made without its image blocks"
+            )
         if attention_mask.padding is not None and not bool(attention_mask.padding.all()):
             return _not_run("padding masks (pass the shard's inputs without attention_mask)")
         if not attention_mask.causal:
@@ -229,7 +245,7 @@ def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
             "itself (model(**kwargs), so its forward pre-hooks run), not model.forward or an inner module"
         )
     group = shard.process_group()  # on every rank, whatever its degree: groups are made collectively
-    err = refusal(module, attention_mask, kwargs)
+    err = refusal(module, attention_mask, kwargs, shard)
     if err is not None:
         raise err
     b, h, lq, d = query.shape
@@ -258,14 +274,16 @@ def cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
         if cu is None:
             assert shard.local_cu_seqlens is not None
             cu = shard.device_cu[q.device] = shard.local_cu_seqlens.to(q.device)
-        out, _ = attention_block(
+        out, lse = attention_block(
             q, k, v, cu, cu, shard.max_seqlen, shard.max_seqlen, softmax_scale=scale, causal=True, **extra
         )
     else:
-        out = ring_attention(
+        out, lse = ring_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), shard.cu_seqlens, causal=True, softmax_scale=scale,
-            group=group, layout="zigzag", **extra,
+            group=group, layout="zigzag", return_lse=True, **extra,
         )  # fmt: skip
+    if isinstance(attention_mask, VarlenMask) and attention_mask.blocks is not None:
+        out = with_block_keys(out, lse, q, k, v, shard, attention_mask, group, scale, extra.get("softcap"))
     out = out.unsqueeze(0)
     if width != dv:
         out = out[..., :dv]

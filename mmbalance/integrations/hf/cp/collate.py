@@ -31,7 +31,7 @@ from mmbalance.integrations.data import BalancedBatchSampler
 from ..attention import CP_KEYWORD
 from .inputs import IGNORE, split_sequences
 from .plan import layout_fits
-from .shard import MEDIA_KEYWORD, CPShard
+from .shard import MEDIA_KEYWORD, CPShard, in_blocks
 from .slots import plan_slots
 
 __all__ = ["CPBatchSampler", "CPCollator", "SlotMeta", "TaggedDataset"]
@@ -201,15 +201,20 @@ class CPCollator:
             idle = {"input_ids": one, "position_ids": torch.zeros((1, 1), dtype=torch.int64), "labels": ignore,
                     "shift_labels": ignore.clone(), "use_cache": False, CP_KEYWORD: shard}  # fmt: skip
             if self.vlm is not None:  # no media: the forward encodes a stand-in item
-                _, _, media = self.vlm.cut({"input_ids": torch.zeros((1, 0), dtype=torch.int64)}, 1, 0)
+                _, _, media, _ = self.vlm.cut({"input_ids": torch.zeros((1, 0), dtype=torch.int64)}, 1, 0)
                 if self.vlm.family.mrope:
                     idle["position_ids"] = torch.zeros((4, 1, 1), dtype=torch.int64)
                 idle[MEDIA_KEYWORD] = media
+                if self.vlm.family.has_blocks:  # no block
+                    shard.blocks = np.zeros((0, 2), dtype=np.int64)
+                    idle["token_type_ids"] = self.vlm.family.token_types(
+                        torch.zeros((1, 1), dtype=torch.bool)
+                    )
             return idle
         batch = self.collate([row for row, _ in items])
-        mrope = pending = None
+        mrope = pending = blocks = None
         if self.vlm is not None:
-            seqs, mrope, pending = self.vlm.cut(batch, meta.degree, meta.group_rank)
+            seqs, mrope, pending, blocks = self.vlm.cut(batch, meta.degree, meta.group_rank)
         else:
             seqs = split_sequences(batch)
         cu = np.concatenate([[0], np.cumsum(seqs.lengths)]).astype(np.int64)
@@ -232,6 +237,11 @@ class CPCollator:
         if seqs.has_labels:
             out["labels"] = seqs.labels[index].unsqueeze(0)
             out["shift_labels"] = seqs.shift_labels[index].unsqueeze(0)
+        if blocks is not None and self.vlm is not None:  # the blocks' spans, and the model's block mask
+            shard.blocks = blocks
+            out["token_type_ids"] = self.vlm.family.token_types(torch.from_numpy(in_blocks(shard))).unsqueeze(
+                0
+            )
         if pending is not None:
             if mrope is not None:  # [4, 1, T]: the position in the sequence, then the M-RoPE rows
                 out["position_ids"] = torch.cat([pos.unsqueeze(0), mrope[index].t()]).unsqueeze(1)

@@ -1,6 +1,7 @@
 """Dynamic context parallelism for multimodal models: :meth:`DynamicCPHandle.shard` on the
 batches their processors give (images, videos, audio clips), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE, LLaVA and the Qwen2.5-Omni thinker. This module holds the model families (batch
+Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, Kimi-K2.5, Mistral 3, Gemma 3, PaliGemma, LLaVA and the
+Qwen2.5-Omni thinker. This module holds the model families (batch
 keys, feature streams, M-RoPE positions, encoder FLOPs, the streams placed into the input
 embeddings) and the encoder cost (a group plans with its members' share of it,
 :func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds``); the numpy side of a
@@ -68,7 +69,7 @@ from torch import Tensor
 
 from mmbalance.balancing import CostModel
 
-from ..encoders import EncoderAdapter, adapters_for, as_int, audio_out_len, core, flops_linear
+from ..encoders import EncoderAdapter, adapters_for, as_int, audio_out_len, core, flops_linear, pooled
 from ..wrappers import wrapper_hint
 from .inputs import ffn_size, text_config
 
@@ -76,6 +77,7 @@ __all__ = [
     "SUPPORTED",
     "VLMFamily",
     "assign_media",
+    "entry_rows",
     "check_feature_rows",
     "encoder_seconds",
     "vlm_family",
@@ -96,16 +98,21 @@ _OMNI = {"Qwen2_5OmniThinkerForConditionalGeneration": "Qwen2.5-Omni thinker"}
 _GLM = {"Glm4vForConditionalGeneration": "GLM-4.1V", "Glm46VForConditionalGeneration": "GLM-4.6V"}
 _KIMI = {"Kimi_K25ForConditionalGeneration": "Kimi-K2.5"}
 _MISTRAL3 = {"Mistral3ForConditionalGeneration": "Mistral 3"}
+_GEMMA3 = {"Gemma3ForConditionalGeneration": "Gemma 3"}
+_PALIGEMMA = {"PaliGemmaForConditionalGeneration": "PaliGemma"}
 #: the multimodal model classes ``apply_dynamic_cp`` shards (text decoders work as they are)
 SUPPORTED: tuple[str, ...] = (
-    tuple(_QWEN) + tuple(_LLAVA) + tuple(_OMNI) + tuple(_GLM) + tuple(_KIMI) + tuple(_MISTRAL3)
+    tuple(_QWEN)
+    + tuple(_LLAVA)
+    + tuple(_OMNI)
+    + tuple(_GLM)
+    + tuple(_KIMI)
+    + tuple(_MISTRAL3)
+    + tuple(_GEMMA3)
+    + tuple(_PALIGEMMA)
 )
 #: vision-language models ``apply_dynamic_cp`` refuses with the reason (their encoders may be balanced)
 NOT_SHARDED = {
-    "Gemma3ForConditionalGeneration": "the tokens of each image attend to one another both ways "
-    "(token_type_ids blocks), which the ring attention of a split sequence does not run",
-    "PaliGemmaForConditionalGeneration": "its prefix (image and prompt) attends both ways (token_type_ids), "
-    "which the ring attention of a split sequence does not run",
     "Glm4vMoeForConditionalGeneration": "transformers' GLM-4.5V language model runs packed rows into one "
     "another under every attention, and a CP shard is a packed row",
     "LlavaOnevisionForConditionalGeneration": "an image's rows come from packing all its tiles together "
@@ -136,6 +143,16 @@ class VLMFamily:
     embedded: frozenset[str] = frozenset()
     #: the batch key that carries each stream's media, for messages
     media_keys: Mapping[str, str] = {"image": "pixel_values", "video": "pixel_values_videos"}
+    #: streams whose placeholder runs are bidirectional blocks (each token of an image sees the
+    #: whole image: Gemma 3): the shard carries their spans (:attr:`~.shard.CPShard.blocks`) and
+    #: ``token_type_ids`` (1 at their placeholders), from which the model builds its block mask
+    block_streams: frozenset[str] = frozenset()
+    #: every sequence's prefix (``token_type_ids`` 0 before its suffix: PaliGemma's image and
+    #: prompt) is a bidirectional block (:meth:`prefix_lengths`)
+    prefix_blocks = False
+    #: ``pooler_output`` of a stream's ``mm_encoder_outputs`` entry as a tuple (the Qwen and LLaVA
+    #: forwards concatenate it) or, ``False``, as one tensor ``[rows, hidden]`` (Gemma 3 reads it so)
+    rows_in_tuple = True
 
     def streams(self, model) -> list[tuple[str, int]]:
         """``(mm_encoder_outputs key, placeholder token id)`` of every feature stream."""
@@ -155,6 +172,36 @@ class VLMFamily:
     def encoder_flops(self, model, adapter: EncoderAdapter, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Forward FLOPs of encoding every item (float64 ``[n]``): by default the adapter's FLOP model."""
         return np.asarray(adapter.cost(model, meta, rows), dtype=np.float64)
+
+    def check_batch(self, model, batch: Mapping, kinds: list[np.ndarray], spans) -> None:
+        """Raise ValueError naming the key for an input the shard would not carry as the model
+        reads it (``kinds``: every sequence's placeholder kinds, ``spans``: its ``(row, start,
+        end)`` in the batch)."""
+
+    @property
+    def has_blocks(self) -> bool:
+        """Its shards carry bidirectional blocks and give the model ``token_type_ids``."""
+        return bool(self.block_streams) or self.prefix_blocks
+
+    def prefix_lengths(self, model, batch: Mapping, kinds: list[np.ndarray], spans) -> np.ndarray:
+        """int64, per sequence: the tokens of its bidirectional prefix (0 for families without)."""
+        return np.zeros(len(kinds), dtype=np.int64)
+
+    def token_types(self, in_block: Tensor) -> Tensor:
+        """The model's ``token_type_ids`` of a shard's tokens from whether each lies in a block:
+        1 inside (Gemma 3's images), unless the family marks its prefix with 0 (PaliGemma)."""
+        return (~in_block if self.prefix_blocks else in_block).long()
+
+    def entry(self, rows: Tensor, deepstack=None):
+        """A stream's ``mm_encoder_outputs`` entry holding ``rows`` (and deepstack rows)."""
+        return pooled((rows,) if self.rows_in_tuple else rows, deepstack)
+
+
+def entry_rows(entry) -> Tensor:
+    """The feature rows ``[rows, hidden]`` of an ``mm_encoder_outputs`` entry made by
+    :meth:`VLMFamily.entry`."""
+    out = entry.pooler_output
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def assign_media(sizes: np.ndarray, counts: np.ndarray, key: str, what: str) -> list[np.ndarray]:
@@ -183,7 +230,7 @@ def check_feature_rows(ids, streams, mm: Mapping) -> None:
     for name, token in streams:
         want = int((ids == token).sum())
         entry = mm.get(name)
-        have = int(entry.pooler_output[0].shape[0]) if entry is not None else 0
+        have = int(entry_rows(entry).shape[0]) if entry is not None else 0
         if want != have:
             raise AssertionError(
                 f"the shard holds {want} {name} placeholders but {have} feature rows arrived"
@@ -293,6 +340,79 @@ class _Mistral3(VLMFamily):
 
     def item_streams(self, adapter, meta):
         return np.zeros(meta.shape[0], dtype=np.int64)
+
+
+class _Gemma3(VLMFamily):
+    """Gemma 3: one SigLIP tile per image (pan-and-scan crops are images of their own), 1-D
+    positions, and each image's tokens a bidirectional block (``token_type_ids``): the shard
+    carries the blocks' spans and gives the model ``token_type_ids`` for its own tokens."""
+
+    label = "Gemma 3"
+    batch_keys = frozenset({"pixel_values", "token_type_ids"})
+    block_streams = frozenset({"image"})
+    rows_in_tuple = False
+
+    def streams(self, model):
+        return [("image", int(model.config.image_token_id))]
+
+    def item_streams(self, adapter, meta):
+        return np.zeros(meta.shape[0], dtype=np.int64)
+
+    def check_batch(self, model, batch, kinds, spans):
+        tt = batch.get("token_type_ids")
+        if tt is None:
+            if any(bool((k == 1).any()) for k in kinds):
+                raise ValueError(
+                    "batch['token_type_ids'] is missing: Gemma 3 runs its images as bidirectional blocks only with "
+                    "it (its processor gives it), and handle.shard gives the shards the blocks the batch asks for"
+                )
+            return
+        tt = torch.as_tensor(tt).cpu()
+        for s, (r, a, z) in enumerate(spans):
+            if not torch.equal(tt[r, a:z].ne(0), torch.from_numpy(kinds[s] == 1)):
+                raise ValueError(
+                    f"batch['token_type_ids'] of sequence {s} is not 1 exactly at its image tokens (the blocks "
+                    "Gemma 3's mask widens); handle.shard gives the model token_type_ids of its own images"
+                )
+
+
+class _PaliGemma(VLMFamily):
+    """PaliGemma: one SigLIP tile per image, 1-D positions, and every sequence's prefix (its
+    images and prompt, ``token_type_ids`` 0) a bidirectional block before its causal suffix."""
+
+    label = "PaliGemma"
+    batch_keys = frozenset({"pixel_values", "token_type_ids"})
+    prefix_blocks = True
+    rows_in_tuple = False
+
+    def streams(self, model):
+        return [("image", int(model.config.image_token_id))]
+
+    def item_streams(self, adapter, meta):
+        return np.zeros(meta.shape[0], dtype=np.int64)
+
+    def prefix_lengths(self, model, batch, kinds, spans):
+        tt = batch.get("token_type_ids")
+        if tt is None:
+            if any(bool((k == 1).any()) for k in kinds):
+                raise ValueError(
+                    "batch['token_type_ids'] is missing: PaliGemma's prefix (images and prompt) attends both ways "
+                    "only with it (its processor gives it with a suffix), and handle.shard gives the shards the "
+                    "prefix the batch asks for"
+                )
+            return np.zeros(len(kinds), dtype=np.int64)
+        tt = torch.as_tensor(tt).cpu()
+        out = np.zeros(len(kinds), dtype=np.int64)
+        for s, (r, a, z) in enumerate(spans):
+            row = tt[r, a:z].ne(0).numpy()
+            n = int(np.argmax(row)) if row.any() else row.size  # the leading zeros: the prefix
+            if row[n:].size and not row[n:].all():
+                raise ValueError(
+                    f"batch['token_type_ids'] of sequence {s} has 0s after its suffix began: PaliGemma's "
+                    "bidirectional prefix must come first (0s, then 1s)"
+                )
+            out[s] = n
+        return out
 
 
 def _grids(batch: Mapping, kinds: list[np.ndarray], merge2: int) -> dict:
@@ -440,6 +560,10 @@ def vlm_family(model) -> VLMFamily | None:
             return _Kimi()
         if cls.__name__ in _MISTRAL3:
             return _Mistral3()
+        if cls.__name__ in _GEMMA3:
+            return _Gemma3()
+        if cls.__name__ in _PALIGEMMA:
+            return _PaliGemma()
     for cls in type(model).__mro__:
         if cls.__name__ in NOT_SHARDED:
             raise ValueError(

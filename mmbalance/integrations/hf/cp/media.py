@@ -27,7 +27,7 @@ from mmbalance.pyops import cu_seqlens_from_lengths
 from ..attention import CP_KEYWORD
 from ..compat import install_encoder_outputs_hook, remove_encoder_outputs_hook
 from ..encoders import ZeroLink, core, embed_rows, pooled
-from .families import VLMFamily, check_feature_rows, vlm_family
+from .families import VLMFamily, check_feature_rows, entry_rows, vlm_family
 from .inputs import model_device
 from .shard import MEDIA_KEYWORD
 from .vlm_plan import PendingMedia
@@ -54,7 +54,7 @@ def place_embedded(family: VLMFamily, model, args: tuple, kwargs: dict) -> dict:
     for name in sorted(family.embedded):
         entry = mm.pop(name, None)
         if entry is not None:
-            call["inputs_embeds"] = embed_rows(model, ids, call.get("inputs_embeds"), entry.pooler_output[0],
+            call["inputs_embeds"] = embed_rows(model, ids, call.get("inputs_embeds"), entry_rows(entry),
                                                tokens[name], f"mm_encoder_outputs[{name!r}]", name)  # fmt: skip
     call["mm_encoder_outputs"] = mm or None
     return call
@@ -89,6 +89,7 @@ def resolve_media(model, kwargs: dict) -> dict:
     device = model_device(model)
     tower = model_device(core(model))
     mm: dict[str, object] = dict(kwargs.get("mm_encoder_outputs") or {})
+    family = vlm_family(model)
     links: list[Tensor] = []
     for e in pending.entries:
         if e.meta.shape[0]:
@@ -114,13 +115,13 @@ def resolve_media(model, kwargs: dict) -> dict:
         for name, index in e.index.items():
             idx = index.to(received[0].device)
             feats = [t.index_select(0, idx).to(device) for t in received]
-            mm[name] = pooled((feats[0],), [(f,) for f in feats[1:]] if len(feats) > 1 else None)
+            deep = [(f,) for f in feats[1:]] if len(feats) > 1 else None
+            mm[name] = family.entry(feats[0], deep) if family is not None else pooled((feats[0],), deep)
     ids = kwargs.get("input_ids")
     if ids is not None:
         check_feature_rows(ids, pending.streams, mm)
     if mm:
         kwargs["mm_encoder_outputs"] = mm
-        family = vlm_family(model)
         if family is not None:  # streams the model reads from its input embeddings (Omni's audio)
             kwargs = place_embedded(family, model, (), kwargs)
     links = [t for t in links if t.requires_grad]

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from mmbalance.collectives.pool import ranks_group
+from mmbalance.collectives.ring.plan import ring_plan
 
-__all__ = ["MEDIA_KEYWORD", "CPShard", "idle_shard"]
+__all__ = ["MEDIA_KEYWORD", "CPShard", "idle_shard", "in_blocks"]
 
 #: the model keyword that carries a shard's pending media to the model's media pre-hook
 #: (:mod:`.media`); seen by an attention call only when that hook did not run
@@ -41,6 +42,9 @@ class CPShard:
             depends on the shard's encoder features and stand-in encodings, so every rank's
             backward runs the collectives that send their gradients back, also a rank whose
             shard holds no placeholder token (:mod:`.vlm_step`).
+        blocks: int64 ``[n, 2]`` spans ``[start, end)`` of the bidirectional image blocks in the
+            coordinates of :attr:`cu_seqlens` (Gemma 3: each image's tokens see one another), or
+            ``None`` for a model without them (:mod:`.blocks`).
     """
 
     degree: int
@@ -57,6 +61,7 @@ class CPShard:
     #: ranks; the first attention call creates the step's groups, in one order on every rank
     ranks: tuple[int, ...] = ()
     step_groups: tuple[tuple[int, ...], ...] = ()
+    blocks: np.ndarray | None = field(default=None, repr=False)
 
     def process_group(self):
         """The ring's process group (created at first use from :attr:`step_groups`)."""
@@ -74,6 +79,20 @@ class CPShard:
             f"CPShard(degree={self.degree}, group_rank={self.group_rank}, sequences={len(self.cu_seqlens) - 1}, "
             f"tokens={self.tokens})"
         )
+
+
+def in_blocks(shard: CPShard) -> np.ndarray:
+    """bool ``[tokens]``: which of the shard's tokens lie in one of its :attr:`~CPShard.blocks`
+    (all ``False`` without blocks)."""
+    if shard.blocks is None or not len(shard.blocks):
+        return np.zeros(shard.tokens, dtype=bool)
+    if shard.degree > 1:
+        where = ring_plan(shard.cu_seqlens, shard.degree, "zigzag").global_index(shard.group_rank)
+    else:
+        where = np.arange(shard.tokens, dtype=np.int64)
+    spans = np.asarray(shard.blocks, dtype=np.int64).reshape(-1, 2)
+    j = np.searchsorted(spans[:, 0], where, side="right") - 1
+    return (j >= 0) & (where < spans[np.maximum(j, 0), 1])
 
 
 def idle_shard() -> CPShard:

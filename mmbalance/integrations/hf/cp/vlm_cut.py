@@ -25,6 +25,7 @@ from .vlm_plan import (
     PendingEntry,
     PendingMedia,
     PlaceholderRuns,
+    block_spans,
     feature_segments,
     piece_coords,
     placeholder_order,
@@ -53,7 +54,9 @@ class GroupCutter:
 
     def cut(
         self, batch: Mapping, degree: int, group_rank: int
-    ) -> tuple[Sequences, Tensor | None, PendingMedia]:
+    ) -> tuple[Sequences, Tensor | None, PendingMedia, np.ndarray | None]:
+        """``(sequences, M-RoPE positions or None, this member's media, the bidirectional blocks'
+        spans in the group's sequences or None)``."""
         local, step = read_alone(self, self.family, self.adapters, batch)
         adapters = self.adapters
         n = step.lengths.size
@@ -90,7 +93,10 @@ class GroupCutter:
             index = placeholder_order(seg, recv, streams, step.stream[k])
             entries.append(PendingEntry(adapter, payload, step.meta[k][mine], local.options[k],
                                          seg["len"][seg["src"] == group_rank], plan, index))  # fmt: skip
-        return local.seqs, local.positions, PendingMedia(entries, int(degree), streams)
+        blocks = None
+        if self.family.has_blocks:
+            blocks = block_spans(step, np.arange(n, dtype=np.int64), self.family, streams)
+        return local.seqs, local.positions, PendingMedia(entries, int(degree), streams), blocks
 
 
 @dataclass

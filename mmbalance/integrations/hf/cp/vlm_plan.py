@@ -24,6 +24,7 @@ from .inputs import Sequences, split_sequences
 
 __all__ = [
     "GatheredStep",
+    "block_spans",
     "LocalBatch",
     "PendingEntry",
     "PendingMedia",
@@ -56,6 +57,8 @@ class LocalBatch:
     item_stream: list[np.ndarray]
     out_rows: list[np.ndarray]
     options: list[dict]
+    #: per sequence: the tokens of its bidirectional prefix (PaliGemma; 0: none)
+    prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch: Mapping) -> LocalBatch:
@@ -103,6 +106,8 @@ def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch:
     counts = np.array([[int((kd == k + 1).sum()) for k in range(len(streams))] for kd in kinds],
                       dtype=np.int64).reshape(-1, len(streams))  # fmt: skip
     ids = [seqs.input_ids[starts[s] : starts[s + 1]] for s in range(lengths.size)]
+    family.check_batch(model, batch, kinds, seqs.spans)
+    prefix = family.prefix_lengths(model, batch, kinds, seqs.spans)
     positions = family.positions(model, batch, ids, kinds, seqs.spans) if family.mrope else None
     if given is not None:
         _check_given_positions(given, positions, seqs)
@@ -144,7 +149,7 @@ def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch:
                 f"input_ids holds {int(counts[:, k].sum())} {name} placeholder tokens but the batch has no "
                 f"{_media_key(family, name)}"
             )
-    return LocalBatch(seqs, positions, kinds, items, item_seq, item_stream, out_rows, options)
+    return LocalBatch(seqs, positions, kinds, items, item_seq, item_stream, out_rows, options, prefix)
 
 
 def _check_given_positions(given: Tensor, positions: Tensor | None, seqs: Sequences) -> None:
@@ -204,7 +209,7 @@ def local_table(local: LocalBatch, width: int) -> np.ndarray:
     seqs = local.seqs
     labelled = seqs.labelled
     for s, n in enumerate(seqs.lengths.tolist()):
-        rows.append([0, s, n, int(labelled[s]), int(seqs.has_labels)])
+        rows.append([0, s, n, int(labelled[s]), int(seqs.has_labels), int(local.prefix[s])])
     for a, got in enumerate(local.items):
         if got is None:
             continue
@@ -246,6 +251,8 @@ class GatheredStep:
     meta: list[np.ndarray]
     #: per sequence: its rank passed labels
     has_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: per sequence: the tokens of its bidirectional prefix (0: none)
+    prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def parse_table(
@@ -265,6 +272,7 @@ def parse_table(
         lengths=table[is_seq, 2].copy(),
         labelled=table[is_seq, 3].copy(),
         has_labels=table[is_seq, 4].copy(),
+        prefix=table[is_seq, 5].copy(),
         seq_src=src[is_seq].copy(),
         run_seq=glob(is_run),
         run_kind=table[is_run, 2].copy(),
@@ -321,6 +329,26 @@ class PlaceholderRuns:
         jj = np.minimum(j, ln.size - 1)
         partial = np.where((j < ln.size) & (kd[jj] == k), x - starts[jj], 0)
         return (upto[j] + partial).astype(np.int64)
+
+
+def block_spans(step: GatheredStep, sequences: np.ndarray, family: VLMFamily, streams: list) -> np.ndarray:
+    """int64 ``[n, 2]``: the ``[start, end)`` of the family's bidirectional blocks in ``sequences``
+    (global indices), in the coordinates of those sequences laid end to end in that order (a CP
+    group's ``cu_seqlens``): every maximal run of a block stream's placeholders (Gemma 3's images;
+    ``streams``: the family's ``(name, token)`` list) and every sequence's prefix (PaliGemma's)."""
+    kinds = [1 + k for k, (name, _) in enumerate(streams) if name in family.block_streams]
+    out = []
+    offset = 0
+    for s in np.asarray(sequences, dtype=np.int64).tolist():
+        if step.prefix.size and int(step.prefix[s]) > 0:
+            out.append((offset, offset + int(step.prefix[s])))
+        at = np.flatnonzero(step.run_seq == s)  # the sequence's runs, in order
+        ln = step.run_len[at]
+        ends = offset + np.cumsum(ln)
+        for j in np.flatnonzero(np.isin(step.run_kind[at], kinds)).tolist():
+            out.append((int(ends[j] - ln[j]), int(ends[j])))
+        offset += int(step.lengths[s])
+    return np.array(out, dtype=np.int64).reshape(-1, 2)
 
 
 def feature_segments(

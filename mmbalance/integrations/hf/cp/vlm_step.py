@@ -22,17 +22,18 @@ from mmbalance.collectives.group import comm_device
 from mmbalance.pyops import cu_seqlens_from_lengths
 
 from ..attention import CP_KEYWORD
-from ..encoders import EncoderAdapter, ZeroLink, core, encoder_balance_of, encoder_plan, pooled
+from ..encoders import EncoderAdapter, ZeroLink, core, encoder_balance_of, encoder_plan
 from .families import VLMFamily, check_feature_rows, encoder_seconds
 from .inputs import IGNORE, check_attention, model_device, pad_id, positions
 from .plan import cost_key, labels_of, plan_layout, shard_of, step_stats
-from .shard import MEDIA_KEYWORD, idle_shard
+from .shard import MEDIA_KEYWORD, idle_shard, in_blocks
 from .vlm_plan import (
     GatheredStep,
     LocalBatch,
     PendingEntry,
     PendingMedia,
     PlaceholderRuns,
+    block_spans,
     feature_segments,
     local_table,
     parse_table,
@@ -222,7 +223,7 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
             for name, idx in index.items():
                 feats = [t.index_select(0, idx.to(t.device)).to(device) for t in received]
                 deep = [(f,) for f in feats[1:]] if len(feats) > 1 else None
-                res.mm[name] = pooled((feats[0],), deep)
+                res.mm[name] = family.entry(feats[0], deep)
         for st in np.unique(step.stream[k]).tolist():  # items whose rows reach more than one rank
             of = seg["stream"] == st
             pairs = np.unique(np.stack([seg["src"][of], seg["slot"][of], seg["dst"][of]], 1), axis=0)
@@ -309,6 +310,12 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         shard = idle_shard()
         stand_in = [pad_id(model), IGNORE, IGNORE, 0] + ([0, 0, 0] if family.mrope else [])
         out = torch.tensor([stand_in], dtype=torch.int64)
+        if family.has_blocks:
+            shard.blocks = np.zeros((0, 2), dtype=np.int64)
+    elif family.has_blocks:  # the blocks' spans in the group's sequences (the shard's attention)
+        group = layout.schedule[int(layout.group_of_rank[rank])]
+        members = np.asarray(group.sequences, dtype=np.int64)
+        shard.blocks = block_spans(step, members, family, family.streams(model))
     if not defer:  # (deferred: the forward checks them when it has them)
         check_feature_rows(out[:, 0], family.streams(model), mm)
     links = [t for t in media.links if t.requires_grad]
@@ -333,6 +340,10 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         kw["position_ids"] = out[:, 3:7].t().contiguous().unsqueeze(1)  # [4, 1, T]: text, t, h, w
     else:
         kw["position_ids"] = out[:, 3].unsqueeze(0)
+    if family.has_blocks:  # the model builds its block mask from them
+        kw["token_type_ids"] = (
+            family.token_types(torch.from_numpy(in_blocks(shard))).unsqueeze(0).to(out.device)
+        )
     if mm:
         kw["mm_encoder_outputs"] = mm
     if media.pending:  # the handle installs the media hook that resolves it
