@@ -5,7 +5,8 @@ cross-attention, decoders longer and shorter than their encoder) must match eage
 at every real token and in every gradient; T5's relative ``position_bias`` is refused by name;
 Qwen2-VL's and Ernie-4.5-VL's 3-D M-RoPE ``position_ids`` (text row first, ``[4, B, L]``) mark
 packed sequences by the text row, as transformers reads them, and plain ``[3, B, L]`` ones do not;
-Gemma3's image tokens attend to each other in both directions.
+Gemma3's image tokens attend to each other in both directions, and so does PaliGemma's prefix
+in a padded batch.
 """
 
 from __future__ import annotations
@@ -269,3 +270,38 @@ def test_ernie_4_5_vl_packed_rows_with_3d_position_ids():
             at += n
     torch.testing.assert_close(out.reshape(-1, 32), torch.cat(want), rtol=1e-5, atol=1e-5)
     _assert_grads(mine, ref)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_paligemma_prefix_attends_bidirectionally_in_a_padded_batch(side):
+    """PaliGemma: each row's prefix (image and prompt, ``token_type_ids`` 0) is one bidirectional
+    block; its processor marks padding 0 as well, which is no key of the block: a padded batch
+    matches eager at every real token and in every gradient, padded on either side. A packed row
+    (two prefixes that the model makes one block) is refused by name."""
+    from tests.integrations import hf_zoo
+
+    register_attention()
+    ref = hf_zoo.build("paligemma")
+    ref.set_attn_implementation("eager")
+    mine = hf_zoo.build("paligemma")
+    mine.set_attn_implementation(ATTENTION_NAME)
+    rows = [hf_zoo.batch("paligemma", ref, [spec], seed=i) for i, spec in enumerate([[1], [1, 1]])]
+    batch = hf_zoo.collate(rows, left=side == "left")
+    real = batch["attention_mask"].bool()
+    assert not bool(batch["token_type_ids"][~real].any())  # padding marked 0, as the prefix
+    w = torch.randn(*batch["input_ids"].shape, ref.config.text_config.vocab_size,
+                    generator=torch.Generator().manual_seed(3)) * real[..., None]  # fmt: skip
+    outs = []
+    for m in (mine, ref):
+        lg = m(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+        (lg * w).sum().backward()
+        outs.append(lg[real])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    _assert_grads(mine, ref)
+    packed = {k: torch.cat([r[k] for r in rows], dim=1) for k in ("input_ids", "token_type_ids")}
+    packed["position_ids"] = torch.cat([torch.arange(int(r["input_ids"].shape[1])) for r in rows])[None]
+    packed["pixel_values"] = torch.cat([r["pixel_values"] for r in rows])
+    with pytest.raises(
+        ValueError, match="mmbalance_varlen does not implement bidirectional blocks that are not contiguous"
+    ):
+        mine(**packed, use_cache=False)

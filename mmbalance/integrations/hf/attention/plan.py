@@ -238,6 +238,13 @@ def _block_plan(spec: VarlenMask, b: int, lq: int, lk: int, device) -> BlockPlan
         row = ids[r if ids.shape[0] > 1 else 0]
         for block in np.unique(row[row >= 0]).tolist():
             at = np.flatnonzero(row == block)
+            if valid is not None:  # padding is no key of a block (PaliGemma marks it 0, as its prefix)
+                keep = np.zeros(at.size, dtype=bool)
+                inside = at < valid.shape[1]
+                keep[inside] = valid[r, at[inside]]
+                at = at[keep]
+                if not at.size:
+                    continue
             a, e = int(at[0]), int(at[-1]) + 1
             if at.size != e - a:
                 raise refuse(f"bidirectional blocks that are not contiguous (block {block} of row {r})")
