@@ -34,6 +34,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_omni", "gemma3", "paligemma"])
 def test_trainer_with_context_parallel_on_a_vlm_trains_like_without_it(family):
+    from mmbalance.integrations.hf.compat import loss_takes_token_count
+    from tests.integrations import hf_zoo
+
+    if not loss_takes_token_count(hf_zoo.build(family)):  # balance_trainer refuses it (test_balance_trainer)
+        pytest.skip(f"{family}'s loss is a mean over each call on this release")
     with tempfile.TemporaryDirectory() as tmp:
         # every rank must exit with code 0
         launch(SCRIPT, nproc=4, timeout=840, env={"MMB_TMP": tmp, "MMB_FAMILY": family})
