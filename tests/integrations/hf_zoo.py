@@ -20,6 +20,7 @@ PATCH, TPATCH, MERGE = 4, 2, 2
 S, P = 16, 4  # tile side and patch of the CLIP/InternViT towers
 PINPOINTS = [[16, 32], [32, 16], [32, 32]]
 GEMMA3_TOKENS = 4  # Gemma 3's projector pools a tile's (S / P)**2 patches into 4 tokens
+G4_PATCH, G4_POOL, G4_MAX = 2, 2, 64  # Gemma 4: patch side, pooling kernel, patches an image is padded to
 MEL, MSP = 8, 16  # Qwen2-Audio: fixed 2 * MSP = 32 mel frames per clip
 
 MODELS = (
@@ -44,9 +45,11 @@ MODELS = (
     "mistral3",
     "qwen3_omni_moe",
     "llava_onevision",
+    "gemma4",
 )
 # the config class a family needs, where some release of the test matrix lacks it
-NEEDS = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "kimi_k25": "Kimi_K25Config"}
+NEEDS = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "kimi_k25": "Kimi_K25Config",
+         "gemma4": "Gemma4Config"}  # fmt: skip
 
 
 def kimi_videos_run() -> bool:
@@ -220,6 +223,21 @@ def build(name: str, seed: int = 0):
                                            audio_token_id=AUD, image_token_id=IMG, video_token_id=VID,
                                            vision_start_token_id=VS, audio_start_token_id=AS)  # fmt: skip
         model = tf.Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
+    elif (
+        name == "gemma4"
+    ):  # a ViT at each image's size (patches pooled 2 x 2), images as bidirectional blocks
+        text = tf.Gemma4TextConfig(**_text(head_dim=16, global_head_dim=16, num_hidden_layers=2, sliding_window=16,
+                                           layer_types=["sliding_attention", "full_attention"],
+                                           hidden_size_per_layer_input=4, vocab_size_per_layer_input=128,
+                                           use_bidirectional_attention="vision"))  # fmt: skip
+        vision = tf.models.gemma4.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                                     patch_size=G4_PATCH, pooling_kernel_size=G4_POOL,
+                                                     position_embedding_size=64)  # fmt: skip
+        cfg = tf.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+                              image_token_id=IMG, video_token_id=VID, boi_token_id=VS, eoi_token_id=VE,
+                              audio_token_id=AUD)  # fmt: skip
+        model = tf.Gemma4ForConditionalGeneration(cfg)
     elif name == "llava_onevision":
         siglip = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, image_size=S, patch_size=P, vision_use_head=False)  # fmt: skip
@@ -399,6 +417,39 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
             out["token_type_ids"][:, -3:] = 1
         if count:
             out["pixel_values"] = torch.randn(count, 3, S, S, generator=g)
+        return out
+    if name == "gemma4":  # images (w, h) in patches, ("video", t, w, h): each frame pooled 2 x 2
+        images, frames, per_video, types = [], [], [], []
+        for seq in spec:
+            ids, tt = [TEXT] * 4, [0] * 4
+            for item in seq:
+                video = item[0] == "video"
+                t, w, h = item[1:] if video else (1, *item)
+                n = (w // G4_POOL) * (h // G4_POOL)
+                for _ in range(t):
+                    (frames if video else images).append((w, h))
+                    ids += [VS] + [VID if video else IMG] * n + [VE]
+                    tt += [0] + [2 if video else 1] * n + [0]
+                if video:
+                    per_video.append(t)
+                ids.append(TEXT + 1)
+                tt.append(0)
+            rows.append(ids + [TEXT + 3] * 3)
+            types.append(tt + [0] * 3)
+        out = _finish(rows, types)
+        for key, pos_key, grids in (("pixel_values", "image_position_ids", images),
+                                    ("pixel_values_videos", "video_position_ids", frames)):  # fmt: skip
+            if not grids:
+                continue
+            pv = torch.zeros(len(grids), G4_MAX, 3 * G4_PATCH**2)
+            pos = torch.full((len(grids), G4_MAX, 2), -1, dtype=torch.long)
+            for i, (w, h) in enumerate(grids):
+                yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+                pv[i, : w * h] = torch.randn(w * h, 3 * G4_PATCH**2, generator=g)
+                pos[i, : w * h] = torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=1)
+            out[key], out[pos_key] = pv, pos
+        if per_video:
+            out["num_frames_per_video"] = torch.tensor(per_video)
         return out
     if name == "llava_onevision":  # images at their sizes (anyres tiles), ("video", frames) clips
         from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches

@@ -53,10 +53,12 @@ SPECS = {
         [],
     ],  # fmt: skip
     "llava_onevision": [[[(20, 40), (30, 30)], [("video", 2)]], [[(16, 16)]], []],
+    # Gemma 4: images at their own sizes (patches, pooled 2 x 2), a video's frames as items
+    "gemma4": [[[(4, 4), (2, 6)], [(6, 4), ("video", 2, 4, 4)]], [[(2, 2)]], []],
 }
 # families added with transformers' newer vision-language models: their balance must improve
 IMPROVED = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "gemma3", "paligemma", "mistral3", "qwen3_omni_moe",
-            "llava_onevision")  # fmt: skip
+            "llava_onevision", "gemma4")  # fmt: skip
 # (the Qwen3-Omni thinker's audio is encoded by the thinker on each rank: qwen_omni.py says why)
 ENCODERS = {"qwen2_audio": {"audio"}, "qwen2_5_omni": {"audio", "vision"}}
 
@@ -167,9 +169,10 @@ def _run(world: int, mode: str) -> list[dict]:
 
 
 # on 3 ranks too: the families before Qwen3.5, and of the newer ones those whose items differ most
-# (Pixtral's own sizes, OneVision's tiles and frames, the Omni thinker's two towers); the rest on 2
+# (Pixtral's and Gemma 4's own sizes, OneVision's tiles and frames, the Omni thinker's two towers); the
+# rest on 2
 THREE_RANKS = tuple(n for n in Z.MODELS if n not in ("qwen3_5", "qwen3_5_moe", *IMPROVED)) + (
-    "mistral3", "llava_onevision", "qwen3_omni_moe",
+    "mistral3", "llava_onevision", "qwen3_omni_moe", "gemma4",
 )  # fmt: skip
 CASES = (
     [(name, 2, "plain") for name in Z.MODELS]

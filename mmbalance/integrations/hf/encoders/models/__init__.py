@@ -23,6 +23,9 @@ GLM-4.1V, GLM-4.5V, GLM-4.6V           vision    an image, or one frame of a    
                                                  video                          attention per frame
 Gemma 3, PaliGemma                     vision    an image (a pan-and-scan crop  one per image
                                                  is an image of its own)
+Gemma 4                                vision    an image, or one frame of a    linear in its patches plus
+                                                 video (its own size; only its  attention over the image
+                                                 patches travel)
 Mistral 3                              vision    an image (its own size; only   linear in its patches plus
                                                  its patches travel)            attention over the image
 Kimi-K2.5                              vision    an image or a whole clip       linear in its patches plus
@@ -36,6 +39,7 @@ packing, M-RoPE positions, the language model) runs on the item's own rank, unch
 """
 
 from .gemma import Gemma3Adapter, PaliGemmaAdapter
+from .gemma4 import Gemma4VisionAdapter
 from .idefics3 import Idefics3Adapter
 from .internvl import InternVLAdapter
 from .llava import LlavaAdapter, LlavaNextAdapter, LlavaOnevisionAdapter
@@ -52,6 +56,7 @@ from .qwen_vl import (
 
 __all__ = [
     "Gemma3Adapter",
+    "Gemma4VisionAdapter",
     "GlmVisionAdapter",
     "Idefics3Adapter",
     "InternVLAdapter",
