@@ -11,6 +11,9 @@ text-only sequence.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 TEXT = 5  # an ordinary text token
@@ -58,6 +61,23 @@ def kimi_videos_run() -> bool:
     import transformers as tf
 
     return tuple(int(x) for x in tf.__version__.split(".")[:2]) >= (5, 24)
+
+
+@functools.cache
+def gemma4_videos_run() -> bool:
+    """Whether the installed transformers runs Gemma 4's videos itself (5.19.0 asks every video for
+    ``num_frames_per_video`` and does not hand it on to its own ``get_video_features``)."""
+    if not available("gemma4"):
+        return False
+    model = build("gemma4")
+    try:
+        with torch.no_grad():
+            model(**batch("gemma4", model, [[("video", 1, 2, 2)]]))
+    except ValueError as exc:
+        if "num_frames_per_video" in str(exc):
+            return False
+        raise
+    return True
 
 
 def available(name: str) -> bool:
@@ -448,8 +468,11 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
                 pv[i, : w * h] = torch.randn(w * h, 3 * G4_PATCH**2, generator=g)
                 pos[i, : w * h] = torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=1)
             out[key], out[pos_key] = pv, pos
-        if per_video:
+        if per_video and "num_frames_per_video" in inspect.signature(model.model.get_video_features).parameters:
             out["num_frames_per_video"] = torch.tensor(per_video)
+        elif per_video:  # before: [videos, frames, ...], every video of a batch with one frame count
+            for key in ("pixel_values_videos", "video_position_ids"):
+                out[key] = out[key].reshape(len(per_video), per_video[0], *out[key].shape[1:])
         return out
     if name == "llava_onevision":  # images at their sizes (anyres tiles), ("video", frames) clips
         from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches

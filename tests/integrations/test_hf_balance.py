@@ -65,7 +65,8 @@ ENCODERS = {"qwen2_audio": {"audio"}, "qwen2_5_omni": {"audio", "vision"}}
 
 def _spec(name: str, rank: int, world: int):
     specs = SPECS[name]
-    if name == "kimi_k25" and not Z.kimi_videos_run():  # transformers' own video path fails there
+    if (name == "kimi_k25" and not Z.kimi_videos_run()) or (name == "gemma4" and not Z.gemma4_videos_run()):
+        # transformers' own video path fails there
         specs = [[[x for x in seq if x[0] != "video"] for seq in r] for r in specs]
     return specs[rank] if world == 3 else specs[rank] + (specs[2] if rank == 1 else [])
 

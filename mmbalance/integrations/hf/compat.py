@@ -133,6 +133,9 @@ _STREAMS = {
 _PER_ITEM_SINCE = {
     "Qwen2_5OmniThinkerForConditionalGeneration": (5, 15),
     "Qwen3OmniMoeThinkerForConditionalGeneration": (5, 15),
+    # per item in 5.16.1 (5.10.4 concatenates; a release between that concatenates a tuple's rows
+    # gets the same rows either way)
+    "Gemma4Model": (5, 16),
 }
 
 

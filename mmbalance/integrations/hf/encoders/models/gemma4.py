@@ -84,9 +84,14 @@ class Gemma4VisionAdapter(EncoderAdapter):
         videos = kwargs.get("pixel_values_videos")
         if videos is not None and mm.get("video") is None:
             pos, frames = kwargs.get("video_position_ids"), kwargs.get("num_frames_per_video")
-            if pos is None or frames is None:
+            if pos is None:
+                raise ValueError("pixel_values_videos is given without video_position_ids")
+            if videos.dim() == 4:  # [videos, frames, max_patches, patch_pixels]: the releases before 5.19
+                frames = [int(videos.shape[1])] * int(videos.shape[0])
+                videos, pos = videos.flatten(0, 1), pos.flatten(0, 1)
+            elif frames is None:
                 raise ValueError(
-                    "pixel_values_videos is given without video_position_ids and num_frames_per_video"
+                    "pixel_values_videos of all videos' frames is given without num_frames_per_video"
                 )
             frames = [int(f) for f in torch.as_tensor(frames).reshape(-1).tolist()]
             if sum(frames) != videos.shape[0]:
@@ -133,7 +138,7 @@ class Gemma4VisionAdapter(EncoderAdapter):
             pix[i, : patches.shape[0]] = patches
             pos[i, : patches.shape[0]] = _grid(w, h).to(pix.device)
         out = core(model).get_image_features(pix, pos, return_dict=True).pooler_output
-        return [torch.cat(list(out))]
+        return [out if isinstance(out, Tensor) else torch.cat(list(out))]  # one tensor before 5.16
 
     def restore(self, model, kwargs, items, outputs):
         per = packed_rows(outputs[0], self.out_rows(model, items.meta))
