@@ -16,8 +16,8 @@ token-loss sum over the global count); every image and frame is encoded exactly 
 (the rows of the vision tower's calls); no rank's language model embeds more than the budget.
 
 argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | glm4v | glm46v |
-kimi_k25 | mistral3 | gemma3 | paligemma (these six on 2 ranks: ``PAIR``; Gemma 3's images and
-PaliGemma's prefixes are bidirectional blocks cut by the shard boundaries) | llava (LLaVA
+kimi_k25 | mistral3 | gemma3 | paligemma | gemma4 (these seven on 2 ranks: ``PAIR``; Gemma 3's and
+Gemma 4's images and PaliGemma's prefixes are bidirectional blocks cut by the shard boundaries) | llava (LLaVA
 has no video: a document of eight images stands in for it) | qwen2_5_omni (the thinker: a long
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
 (``apply_encoder_balance`` on the same model) | fsdp2 (the model under FSDP2: every decoder layer,
@@ -50,6 +50,12 @@ def hf_zoo_kimi_videos_run() -> bool:
     from tests.integrations import hf_zoo
 
     return hf_zoo.kimi_videos_run()
+
+
+def hf_zoo_gemma4_videos_run() -> bool:
+    from tests.integrations import hf_zoo
+
+    return hf_zoo.available("gemma4") and hf_zoo.gemma4_videos_run()
 
 
 BUDGET = 64
@@ -96,9 +102,15 @@ PAIR = {
     # PaliGemma: 16 tokens an image, the prefix (images and prompt) one bidirectional block: four
     # images make an 83-token sequence whose 80-token prefix spans both ranks
     "paligemma": [[[1] * 4], [[1], ("text", 3)]],
+    # Gemma 4: images and frames at their own sizes (patches pooled 2 x 2), each a bidirectional
+    # block in its sliding layers: a 93-token sequence over both ranks, whose zigzag boundaries cut
+    # the video's second frame and the second image
+    "gemma4": [[[(8, 8), ("video", 2, 8, 8), (8, 8), (4, 8)]], [[(4, 4)], ("text", 3)]],
 }
 if not hf_zoo_kimi_videos_run():  # transformers' own video path of Kimi-K2.5 fails before 5.24
     PAIR["kimi_k25"] = [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]]
+if not hf_zoo_gemma4_videos_run():  # and Gemma 4's in 5.19.0
+    PAIR["gemma4"] = [[[(8, 8), (8, 4), (8, 8), (8, 8), (4, 8)]], [[(4, 4)], ("text", 3)]]
 SPECS.update(PAIR)
 # the degrees of the step's CP groups
 DEGREES = {name: [2] for name in PAIR}
@@ -116,6 +128,14 @@ def towers(model) -> list:
     if FAMILY == "mistral3":  # Pixtral's rows: the images' own patches
         p = int(core(model).vision_tower.config.patch_size)
         return [(core(model).vision_tower, lambda a, kw: int((kw["image_sizes"] // p).prod(-1).sum()), 8)]
+    if FAMILY == "gemma4":  # only an image's own patches travel: the rows of real patches
+        tower = core(model).vision_tower
+
+        def patches(a, kw):
+            pos = kw.get("pixel_position_ids", a[1] if len(a) > 1 else None)
+            return int((~(pos == -1).all(dim=-1)).sum())
+
+        return [(tower, patches, 4)]
     if FAMILY in ("kimi_k25", "gemma3", "paligemma"):
         stand_in = 4 if FAMILY == "kimi_k25" else 1
         rows = lambda a, kw: int((a[0] if a else kw["pixel_values"]).shape[0])  # noqa: E731
@@ -279,6 +299,9 @@ def run_one() -> None:
             int(b[k].shape[0]) for b in flat for k in ("pixel_values", "pixel_values_videos") if k in b
         ) if FAMILY != "mistral3" else sum(int((b["image_sizes"] // hf_zoo.P).prod(-1).sum()) for b in flat
                                             if "image_sizes" in b)  # fmt: skip
+        if FAMILY == "gemma4":  # an image's own patches
+            rows = sum(int((~(b[k] == -1).all(dim=-1)).sum()) for b in flat
+                       for k in ("image_position_ids", "video_position_ids") if k in b)  # fmt: skip
         rows += sum(int(b["feature_attention_mask"].sum()) for b in flat if "feature_attention_mask" in b)
         assert int(encoded) == rows, f"{int(encoded)} rows encoded in the world, the media have {rows}"
         ref = tiny("eager")

@@ -249,11 +249,11 @@ def build(name: str, seed: int = 0):
         text = tf.Gemma4TextConfig(**_text(head_dim=16, global_head_dim=16, num_hidden_layers=2, sliding_window=16,
                                            layer_types=["sliding_attention", "full_attention"],
                                            hidden_size_per_layer_input=4, vocab_size_per_layer_input=128,
-                                           use_bidirectional_attention="vision"))  # fmt: skip
+                                           use_bidirectional_attention="vision", initializer_range=1.0))  # fmt: skip
         vision = tf.models.gemma4.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                      num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                                                      patch_size=G4_PATCH, pooling_kernel_size=G4_POOL,
-                                                     position_embedding_size=64)  # fmt: skip
+                                                     position_embedding_size=64, initializer_range=1.0)  # fmt: skip
         cfg = tf.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
                               image_token_id=IMG, video_token_id=VID, boi_token_id=VS, eoi_token_id=VE,
                               audio_token_id=AUD)  # fmt: skip
@@ -468,7 +468,10 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
                 pv[i, : w * h] = torch.randn(w * h, 3 * G4_PATCH**2, generator=g)
                 pos[i, : w * h] = torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=1)
             out[key], out[pos_key] = pv, pos
-        if per_video and "num_frames_per_video" in inspect.signature(model.model.get_video_features).parameters:
+        if (
+            per_video
+            and "num_frames_per_video" in inspect.signature(model.model.get_video_features).parameters
+        ):
             out["num_frames_per_video"] = torch.tensor(per_video)
         elif per_video:  # before: [videos, frames, ...], every video of a batch with one frame count
             for key in ("pixel_values_videos", "video_position_ids"):
@@ -641,7 +644,8 @@ def collate(batches: list[dict], left=False) -> dict:
             rows.append(torch.cat([pad, t]) if on_left else torch.cat([t, pad]))
         out[key] = torch.stack(rows)
     media = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
-             "video_second_per_grid", "image_sizes")  # fmt: skip
+             "video_second_per_grid", "image_sizes", "image_position_ids", "video_position_ids",
+             "num_frames_per_video")  # fmt: skip
     for key in media:
         parts = [b[key] for b in batches if key in b]
         if parts and key == "pixel_values" and "image_sizes" in batches[0] and parts[0].dim() == 4:

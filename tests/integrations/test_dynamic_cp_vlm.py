@@ -93,12 +93,13 @@ def test_qwen3_5_steps_with_media_in_split_sequences_match_the_reference_on_4_ra
 @pytest.mark.distributed
 def test_families_since_qwen3_vl_split_their_media_over_2_ranks_exactly():
     """GLM-4.1V, GLM-4.6V, Kimi-K2.5 (a video clip too), Mistral 3 (images at their own sizes)
-    Gemma 3 (each image a bidirectional block, the blocks cut by the zigzag boundaries) and
-    PaliGemma (each prefix of images and prompt a bidirectional block over both ranks): media
+    Gemma 3 and Gemma 4 (each image a bidirectional block, the blocks cut by the zigzag
+    boundaries) and PaliGemma (each prefix of images and prompt a bidirectional block over both
+    ranks): media
     in a sequence over the budget, split over 2 ranks and cut at the boundary, with and without
     encoder balancing: loss and every gradient within 1e-5 of each example alone, every item
     encoded once in the world."""
-    runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma")
+    runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4")
             if hf_zoo.available(name) and not _own_mean_loss(name) for balance in ("plain", "encoder")]  # fmt: skip
     out = launch(SCRIPT, *runs, nproc=2, timeout=840)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
@@ -157,6 +158,8 @@ SPECS = {
     "mistral3": [[(16, 32)], [], [(8, 8), (24, 16)]],
     "gemma3": [[1, 1], [], [1]],  # each image a bidirectional block of its sequence
     "paligemma": [[1, 1], [], [1]],  # each sequence's prefix (images, prompt) a bidirectional block
+    # images and frames at their own sizes, each a bidirectional block in the sliding layers
+    "gemma4": [[(4, 4), (2, 6)], [], [("video", 2, 4, 4) if hf_zoo.gemma4_videos_run() else (6, 4), (4, 2)]],
 }
 MROPE = ("qwen", "glm")  # the families whose positions are M-RoPE rows from get_rope_index
 
@@ -215,7 +218,7 @@ def test_a_model_that_averages_its_own_loss_is_refused_labels_by_name():
 
 
 # the families since Qwen3-VL: on every release through the 2-rank test's encoder run, here on the newest
-NEWER = ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma")
+NEWER = ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4")
 
 
 @pytest.mark.parametrize(
@@ -272,6 +275,9 @@ def test_one_process_shard_matches_the_stock_forward(name):
         assert inputs["position_ids"].shape == (1, total)
     if "image_sizes" in batch:  # Mistral 3: an image's own patches travel
         encoded = int(((batch["image_sizes"] // hf_zoo.P).prod(-1)).sum())
+    elif name == "gemma4":  # and Gemma 4's: its patches that are not padding
+        encoded = sum(int((~(batch[k] == -1).all(dim=-1)).sum()) for k in ("image_position_ids", "video_position_ids")
+                      if k in batch)  # fmt: skip
     else:
         encoded = sum(int(batch[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in batch)
     assert handle.stats["encoded_rows"] == encoded
@@ -462,6 +468,10 @@ BAD_BATCHES = {
                               ["token_type_ids", "missing"]),
     "gemma3-other-token-types": (("gemma3", [[1, 1]]), lambda b: b["token_type_ids"][0, :2].fill_(1), ValueError,
                                  ["token_type_ids", "sequence 0"]),
+    "gemma4-no-token-types": (("gemma4", [[(4, 4)]]), lambda b: b.pop("mm_token_type_ids"), ValueError,
+                              ["mm_token_type_ids", "missing"]),
+    "gemma4-bad-token-types": (("gemma4", [[(4, 4)]]), lambda b: b["mm_token_type_ids"].fill_(0), ValueError,
+                               ["mm_token_type_ids", "sequence 0"]),
     "paligemma-no-token-types": (("paligemma", [[1]]), lambda b: b.pop("token_type_ids"), ValueError,
                                  ["token_type_ids", "missing"]),
     "paligemma-prefix-after-suffix": (("paligemma", [[1]]), lambda b: b["token_type_ids"][0, -1].fill_(0),

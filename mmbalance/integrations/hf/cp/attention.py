@@ -77,11 +77,11 @@ def model_refusal(model) -> str | None:
     except ValueError:  # a multimodal model apply_dynamic_cp refuses by itself, with its reason
         family = None
     # PaliGemma's text config says bidirectional for its prefix: the model's own mask is causal
-    # with the prefix as a block, and the shard runs that block (blocks.py)
-    if getattr(config, "use_bidirectional_attention", False) and not (
-        family is not None and family.prefix_blocks
-    ):
-        return "bidirectional attention (use_bidirectional_attention=True)"
+    # with the prefix as a block, and the shard runs that block (blocks.py); Gemma 4's "vision"
+    # is its images' blocks, the same way
+    bidirectional = getattr(config, "use_bidirectional_attention", False)
+    if bidirectional in (True, "all") and not (family is not None and family.prefix_blocks):
+        return f"bidirectional attention (use_bidirectional_attention={bidirectional!r})"
     if getattr(config, "is_causal", True) is False:
         return "bidirectional attention (config.is_causal=False)"
     return None

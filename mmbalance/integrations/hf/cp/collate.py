@@ -207,8 +207,8 @@ class CPCollator:
                 idle[MEDIA_KEYWORD] = media
                 if self.vlm.family.has_blocks:  # no block
                     shard.blocks = np.zeros((0, 2), dtype=np.int64)
-                    idle["token_type_ids"] = self.vlm.family.token_types(
-                        torch.zeros((1, 1), dtype=torch.bool)
+                    idle.update(
+                        self.vlm.family.block_keywords(self.vlm.model, one, torch.zeros(1, dtype=torch.bool))
                     )
             return idle
         batch = self.collate([row for row, _ in items])
@@ -239,9 +239,8 @@ class CPCollator:
             out["shift_labels"] = seqs.shift_labels[index].unsqueeze(0)
         if blocks is not None and self.vlm is not None:  # the blocks' spans, and the model's block mask
             shard.blocks = blocks
-            out["token_type_ids"] = self.vlm.family.token_types(torch.from_numpy(in_blocks(shard))).unsqueeze(
-                0
-            )
+            marks = torch.from_numpy(in_blocks(shard))
+            out.update(self.vlm.family.block_keywords(self.vlm.model, out["input_ids"], marks))
         if pending is not None:
             if mrope is not None:  # [4, 1, T]: the position in the sequence, then the M-RoPE rows
                 out["position_ids"] = torch.cat([pos.unsqueeze(0), mrope[index].t()]).unsqueeze(1)

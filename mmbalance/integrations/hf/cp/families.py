@@ -1,7 +1,7 @@
 """Dynamic context parallelism for multimodal models: :meth:`DynamicCPHandle.shard` on the
 batches their processors give (images, videos, audio clips), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, Kimi-K2.5, Mistral 3, Gemma 3, PaliGemma, LLaVA and the
-Qwen2.5-Omni thinker. This module holds the model families (batch
+Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, Kimi-K2.5, Mistral 3, Gemma 3, Gemma 4, PaliGemma, LLaVA
+and the Qwen2.5-Omni thinker. This module holds the model families (batch
 keys, feature streams, M-RoPE positions, encoder FLOPs, the streams placed into the input
 embeddings) and the encoder cost (a group plans with its members' share of it,
 :func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds``); the numpy side of a
@@ -99,6 +99,7 @@ _GLM = {"Glm4vForConditionalGeneration": "GLM-4.1V", "Glm46VForConditionalGenera
 _KIMI = {"Kimi_K25ForConditionalGeneration": "Kimi-K2.5"}
 _MISTRAL3 = {"Mistral3ForConditionalGeneration": "Mistral 3"}
 _GEMMA3 = {"Gemma3ForConditionalGeneration": "Gemma 3"}
+_GEMMA4 = {"Gemma4ForConditionalGeneration": "Gemma 4"}
 _PALIGEMMA = {"PaliGemmaForConditionalGeneration": "PaliGemma"}
 #: the multimodal model classes ``apply_dynamic_cp`` shards (text decoders work as they are)
 SUPPORTED: tuple[str, ...] = (
@@ -109,6 +110,7 @@ SUPPORTED: tuple[str, ...] = (
     + tuple(_KIMI)
     + tuple(_MISTRAL3)
     + tuple(_GEMMA3)
+    + tuple(_GEMMA4)
     + tuple(_PALIGEMMA)
 )
 #: vision-language models ``apply_dynamic_cp`` refuses with the reason (their encoders may be balanced)
@@ -187,10 +189,12 @@ class VLMFamily:
         """int64, per sequence: the tokens of its bidirectional prefix (0 for families without)."""
         return np.zeros(len(kinds), dtype=np.int64)
 
-    def token_types(self, in_block: Tensor) -> Tensor:
-        """The model's ``token_type_ids`` of a shard's tokens from whether each lies in a block:
-        1 inside (Gemma 3's images), unless the family marks its prefix with 0 (PaliGemma)."""
-        return (~in_block if self.prefix_blocks else in_block).long()
+    def block_keywords(self, model, input_ids: Tensor, in_block: Tensor) -> dict[str, Tensor]:
+        """The keywords from which the model builds its block mask for a shard's tokens
+        (``input_ids [1, T]``, ``in_block [T]``: whether each lies in a block): ``token_type_ids``
+        1 inside (Gemma 3's images), or 0 inside for a family that marks its prefix so (PaliGemma)."""
+        marks = ~in_block if self.prefix_blocks else in_block
+        return {"token_type_ids": marks.long().reshape(1, -1).to(input_ids.device)}
 
     def entry(self, rows: Tensor, deepstack=None):
         """A stream's ``mm_encoder_outputs`` entry holding ``rows`` (and deepstack rows)."""
@@ -374,6 +378,52 @@ class _Gemma3(VLMFamily):
                     f"batch['token_type_ids'] of sequence {s} is not 1 exactly at its image tokens (the blocks "
                     "Gemma 3's mask widens); handle.shard gives the model token_type_ids of its own images"
                 )
+
+
+class _Gemma4(VLMFamily):
+    """Gemma 4: images and video frames at their own sizes through its ViT, 1-D positions; where
+    its text config says ``use_bidirectional_attention="vision"`` each run of vision tokens is a
+    bidirectional block in its sliding layers (``mm_token_type_ids``: 1 image, 2 video)."""
+
+    label = "Gemma 4"
+    batch_keys = frozenset({"pixel_values", "image_position_ids", "pixel_values_videos", "video_position_ids",
+                            "num_frames_per_video", "mm_token_type_ids"})  # fmt: skip
+
+    def __init__(self, model):
+        bidirectional = getattr(text_config(model), "use_bidirectional_attention", None) == "vision"
+        self.block_streams = frozenset({"image", "video"}) if bidirectional else frozenset()
+
+    def streams(self, model):
+        cfg = model.config
+        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
+
+    def item_streams(self, adapter, meta):
+        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
+
+    def check_batch(self, model, batch, kinds, spans):
+        tt = batch.get("mm_token_type_ids")
+        if tt is None:
+            if self.block_streams and any(bool((k > 0).any()) for k in kinds):
+                raise ValueError(
+                    "batch['mm_token_type_ids'] is missing: Gemma 4 runs its images and frames as bidirectional "
+                    "blocks only with it (its processor gives it), and handle.shard gives the shards the blocks "
+                    "the batch asks for"
+                )
+            return
+        tt = torch.as_tensor(tt).cpu()
+        for s, (r, a, z) in enumerate(spans):
+            if not torch.equal(tt[r, a:z].long(), torch.from_numpy(kinds[s])):
+                raise ValueError(
+                    f"batch['mm_token_type_ids'] of sequence {s} is not 1 exactly at its image tokens and 2 at its "
+                    "video tokens (the blocks Gemma 4's mask widens)"
+                )
+
+    def block_keywords(self, model, input_ids, in_block):
+        cfg = model.config
+        types = (input_ids == int(cfg.image_token_id)).long() + 2 * (
+            input_ids == int(cfg.video_token_id)
+        ).long()
+        return {"mm_token_type_ids": types}
 
 
 class _PaliGemma(VLMFamily):
@@ -562,6 +612,8 @@ def vlm_family(model) -> VLMFamily | None:
             return _Mistral3()
         if cls.__name__ in _GEMMA3:
             return _Gemma3()
+        if cls.__name__ in _GEMMA4:
+            return _Gemma4(model)
         if cls.__name__ in _PALIGEMMA:
             return _PaliGemma()
     for cls in type(model).__mro__:

@@ -345,8 +345,15 @@ def block_spans(step: GatheredStep, sequences: np.ndarray, family: VLMFamily, st
         at = np.flatnonzero(step.run_seq == s)  # the sequence's runs, in order
         ln = step.run_len[at]
         ends = offset + np.cumsum(ln)
+        first = len(out)  # this sequence's blocks start here
         for j in np.flatnonzero(np.isin(step.run_kind[at], kinds)).tolist():
-            out.append((int(ends[j] - ln[j]), int(ends[j])))
+            a, e = int(ends[j] - ln[j]), int(ends[j])
+            if (
+                len(out) > first and out[-1][1] == a
+            ):  # touching runs of two block streams: one block (Gemma 4)
+                out[-1] = (out[-1][0], e)
+            else:
+                out.append((a, e))
         offset += int(step.lengths[s])
     return np.array(out, dtype=np.int64).reshape(-1, 2)
 

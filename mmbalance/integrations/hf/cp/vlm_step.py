@@ -350,9 +350,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     else:
         kw["position_ids"] = out[:, 3].unsqueeze(0)
     if family.has_blocks:  # the model builds its block mask from them
-        kw["token_type_ids"] = (
-            family.token_types(torch.from_numpy(in_blocks(shard))).unsqueeze(0).to(out.device)
-        )
+        kw.update(family.block_keywords(model, kw["input_ids"], torch.from_numpy(in_blocks(shard))))
     if mm:
         kw["mm_encoder_outputs"] = mm
     if media.pending:  # the handle installs the media hook that resolves it

@@ -4,10 +4,13 @@ The processor pads every image (and frame) to the call's ``max_patches`` rows, w
 ``(-1, -1)`` at the padding; the tower attends within an image only (padding masked), pools each
 ``k x k`` cell of its patch grid into one soft token and drops the padding, so an image gives the
 same rows however many rows it is padded to and whatever shares its call (checked against the
-stock forward: rows equal, gradients within float rounding). Only an image's own patches travel;
-its positions are its patch grid (``x`` along the width first), which the processor writes and
-``extract`` checks, so they are rebuilt where it is encoded. A video's frames go through the same
-tower and projector as images (``get_video_features``), so each frame is an item of its own.
+stock forward: rows equal). Its gradients do see the padding's length (the norms' weights, 1e-7
+in float64 between an image padded to 32 and to 64 rows), so the encoding rank pads every item to
+the length its processor padded it to (``padded``; the largest of the call's items where ranks'
+processors differ). Only an image's own patches travel; its positions are its patch grid (``x``
+along the width first), which the processor writes and ``extract`` checks, so they are rebuilt
+where it is encoded. A video's frames go through the same tower and projector as images
+(``get_video_features``), so each frame is an item of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def _grid(width: int, height: int) -> Tensor:
 @register_adapter
 class Gemma4VisionAdapter(EncoderAdapter):
     encoder = "vision"
-    meta_columns = ("video", "width", "height")
+    meta_columns = ("video", "width", "height", "padded")
     model_classes = ("Gemma4ForConditionalGeneration", "Gemma4Model")
     splits_frames = True  # the tower sees one frame at a time: frames are items whatever this says
 
@@ -65,7 +68,7 @@ class Gemma4VisionAdapter(EncoderAdapter):
                     "before its padding, as the Gemma 4 processor gives them"
                 )
             parts.append(pix[i, :n])
-            meta.append((video, w, h))
+            meta.append((video, w, h, int(pix.shape[1])))
         return parts, meta
 
     def extract(self, model, kwargs):
@@ -110,7 +113,7 @@ class Gemma4VisionAdapter(EncoderAdapter):
         dtype, _ = dtype_device(self._tower(model))
         rows = np.array([int(t.shape[0]) for t in parts], dtype=np.int64)
         return Items(
-            [torch.cat(parts).to(dtype)], rows, np.array(meta, dtype=np.int64).reshape(-1, 3), context
+            [torch.cat(parts).to(dtype)], rows, np.array(meta, dtype=np.int64).reshape(-1, 4), context
         )
 
     def empty_payload(self, model):
@@ -120,21 +123,20 @@ class Gemma4VisionAdapter(EncoderAdapter):
     def dummy(self, model):
         dtype, device = dtype_device(self._tower(model))
         k = self._k(model)
-        return [torch.zeros(k * k, self._patch_pixels(model), dtype=dtype, device=device)], np.array(
-            [[0, k, k]], dtype=np.int64
-        )
+        x = torch.zeros(k * k, self._patch_pixels(model), dtype=dtype, device=device)
+        return [x], np.array([[0, k, k, k * k]], dtype=np.int64)
 
     def out_rows(self, model, meta, **options):
         k = self._k(model)
         return (meta[:, 1] // k) * (meta[:, 2] // k)
 
     def encode(self, model, payload, meta, **options):
-        k = self._k(model)
         rows = meta[:, 1] * meta[:, 2]
-        longest = int(-(-int(rows.max()) // (k * k)) * k * k)  # padded to whole pooling cells
+        # padded as the processor padded them (the tower's gradients, not its rows, see the padding)
+        longest = int(meta[:, 3].max())
         pix = payload[0].new_zeros(len(meta), longest, payload[0].shape[-1])
         pos = torch.full((len(meta), longest, 2), -1, dtype=torch.long, device=pix.device)
-        for i, (patches, (_, w, h)) in enumerate(zip(packed_rows(payload[0], rows), meta.tolist())):
+        for i, (patches, (_, w, h, _)) in enumerate(zip(packed_rows(payload[0], rows), meta.tolist())):
             pix[i, : patches.shape[0]] = patches
             pos[i, : patches.shape[0]] = _grid(w, h).to(pix.device)
         out = core(model).get_image_features(pix, pos, return_dict=True).pooler_output
