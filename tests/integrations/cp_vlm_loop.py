@@ -16,7 +16,7 @@ token-loss sum over the global count); every image and frame is encoded exactly 
 (the rows of the vision tower's calls); no rank's language model embeds more than the budget.
 
 argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | glm4v | glm46v |
-kimi_k25 | mistral3 | gemma3 | paligemma | gemma4 (these seven on 2 ranks: ``PAIR``; Gemma 3's and
+kimi_k25 | mistral3 | gemma3 | paligemma | gemma4 | qwen3_omni_moe (these eight on 2 ranks: ``PAIR``; Gemma 3's and
 Gemma 4's images and PaliGemma's prefixes are bidirectional blocks cut by the shard boundaries) | llava (LLaVA
 has no video: a document of eight images stands in for it) | qwen2_5_omni (the thinker: a long
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
@@ -106,6 +106,8 @@ PAIR = {
     # block in its sliding layers: a 93-token sequence over both ranks, whose zigzag boundaries cut
     # the video's second frame and the second image
     "gemma4": [[[(8, 8), ("video", 2, 8, 8), (8, 8), (4, 8)]], [[(4, 4)], ("text", 3)]],
+    # the Qwen3-Omni thinker: Qwen3-VL's tower with its deepstack rows, a video's frames as items
+    "qwen3_omni_moe": [[[("video", 2, 8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
 }
 if not hf_zoo_kimi_videos_run():  # transformers' own video path of Kimi-K2.5 fails before 5.24
     PAIR["kimi_k25"] = [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]]
@@ -173,7 +175,7 @@ def examples(model) -> list[list[dict]]:
                 elif FAMILY == "paligemma":  # a prompt, then a one-token answer
                     text["token_type_ids"] = torch.zeros_like(ids)
                     text["token_type_ids"][:, -1] = 1
-                elif FAMILY not in ("llava", "qwen2_5_omni", "kimi_k25", "mistral3"):
+                elif FAMILY not in ("llava", "qwen2_5_omni", "qwen3_omni_moe", "kimi_k25", "mistral3"):
                     text["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int32)
                 mine.append(text)
             else:

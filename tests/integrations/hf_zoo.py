@@ -412,6 +412,8 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
             out.update(pixel_values=torch.cat(pix), image_grid_thw=torch.tensor(grids))
         if vpix:
             out.update(pixel_values_videos=torch.cat(vpix), video_grid_thw=torch.tensor(vgrids))
+            if name == "qwen3_omni_moe":  # its processor's seconds per temporal patch (integer positions)
+                out["video_second_per_grid"] = torch.ones(len(vgrids))
         if feats:
             longest = max(feats)
             f = torch.zeros(len(feats), MEL, longest)

@@ -94,12 +94,13 @@ def test_qwen3_5_steps_with_media_in_split_sequences_match_the_reference_on_4_ra
 def test_families_since_qwen3_vl_split_their_media_over_2_ranks_exactly():
     """GLM-4.1V, GLM-4.6V, Kimi-K2.5 (a video clip too), Mistral 3 (images at their own sizes)
     Gemma 3 and Gemma 4 (each image a bidirectional block, the blocks cut by the zigzag
-    boundaries) and PaliGemma (each prefix of images and prompt a bidirectional block over both
-    ranks): media
+    boundaries), PaliGemma (each prefix of images and prompt a bidirectional block over both
+    ranks) and the Qwen3-Omni thinker (deepstack rows, a video split): media
     in a sequence over the budget, split over 2 ranks and cut at the boundary, with and without
     encoder balancing: loss and every gradient within 1e-5 of each example alone, every item
     encoded once in the world."""
-    runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4")
+    runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4",
+                                             "qwen3_omni_moe")
             if hf_zoo.available(name) and not _own_mean_loss(name) for balance in ("plain", "encoder")]  # fmt: skip
     out = launch(SCRIPT, *runs, nproc=2, timeout=840)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
@@ -325,6 +326,29 @@ def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
     assert not model._forward_pre_hooks  # the audio hook went with the handle
 
 
+def test_one_process_shard_of_the_qwen3_omni_thinker_matches_the_stock_forward():
+    """The Qwen3-Omni thinker with images and a video (its Qwen3-VL tower's deepstack rows
+    carried): positions, loss and gradients as the stock forward gives every example alone."""
+    model, ref = _model("qwen3_omni_moe"), _model("qwen3_omni_moe", "eager")
+    specs = [[(4, 4)], [], [("video", 2, 4, 4), (4, 8)]]
+    rows = [hf_zoo.batch("qwen3_omni_moe", model, [spec], seed=3 + i) for i, spec in enumerate(specs)]
+    rows[2]["video_second_per_grid"] = torch.tensor([2.0])
+    batch = hf_zoo.collate(rows, left=[i == 1 for i in range(len(rows))])
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
+    inputs = handle.shard(batch)
+    assert set(inputs["mm_encoder_outputs"]) == {"image", "video"}
+    _matches_each_example_alone(model, inputs, ref, rows)
+    want_pos = []
+    for b in rows:
+        pos, _ = core(ref).get_rope_index(
+            b["input_ids"], b.get("image_grid_thw"), b.get("video_grid_thw"), b["attention_mask"], False, None,
+            b.get("video_second_per_grid"),
+        )  # fmt: skip
+        want_pos.append(pos[:, 0])
+    assert torch.equal(inputs["position_ids"][1:, 0], torch.cat(want_pos, dim=1).long())
+    handle.remove()
+
+
 def _fsdp2_family(rank: int, world: int) -> dict:
     """FSDP2 on a multimodal model (the tower a unit of its own, then the root): the family is
     found through FSDP2's ``FSDP<Name>`` class, and ``shard`` leaves the media to the forward."""
@@ -425,7 +449,7 @@ def test_other_multimodal_models_are_refused_by_name(name):
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("glm4v_moe", "packed rows"), ("llava_onevision", "anyres"), ("qwen3_omni_moe", "deepstack")],
+    [("glm4v_moe", "packed rows"), ("llava_onevision", "anyres")],
 )  # fmt: skip
 def test_families_whose_media_cannot_be_split_yet_are_refused_with_the_reason(name, reason):
     register_attention()
@@ -468,6 +492,15 @@ BAD_BATCHES = {
                               ["token_type_ids", "missing"]),
     "gemma3-other-token-types": (("gemma3", [[1, 1]]), lambda b: b["token_type_ids"][0, :2].fill_(1), ValueError,
                                  ["token_type_ids", "sequence 0"]),
+    # the Qwen3-Omni thinker: audio stays with the thinker, and positions must be integers
+    "omni3-audio": (("qwen3_omni_moe", [[("audio", 30), (4, 4)]]), lambda b: None, ValueError,
+                    ["input_features", "Qwen3-Omni-MoE thinker"]),
+    "omni3-audio-placeholders": (("qwen3_omni_moe", [[("audio", 30)]]),
+                                 lambda b: (b.pop("input_features"), b.pop("feature_attention_mask")), ValueError,
+                                 ["audio placeholders", "Qwen3-Omni"]),
+    "omni3-fractional-seconds": (("qwen3_omni_moe", [[("video", 2, 4, 4)]]),
+                                 lambda b: b.update(video_second_per_grid=torch.tensor([0.5])), ValueError,
+                                 ["video_second_per_grid", "fractional"]),
     "gemma4-no-token-types": (("gemma4", [[(4, 4)]]), lambda b: b.pop("mm_token_type_ids"), ValueError,
                               ["mm_token_type_ids", "missing"]),
     "gemma4-bad-token-types": (("gemma4", [[(4, 4)]]), lambda b: b["mm_token_type_ids"].fill_(0), ValueError,

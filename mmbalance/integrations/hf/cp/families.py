@@ -1,7 +1,7 @@
 """Dynamic context parallelism for multimodal models: :meth:`DynamicCPHandle.shard` on the
 batches their processors give (images, videos, audio clips), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, Kimi-K2.5, Mistral 3, Gemma 3, Gemma 4, PaliGemma, LLaVA
-and the Qwen2.5-Omni thinker. This module holds the model families (batch
+and the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (images and videos). This module holds the model families (batch
 keys, feature streams, M-RoPE positions, encoder FLOPs, the streams placed into the input
 embeddings) and the encoder cost (a group plans with its members' share of it,
 :func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds``); the numpy side of a
@@ -94,6 +94,7 @@ _QWEN = {
 }
 _LLAVA = {"LlavaForConditionalGeneration": "LLaVA"}
 _OMNI = {"Qwen2_5OmniThinkerForConditionalGeneration": "Qwen2.5-Omni thinker"}
+_OMNI3 = {"Qwen3OmniMoeThinkerForConditionalGeneration": "Qwen3-Omni-MoE thinker"}
 # GLM-4.1V and GLM-4.6V (images; GLM-4.5V's language model runs packed rows wrong: mixers.py)
 _GLM = {"Glm4vForConditionalGeneration": "GLM-4.1V", "Glm46VForConditionalGeneration": "GLM-4.6V"}
 _KIMI = {"Kimi_K25ForConditionalGeneration": "Kimi-K2.5"}
@@ -106,6 +107,7 @@ SUPPORTED: tuple[str, ...] = (
     tuple(_QWEN)
     + tuple(_LLAVA)
     + tuple(_OMNI)
+    + tuple(_OMNI3)
     + tuple(_GLM)
     + tuple(_KIMI)
     + tuple(_MISTRAL3)
@@ -119,8 +121,6 @@ NOT_SHARDED = {
     "another under every attention, and a CP shard is a packed row",
     "LlavaOnevisionForConditionalGeneration": "an image's rows come from packing all its tiles together "
     "(anyres unpadding and newlines), so its tiles cannot be encoded where the rows are needed",
-    "Qwen3OmniMoeThinkerForConditionalGeneration": "its positions (audio and video interleaved) and "
-    "deepstack rows are not carried into split sequences yet",
 }
 # a FLOP rate to turn encoder FLOPs into the seconds of the "quadratic" cost (CostModel.transformer)
 _FLOPS = 400e12
@@ -559,13 +559,46 @@ class _QwenOmni(VLMFamily):
                     seq_ids.reshape(1, -1),
                     img if img.shape[0] else None,
                     vid if vid.shape[0] else None,
-                    None,
+                    torch.ones(1, n, dtype=torch.long),  # (the Qwen3-Omni thinker reads it)
                     False,
                     torch.from_numpy(frames[clips[s]]),
                     per,
                 )
-                out.append(pos[:, 0, :].t().to(torch.int64).cpu())
+                pos = pos[:, 0, :].t().cpu()
+                if pos.is_floating_point() and not bool((pos == pos.round()).all()):
+                    raise ValueError(
+                        f"batch['video_second_per_grid'] of sequence {s} gives {self.label} fractional M-RoPE "
+                        "positions (seconds per grid x position_id_per_seconds), which the shards carry as integers"
+                    )
+                out.append(pos.round().to(torch.int64))
         return torch.cat(out) if out else torch.zeros(0, 3, dtype=torch.int64)
+
+
+class _Qwen3Omni(_QwenOmni):
+    """The Qwen3-Omni-MoE thinker: images and videos through its Qwen3-VL tower (deepstack rows
+    included), M-RoPE positions from its ``get_rope_index``. Its audio tower stays with the
+    thinker (its gradients depend on which clips share a call: ``encoders/models/qwen_omni.py``),
+    so a batch with audio is refused by name."""
+
+    label = "Qwen3-Omni-MoE thinker"
+    embedded = frozenset()
+    media_keys = {"image": "pixel_values", "video": "pixel_values_videos"}
+    batch_keys = frozenset(
+        {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "video_second_per_grid"}
+    )
+
+    def streams(self, model):
+        cfg = model.config
+        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
+
+    def check_batch(self, model, batch, kinds, spans):
+        ids = batch.get("input_ids")
+        if ids is not None and bool((torch.as_tensor(ids) == int(model.config.audio_token_id)).any()):
+            raise ValueError(
+                "batch['input_ids'] holds audio placeholders: handle.shard does not carry the Qwen3-Omni thinker's "
+                "audio into split sequences (its audio tower's gradients depend on which clips share a call); "
+                "train audio without dynamic CP"
+            )
 
 
 class _Llava(VLMFamily):
@@ -604,6 +637,8 @@ def vlm_family(model) -> VLMFamily | None:
             return _Llava()
         if cls.__name__ in _OMNI:
             return _QwenOmni()
+        if cls.__name__ in _OMNI3:
+            return _Qwen3Omni()
         if cls.__name__ in _GLM:
             return _Glm(cls.__name__)
         if cls.__name__ in _KIMI:
