@@ -32,8 +32,9 @@ from this module instead):
   Earlier: one tensor of every item's rows.
 * ``TrainingArguments`` has ``dataloader_multiprocessing_context`` and ``dataloader_in_order``,
   since 5.15. Earlier: :func:`loader_options` leaves them out (the DataLoader's defaults).
-* ``masking_utils.blockwise_overlay`` (bidirectional image blocks), since 5.9. Earlier: Gemma 3's
-  and PaliGemma's own ``token_type_ids_mask_function``, read as the same piece (:func:`mask_pieces`).
+* ``masking_utils.blockwise_overlay`` (bidirectional image blocks), since 5.9. Earlier: Gemma 3's,
+  PaliGemma's and Gemma 4's own ``token_type_ids_mask_function``, read as the same piece
+  (:func:`mask_pieces`).
 
 Which model families exist in the oldest version is in the README's support table (every family
 the integration lists is in transformers 5.6).
@@ -520,12 +521,19 @@ def mask_pieces() -> dict[Any, tuple[str, dict[str, str]]]:
     if hasattr(mu, "blockwise_overlay"):
         add(mu.blockwise_overlay(t), "blockwise")
     else:  # the same overlay, defined by each model that used it
-        from transformers.models.gemma3 import modeling_gemma3
-        from transformers.models.paligemma import modeling_paligemma
+        import importlib
 
-        for module in (modeling_gemma3, modeling_paligemma):
+        for name in ("gemma3", "paligemma", "gemma4"):
+            try:
+                module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            except ImportError:  # a release without the family
+                continue
             fn = getattr(module, "token_type_ids_mask_function", None)
-            if fn is not None:
+            if fn is None:
+                continue
+            if len(inspect.signature(fn).parameters) == 2:  # Gemma 4's (token_type_ids, image_group_ids)
+                add(fn(t, t), "blockwise", {"image_group_ids": "block_sequence_ids"})
+            else:
                 add(fn(t), "blockwise", {"group_ids": "block_sequence_ids"})
     return pieces
 
