@@ -1,6 +1,7 @@
-"""Bidirectional image blocks inside a dynamic context-parallel shard (Gemma 3).
+"""Bidirectional blocks inside a dynamic context-parallel shard (Gemma 3's and Gemma 4's images,
+PaliGemma's prefix of images and prompt).
 
-Gemma 3's mask lets every token of an image see the whole image: causal attention, widened by the
+Their masks let every token of a block see the whole block: causal attention, widened by the
 *later* keys of the query's own block. A shard's attention runs the causal part as usual (varlen
 attention for a group of one, the ring otherwise, with its log-sum-exp) and then adds each block
 query's later keys as a second op call, merged by the log-sum-exps, as the packed backend does
@@ -13,8 +14,9 @@ tokens: a small part of a long sequence), and the backward sums their gradients 
 (one all-reduce) before each rank keeps its own rows.
 
 The blocks come from the shard (:attr:`~.shard.CPShard.blocks`, spans of the group's unsplit
-sequences, read from the placeholder runs every rank gathered), not from the model's mask: a
-split sequence's local rows are two pieces, whose contiguity says nothing about the image's.
+sequences, read from the placeholder runs or prefixes every rank gathered), not from the model's
+mask: a split sequence's local rows are two pieces, whose contiguity says nothing about the
+block's.
 Which local rows lie in blocks is checked against the model's own mask on every call.
 """
 
@@ -98,7 +100,7 @@ def shard_blocks(shard: CPShard, device) -> ShardBlocks:
     member_rows = [np.flatnonzero(block_of(g) >= 0) for g in where]
     gathered_coord = np.concatenate([g[rows] for g, rows in zip(where, member_rows)]).astype(np.int64)
     order = np.argsort(gathered_coord, kind="stable")
-    row_of_coord = {c: i for i, c in enumerate(gathered_coord[order].tolist())}
+    sorted_coord = gathered_coord[order]
     mine = where[shard.group_rank]
     local = member_rows[shard.group_rank]
     q_rows, k_rows, qr, kr, nq, nk = [], [], [], [], [], []
@@ -114,7 +116,7 @@ def shard_blocks(shard: CPShard, device) -> ShardBlocks:
             if qlo + 1 >= e:
                 continue  # the block's last token: no later key
             q_rows.append(rows[i:j][::-1])
-            k_rows.append(np.array([row_of_coord[c] for c in range(e - 1, qlo, -1)], dtype=np.int64))
+            k_rows.append(np.searchsorted(sorted_coord, np.arange(e - 1, qlo, -1, dtype=np.int64)))
             qp, kp = e - qhi, 1  # reversed: query c at e - 1 - c, key c' at e - c'
             qr.append((qp, qhi - qlo, qp + qhi - qlo))
             kr.append((kp, e - 1 - qlo, kp + e - 1 - qlo))
