@@ -216,6 +216,45 @@ def test_which_losses_take_the_steps_token_count():
     assert compat.loss_takes_token_count(gemma3.__new__(gemma3)) is not averages
 
 
+def _loss_calls(source: str) -> list[str]:
+    """The argument lists of every ``self.loss_function(...)`` call in ``source``."""
+    out, at = [], source.find("self.loss_function(")
+    while at >= 0:
+        i = at + len("self.loss_function")
+        depth = 0
+        for j in range(i, len(source)):
+            depth += {"(": 1, ")": -1}.get(source[j], 0)
+            if depth == 0:
+                out.append(source[i + 1 : j])
+                break
+        at = source.find("self.loss_function(", at + 1)
+    return out
+
+
+@pytest.mark.parametrize("name", hf_zoo.MODELS)
+def test_a_forward_that_drops_the_loss_keywords_gets_them_back(name):
+    """Every family of the zoo whose installed forward calls its loss without the call's keywords
+    (``num_items_in_batch``, ``shift_labels``) has them handed on by install_loss_keywords, or says
+    that its loss is a mean over each call: read from the installed source, so a family or a
+    release that drops them cannot slip through."""
+    import inspect
+
+    if not hf_zoo.available(name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    model = hf_zoo.build(name, seed=4)
+    calls = _loss_calls(inspect.getsource(type(model).forward))
+    drops = any("**kwargs" not in call for call in calls)
+    hook = compat.install_loss_keywords(model)
+    try:
+        if drops:
+            assert hook is not None or not compat.loss_takes_token_count(model), (name, calls)
+        else:
+            assert hook is None, name
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
 # ------------------------------------------------------------------------------- wrappers
 def test_the_model_inside_a_peft_model_and_the_hint_for_other_wrappers():
     peft = pytest.importorskip("peft")

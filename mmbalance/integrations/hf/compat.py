@@ -421,6 +421,8 @@ _LOSS_WITHOUT_KEYWORDS_UNTIL = {
     "Qwen3VLForConditionalGeneration": (5, 17),
     "Qwen3VLMoeForConditionalGeneration": (5, 17),
     "Qwen2_5OmniThinkerForConditionalGeneration": (5, 17),
+    # the Qwen3-Omni-MoE thinker: no keywords in 5.16.1, passed in 5.19.0 (taken as Qwen3-VL's release)
+    "Qwen3OmniMoeThinkerForConditionalGeneration": (5, 17),
     "Qwen3_5ForConditionalGeneration": (5, 17),
     "Qwen3_5MoeForConditionalGeneration": (5, 17),
     # GLM-4.1V, GLM-4.5V, GLM-4.6V: no keywords in 5.16.1, passed in 5.19.0 (taken as Qwen3-VL's release)
@@ -470,9 +472,9 @@ def loss_takes_token_count(model) -> bool:
 def install_loss_keywords(model, module=None):
     """Make ``model``'s loss see the loss keywords its forward was called with (``num_items_in_batch``,
     ``shift_labels``) where the installed release's forward does not pass them on (Qwen3-VL,
-    Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE and the Qwen2.5-Omni thinker before 5.17 call their loss with the logits and
-    labels alone, so a step's global token count and the labels shifted on whole sequences were
-    lost): the loss function then takes them from the call, read by hooks on ``module`` (the
+    Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, GLM-4.xV and the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers
+    before 5.17 call their loss with the logits and labels alone, so a step's global token count
+    and the labels shifted on whole sequences were lost): the loss function then takes them from the call, read by hooks on ``module`` (the
     module the loop calls, default ``model``; a peft wrapper calls the model's forward past its
     hooks). Returns the installed object (``remove()``; one per model), or ``None`` where the
     forward passes them itself (nothing is installed). Installing it again returns the same object
