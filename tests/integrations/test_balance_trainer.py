@@ -76,30 +76,42 @@ OPT_OUTS = {
 }
 
 
+#: the token budget of the context-parallel runs: the 8 examples of a step (207 tokens, the
+#: longest 56) fit 2 micro-batches of 2 ranks only with the longest split over both
+CP_BUDGET = 53
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize("cp", [False, True], ids=["dp", "cp"])
 @pytest.mark.parametrize("family", list(OPT_OUTS))
-def test_models_that_opt_out_of_the_token_count_train_like_the_replay(monkeypatch, family):
+def test_models_that_opt_out_of_the_token_count_train_like_the_replay(monkeypatch, family, cp):
     """Qwen3.5's and Gemma 4's vision-language classes (text only), which opt out of the step's
     token count, and a tiny Qwen3.5 language model (Gated DeltaNet beside full attention); padded
-    micro-batches of different sizes, 3 SGD steps: ``balance_trainer`` on 2 ranks trains to the
-    weights of the one-process replay of the logged micro-batches normalized by each step's
-    global token count (1e-5 of the change), not to the mean of each micro-batch's own mean."""
+    micro-batches of different sizes, 3 SGD steps: ``balance_trainer`` on 2 ranks, with and without
+    ``context_parallel=True`` (a sequence split over both ranks), trains to the weights of the
+    one-process replay of the logged examples normalized by each step's global token count (1e-5
+    of the change), not to the mean of each micro-batch's own mean."""
     if not hasattr(transformers, OPT_OUTS[family]):
         pytest.skip(f"transformers {transformers.__version__} has no {OPT_OUTS[family]}")
     monkeypatch.setenv("MMB_FAMILY", family)
     model = S.build_model()
     assert type(model).__name__ == OPT_OUTS[family]
+    env = {"MMB_FAMILY": family, "MMB_STEPS": "3", **({"MMB_CP": str(CP_BUDGET)} if cp else {})}
     with tempfile.TemporaryDirectory() as tmp:
         args = transformers.TrainingArguments(output_dir=tmp, use_cpu=True, report_to=[])
         opts_out = transformers.Trainer(model=model, args=args).model_accepts_loss_kwargs is False
-        launch(SCRIPT, nproc=2, timeout=600, env={"MMB_TMP": tmp, "MMB_FAMILY": family, "MMB_STEPS": "3"})
+        launch(SCRIPT, nproc=2, timeout=600, env={"MMB_TMP": tmp, **env})
         full = [json.loads((Path(tmp) / f"full-rank{r}.json").read_text())["batches"] for r in (0, 1)]
         got = torch.load(Path(tmp) / "full.pt")
     g = S.ACCUM
     steps = [
         [mb for r in range(2) for mb in full[r][s * g : (s + 1) * g]] for s in range(3)
     ]  # (then prefetched)
+    if cp:  # a split sequence's members load its micro-batch alike: each example once, on its own
+        shared = [set(a) & set(b) for a, b in zip(full[0][: 3 * g], full[1][: 3 * g])]
+        assert any(shared), "no sequence was split over the two ranks"
+        steps = [[[i] for i in sorted({i for mb in step for i in mb})] for step in steps]
     want = _replay(steps)
     start = S.build_model().state_dict()
 
@@ -108,7 +120,7 @@ def test_models_that_opt_out_of_the_token_count_train_like_the_replay(monkeypatc
 
     change = norm(want, start)
     assert change > 0 and norm(got, want) / change <= 1e-5, norm(got, want) / change
-    if family != "qwen3_5":  # the vision-language classes opt out; what they train to without the count:
+    if family != "qwen3_5" and not cp:  # the vision-language classes opt out; what they train to without it:
         assert opts_out
         assert norm(_replay(steps, each_its_own_mean=True), want) / change > 1e-2  # the check can tell
 

@@ -1,7 +1,8 @@
 """Launched by test_balance_trainer.py on 2 CPU ranks (the environment torchrun gives its workers):
 transformers' Trainer on a tiny Llama with ``balance_trainer``, gradient accumulation 2, two epochs,
 a checkpoint after 3 optimizer steps; then a second Trainer resumes from that checkpoint
-(``MMB_STEPS``: that many optimizer steps instead of the epochs). Every rank
+(``MMB_STEPS``: that many optimizer steps instead of the epochs; ``MMB_CP``: with context
+parallelism under that many tokens a rank, in ``mmbalance_varlen``). Every rank
 logs the micro-batches its loader fetched (dataset indices, in order) to ``$MMB_TMP``; rank 0 saves
 the final weights of both runs there."""
 
@@ -125,7 +126,15 @@ def train(name: str, resume: str | None = None):
     )  # fmt: skip
     model = build_model()
     data = Logged()
-    trainer = balance_trainer(Trainer(model=model, args=args, train_dataset=data, data_collator=collate))
+    budget = os.environ.get("MMB_CP")  # context parallelism under that many tokens a rank
+    cp = {"context_parallel": True, "max_tokens_per_rank": int(budget)} if budget else {}
+    if budget:
+        from mmbalance.integrations.hf import register_attention
+
+        model.set_attn_implementation(register_attention())
+    trainer = balance_trainer(
+        Trainer(model=model, args=args, train_dataset=data, data_collator=collate), **cp
+    )
     trainer.train(resume_from_checkpoint=resume)
     rank = int(os.environ["RANK"])
     # the teardown arrangement: a train-end callback, and the default group kept until exit (the

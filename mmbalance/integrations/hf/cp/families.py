@@ -647,8 +647,8 @@ def vlm_family(model) -> VLMFamily | None:
             return _Mistral3()
         if cls.__name__ in _GEMMA3:
             return _Gemma3()
-        if cls.__name__ in _GEMMA4:
-            return _Gemma4(model)
+        if cls.__name__ in _GEMMA4:  # built without its towers (vision_config None): a text model
+            return _Gemma4(model) if getattr(model.config, "vision_config", None) is not None else None
         if cls.__name__ in _PALIGEMMA:
             return _PaliGemma()
     for cls in type(model).__mro__:

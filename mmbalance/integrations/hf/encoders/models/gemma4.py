@@ -38,6 +38,9 @@ class Gemma4VisionAdapter(EncoderAdapter):
     model_classes = ("Gemma4ForConditionalGeneration", "Gemma4Model")
     splits_frames = True  # the tower sees one frame at a time: frames are items whatever this says
 
+    def matches(self, model) -> bool:  # a Gemma 4 built without its vision tower has none to balance
+        return super().matches(model) and getattr(model.config, "vision_config", None) is not None
+
     def _tower(self, model):
         return core(model).vision_tower
 
