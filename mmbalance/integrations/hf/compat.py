@@ -523,13 +523,11 @@ def mask_pieces() -> dict[Any, tuple[str, dict[str, str]]]:
     if hasattr(mu, "blockwise_overlay"):
         add(mu.blockwise_overlay(t), "blockwise")
     else:  # the same overlay, defined by each model that used it
-        import importlib
+        from transformers.models.gemma3 import modeling_gemma3
+        from transformers.models.gemma4 import modeling_gemma4
+        from transformers.models.paligemma import modeling_paligemma
 
-        for name in ("gemma3", "paligemma", "gemma4"):
-            try:
-                module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-            except ImportError:  # a release without the family
-                continue
+        for module in (modeling_gemma3, modeling_paligemma, modeling_gemma4):
             fn = getattr(module, "token_type_ids_mask_function", None)
             if fn is None:
                 continue

@@ -22,7 +22,7 @@ from mmbalance.collectives.group import comm_device
 from mmbalance.pyops import cu_seqlens_from_lengths
 
 from ..attention import CP_KEYWORD
-from ..compat import loss_takes_token_count, transformers_version
+from ..compat import loss_takes_token_count
 from ..encoders import EncoderAdapter, ZeroLink, core, encoder_balance_of, encoder_plan
 from .families import VLMFamily, check_feature_rows, encoder_seconds
 from .inputs import IGNORE, check_attention, model_device, pad_id, positions
@@ -261,9 +261,8 @@ def shard_vlm(handle, batch: Mapping) -> dict:
     lengths, labelled = step.lengths, step.labelled
     has_labels = labels_of(step.has_labels, step.seq_src, local.seqs.has_labels)  # before anything moves
     if has_labels and not loss_takes_token_count(model):  # a global fact: every rank refuses alike
-        release = ".".join(map(str, transformers_version()))
         raise ValueError(
-            f"batch['labels']: {type(model).__name__} on transformers {release} computes its loss "
+            f"batch['labels']: {type(model).__name__} on the installed transformers computes its loss "
             "itself, a mean over each call with the labels shifted inside it, so a shard's loss would be wrong (a "
             "split sequence's labels cross the shards, and the step's token count is ignored); use a release "
             "whose forward takes the shard's shift_labels and num_items_in_batch (Gemma 3: 5.17 on)"
