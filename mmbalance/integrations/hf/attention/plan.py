@@ -73,6 +73,29 @@ class BlockPlan:
     q_runs: Tensor
     k_runs: Tensor
 
+    @classmethod
+    def from_runs(cls, q_rows: list, k_rows: list, q_first: list, k_first: list, device) -> BlockPlan | None:
+        """The plan of query runs ``q_rows[i]`` (row indices, in reversed order) against key runs
+        ``k_rows[i]``, whose reversed positions start at ``q_first[i]`` and ``k_first[i]``; ``None``
+        when there is no run."""
+        if not q_rows:
+            return None
+        nq, nk = [len(r) for r in q_rows], [len(r) for r in k_rows]
+        return cls(
+            q_index=torch.from_numpy(np.concatenate(q_rows).astype(np.int64)).to(device),
+            k_index=torch.from_numpy(np.concatenate(k_rows).astype(np.int64)).to(device),
+            cu_q=cu_seqlens_from_lengths(np.array(nq), device=device),
+            cu_k=cu_seqlens_from_lengths(np.array(nk), device=device),
+            max_q=max(nq),
+            max_k=max(nk),
+            q_runs=torch.tensor(
+                [(a, n, a + n) for a, n in zip(q_first, nq)], dtype=torch.int32, device=device
+            ),
+            k_runs=torch.tensor(
+                [(a, n, a + n) for a, n in zip(k_first, nk)], dtype=torch.int32, device=device
+            ),
+        )
+
 
 def _true_runs(valid: np.ndarray) -> list[tuple[int, int]]:
     d = np.diff(np.concatenate([[0], valid.astype(np.int8), [0]]))
@@ -233,7 +256,10 @@ def _block_plan(spec: VarlenMask, b: int, lq: int, lk: int, device) -> BlockPlan
     valid = None
     if spec.padding is not None:
         valid = spec.padding.detach().to("cpu", torch.bool).numpy()
-    q_rows, k_rows, qr, kr, nq, nk = [], [], [], [], [], []
+    q_rows: list = []
+    k_rows: list = []
+    qr: list = []
+    kr: list = []
     for r in range(b):
         row = ids[r if ids.shape[0] > 1 else 0]
         for block in np.unique(row[row >= 0]).tolist():
@@ -263,23 +289,9 @@ def _block_plan(spec: VarlenMask, b: int, lq: int, lk: int, device) -> BlockPlan
                 continue  # no query of the block has a later key
             q_rows.append(r * lq + np.arange(qhi - 1, qlo - 1, -1) - spec.q_offset)
             k_rows.append(r * lk + np.arange(khi - 1, klo - 1, -1) - spec.kv_offset)
-            qp, kp = e - qhi, e - khi + 1
-            qr.append((qp, qhi - qlo, qp + qhi - qlo))
-            kr.append((kp, khi - klo, kp + khi - klo))
-            nq.append(qhi - qlo)
-            nk.append(khi - klo)
-    if not q_rows:
-        return None
-    return BlockPlan(
-        q_index=torch.from_numpy(np.concatenate(q_rows)).to(device),
-        k_index=torch.from_numpy(np.concatenate(k_rows)).to(device),
-        cu_q=cu_seqlens_from_lengths(np.array(nq), device=device),
-        cu_k=cu_seqlens_from_lengths(np.array(nk), device=device),
-        max_q=max(nq),
-        max_k=max(nk),
-        q_runs=torch.tensor(qr, dtype=torch.int32, device=device),
-        k_runs=torch.tensor(kr, dtype=torch.int32, device=device),
-    )
+            qr.append(e - qhi)
+            kr.append(e - khi + 1)
+    return BlockPlan.from_runs(q_rows, k_rows, qr, kr, device)
 
 
 def host_plan(

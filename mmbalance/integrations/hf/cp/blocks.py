@@ -29,7 +29,6 @@ from torch import Tensor
 
 from mmbalance.collectives.inflight import run
 from mmbalance.collectives.ring.plan import ring_plan
-from mmbalance.pyops.varlen import cu_seqlens_from_lengths
 
 from ..attention import ATTENTION_NAME, BlockPlan, VarlenMask, add_block_keys
 from .shard import CPShard
@@ -103,7 +102,9 @@ def shard_blocks(shard: CPShard, device) -> ShardBlocks:
     sorted_coord = gathered_coord[order]
     mine = where[shard.group_rank]
     local = member_rows[shard.group_rank]
-    q_rows, k_rows, qr, kr, nq, nk = [], [], [], [], [], []
+    q_rows: list = []
+    k_rows: list = []
+    q_first: list = []
     blk = block_of(mine[local])
     for b in np.unique(blk).tolist():
         e = int(ends[b])
@@ -117,23 +118,8 @@ def shard_blocks(shard: CPShard, device) -> ShardBlocks:
                 continue  # the block's last token: no later key
             q_rows.append(rows[i:j][::-1])
             k_rows.append(np.searchsorted(sorted_coord, np.arange(e - 1, qlo, -1, dtype=np.int64)))
-            qp, kp = e - qhi, 1  # reversed: query c at e - 1 - c, key c' at e - c'
-            qr.append((qp, qhi - qlo, qp + qhi - qlo))
-            kr.append((kp, e - 1 - qlo, kp + e - 1 - qlo))
-            nq.append(qhi - qlo)
-            nk.append(e - 1 - qlo)
-    plan = None
-    if q_rows:
-        plan = BlockPlan(
-            q_index=torch.from_numpy(np.concatenate(q_rows).astype(np.int64)).to(device),
-            k_index=torch.from_numpy(np.concatenate(k_rows)).to(device),
-            cu_q=cu_seqlens_from_lengths(np.array(nq), device=device),
-            cu_k=cu_seqlens_from_lengths(np.array(nk), device=device),
-            max_q=max(nq),
-            max_k=max(nk),
-            q_runs=torch.tensor(qr, dtype=torch.int32, device=device),
-            k_runs=torch.tensor(kr, dtype=torch.int32, device=device),
-        )
+            q_first.append(e - qhi)  # reversed: query c at e - 1 - c, key c' at e - c' (the first at 1)
+    plan = BlockPlan.from_runs(q_rows, k_rows, q_first, [1] * len(q_rows), device)
     out = ShardBlocks(local, [int(r.size) for r in member_rows], order.astype(np.int64), plan)
     shard.__dict__["_blocks"] = out
     return out

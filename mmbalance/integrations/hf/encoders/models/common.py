@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ...compat import feature_owner as core
-from ..adapter import EncoderAdapter, Items
+from ..adapter import EncoderAdapter, Items, flops_linear
 
 
 def mm_outputs(kwargs: dict) -> dict:
@@ -39,6 +39,15 @@ def pooled(features, deepstack=None):
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
     return BaseModelOutputWithDeepstackFeatures(pooler_output=features, deepstack_features=deepstack)
+
+
+def image_attention_flops(tower_config, patches: np.ndarray) -> np.ndarray:
+    """Forward FLOPs of a ViT (``tower_config``'s sizes) on items of ``patches`` patches each, every
+    item attending to itself only: linear in its patches plus the quadratic attention term."""
+    cfg = tower_config
+    hidden, ffn, depth = int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.num_hidden_layers)
+    n = np.asarray(patches, dtype=np.float64)
+    return depth * (flops_linear(hidden, ffn) * n + 4.0 * hidden * n * n)
 
 
 def as_int(value) -> int:

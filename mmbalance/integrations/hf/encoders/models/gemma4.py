@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..adapter import EncoderAdapter, Items, flops_linear, packed_rows, register_adapter
-from .common import core, dtype_device, mm_outputs, pooled
+from ..adapter import EncoderAdapter, Items, packed_rows, register_adapter
+from .common import core, dtype_device, image_attention_flops, mm_outputs, pooled
 
 __all__ = ["Gemma4VisionAdapter"]
 
@@ -159,7 +159,4 @@ class Gemma4VisionAdapter(EncoderAdapter):
         return kwargs
 
     def cost(self, model, meta, rows):
-        cfg = self._tower(model).config
-        hidden, ffn, depth = int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.num_hidden_layers)
-        n = rows.astype(np.float64)  # patches; each image attends to itself only
-        return depth * (flops_linear(hidden, ffn) * n + 4.0 * hidden * n * n)
+        return image_attention_flops(self._tower(model).config, rows)  # rows: its patches
