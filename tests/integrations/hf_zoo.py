@@ -12,7 +12,6 @@ text-only sequence.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 
@@ -23,7 +22,6 @@ PATCH, TPATCH, MERGE = 4, 2, 2
 S, P = 16, 4  # tile side and patch of the CLIP/InternViT towers
 PINPOINTS = [[16, 32], [32, 16], [32, 32]]
 GEMMA3_TOKENS = 4  # Gemma 3's projector pools a tile's (S / P)**2 patches into 4 tokens
-G4_PATCH, G4_POOL, G4_MAX = 2, 2, 64  # Gemma 4: patch side, pooling kernel, patches an image is padded to
 MEL, MSP = 8, 16  # Qwen2-Audio: fixed 2 * MSP = 32 mel frames per clip
 
 MODELS = (
@@ -49,10 +47,11 @@ MODELS = (
     "qwen3_omni_moe",
     "llava_onevision",
     "gemma4",
+    "minicpmv4_6",
 )
 # the config class a family needs, where some release of the test matrix lacks it
 NEEDS = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "kimi_k25": "Kimi_K25Config",
-         "gemma4": "Gemma4Config"}  # fmt: skip
+         "gemma4": "Gemma4Config", "minicpmv4_6": "MiniCPMV4_6Config"}  # fmt: skip
 
 
 def kimi_videos_run() -> bool:
@@ -78,6 +77,14 @@ def gemma4_videos_run() -> bool:
             return False
         raise
     return True
+
+
+def more():
+    """:mod:`tests.integrations.hf_zoo_more`, the families this module hands on (imported late: it
+    imports this module's helpers)."""
+    from tests.integrations import hf_zoo_more
+
+    return hf_zoo_more
 
 
 def available(name: str) -> bool:
@@ -108,6 +115,12 @@ def build(name: str, seed: int = 0):
     import transformers as tf
 
     torch.manual_seed(seed)
+    if not available(name):
+        import pytest
+
+        pytest.skip(f"transformers {tf.__version__} has no {name} ({NEEDS[name]})")
+    if name in more().FAMILIES:
+        return more().build(name).float().train()
     ids = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
     qwen_vision = dict(patch_size=PATCH, temporal_patch_size=TPATCH, spatial_merge_size=MERGE)
     qwen3_vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2,
@@ -243,36 +256,6 @@ def build(name: str, seed: int = 0):
                                            audio_token_id=AUD, image_token_id=IMG, video_token_id=VID,
                                            vision_start_token_id=VS, audio_start_token_id=AS)  # fmt: skip
         model = tf.Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
-    elif name == "gemma4":
-        # a ViT at each image's size (patches pooled 2 x 2), images as bidirectional blocks; weights
-        # at 0.2: at the default 0.02 the q/k norms' weight gradients of so small a model cancel, at
-        # 1.0 its activations grow, and either way float32 rounding reaches 1e-5 on 2 ranks
-        text = tf.Gemma4TextConfig(**_text(head_dim=16, global_head_dim=16, num_hidden_layers=2, sliding_window=16,
-                                           layer_types=["sliding_attention", "full_attention"],
-                                           hidden_size_per_layer_input=4, vocab_size_per_layer_input=128,
-                                           use_bidirectional_attention="vision", initializer_range=0.2))  # fmt: skip
-        vision = tf.models.gemma4.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                                                     patch_size=G4_PATCH, pooling_kernel_size=G4_POOL,
-                                                     position_embedding_size=64, initializer_range=0.2)  # fmt: skip
-        cfg = tf.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
-                              image_token_id=IMG, video_token_id=VID, boi_token_id=VS, eoi_token_id=VE,
-                              audio_token_id=AUD)  # fmt: skip
-        model = tf.Gemma4ForConditionalGeneration(cfg)
-    elif name == "llava_onevision":
-        siglip = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, image_size=S, patch_size=P, vision_use_head=False)  # fmt: skip
-        cfg = tf.LlavaOnevisionConfig(vision_config=siglip, text_config=_text(model_type="qwen2"),
-                                      image_token_index=IMG, video_token_index=VID, vision_feature_layer=-1,
-                                      vision_feature_select_strategy="full",
-                                      image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]])  # fmt: skip
-        model = tf.LlavaOnevisionForConditionalGeneration(cfg)
-    elif name == "mistral3":
-        pixtral = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, head_dim=16, image_size=32, patch_size=P)  # fmt: skip
-        cfg = tf.Mistral3Config(vision_config=pixtral, text_config=_text(model_type="mistral", head_dim=16),
-                                image_token_index=IMG, spatial_merge_size=2, vision_feature_layer=-1)  # fmt: skip
-        model = tf.Mistral3ForConditionalGeneration(cfg)
     elif name == "idefics3":
         cfg = tf.Idefics3Config(
             vision_config=dict(
@@ -369,6 +352,8 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
     """A batch for ``spec`` (see the module docstring)."""
     g = torch.Generator().manual_seed(seed)
     spec = spec or [[]]
+    if name in more().FAMILIES:
+        return more().batch(name, model, spec, g)
     rows, types = [], []
     if name in GRID_FAMILIES:
         kimi, glm = name == "kimi_k25", name.startswith("glm")
@@ -440,91 +425,6 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
             out["token_type_ids"][:, -3:] = 1
         if count:
             out["pixel_values"] = torch.randn(count, 3, S, S, generator=g)
-        return out
-    if name == "gemma4":  # images (w, h) in patches, ("video", t, w, h): each frame pooled 2 x 2
-        images, frames, per_video, types = [], [], [], []
-        for seq in spec:
-            ids, tt = [TEXT] * 4, [0] * 4
-            for item in seq:
-                video = item[0] == "video"
-                t, w, h = item[1:] if video else (1, *item)
-                n = (w // G4_POOL) * (h // G4_POOL)
-                for _ in range(t):
-                    (frames if video else images).append((w, h))
-                    ids += [VS] + [VID if video else IMG] * n + [VE]
-                    tt += [0] + [2 if video else 1] * n + [0]
-                if video:
-                    per_video.append(t)
-                ids.append(TEXT + 1)
-                tt.append(0)
-            rows.append(ids + [TEXT + 3] * 3)
-            types.append(tt + [0] * 3)
-        out = _finish(rows, types)
-        for key, pos_key, grids in (("pixel_values", "image_position_ids", images),
-                                    ("pixel_values_videos", "video_position_ids", frames)):  # fmt: skip
-            if not grids:
-                continue
-            pv = torch.zeros(len(grids), G4_MAX, 3 * G4_PATCH**2)
-            pos = torch.full((len(grids), G4_MAX, 2), -1, dtype=torch.long)
-            for i, (w, h) in enumerate(grids):
-                yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-                pv[i, : w * h] = torch.randn(w * h, 3 * G4_PATCH**2, generator=g)
-                pos[i, : w * h] = torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=1)
-            out[key], out[pos_key] = pv, pos
-        if (
-            per_video
-            and "num_frames_per_video" in inspect.signature(model.model.get_video_features).parameters
-        ):
-            out["num_frames_per_video"] = torch.tensor(per_video)
-        elif per_video:  # before: [videos, frames, ...], every video of a batch with one frame count
-            for key in ("pixel_values_videos", "video_position_ids"):
-                out[key] = out[key].reshape(len(per_video), per_video[0], *out[key].shape[1:])
-        return out
-    if name == "llava_onevision":  # images at their sizes (anyres tiles), ("video", frames) clips
-        from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
-
-        core = model.model
-        pinpoints = model.config.image_grid_pinpoints
-        sizes, tiles, videos = [], [], []
-        for seq in spec:
-            ids = [TEXT] * 4
-            for item in seq:
-                if item[0] == "video":
-                    ids += [VID] * (item[1] * (-(-S // P // 2)) ** 2 + 1) + [TEXT + 1]
-                    videos.append(item[1])
-                    continue
-                n = image_size_to_num_patches(list(item), pinpoints, S)
-                with torch.no_grad():  # the token count the model's own packing gives
-                    packed, _ = core.pack_image_features([torch.zeros(n, (S // P) ** 2, 32)], torch.tensor([item]),
-                                                         image_newline=core.image_newline)  # fmt: skip
-                ids += [IMG] * packed[0].shape[0] + [TEXT + 1]
-                sizes.append(list(item))
-                tiles.append(n)
-            rows.append(ids + [TEXT + 3] * 3)
-        out = _finish(rows)
-        if sizes:
-            pv = torch.zeros(len(sizes), max(tiles), 3, S, S)
-            for i, t in enumerate(tiles):
-                pv[i, :t] = torch.randn(t, 3, S, S, generator=g)
-            out.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
-        if videos:  # every video of a batch has the same frame count
-            out["pixel_values_videos"] = torch.randn(len(videos), videos[0], 3, S, S, generator=g)
-        return out
-    if name == "mistral3":  # images at their own sizes (pixels, multiples of patch x merge = 8)
-        sizes = []
-        for seq in spec:
-            ids = [TEXT] * 4
-            for h, w in seq:
-                ids += [VS] + [IMG] * ((h // (2 * P)) * (w // (2 * P))) + [VE, TEXT + 1]
-                sizes.append([h, w])
-            rows.append(ids + [TEXT + 3] * 3)
-        out = _finish(rows)
-        if sizes:
-            hm, wm = max(s[0] for s in sizes), max(s[1] for s in sizes)
-            pv = torch.zeros(len(sizes), 3, hm, wm)
-            for i, (h, w) in enumerate(sizes):
-                pv[i, :, :h, :w] = torch.randn(3, h, w, generator=g)
-            out.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
         return out
     if name == "llava":
         n_tok = (S // P) ** 2
@@ -649,8 +549,9 @@ def collate(batches: list[dict], left=False) -> dict:
     media = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
              "video_second_per_grid", "image_sizes", "image_position_ids", "video_position_ids",
              "num_frames_per_video")  # fmt: skip
+    navit = any("target_sizes" in b or "target_sizes_videos" in b for b in batches)
     for key in media:
-        parts = [b[key] for b in batches if key in b]
+        parts = [b[key] for b in batches if key in b and not navit]
         if parts and key == "pixel_values" and "image_sizes" in batches[0] and parts[0].dim() == 4:
             h, w = (
                 max(int(p.shape[-2]) for p in parts),
@@ -661,6 +562,8 @@ def collate(batches: list[dict], left=False) -> dict:
             ]
         if parts:
             out[key] = torch.cat(parts)
+    if navit:  # MiniCPM-V: every slice in one row
+        more().collate(batches, out)
     clips = [b for b in batches if "input_features" in b]
     if clips:  # audio clips: one row each, frames padded to the longest
         frames = max(int(b["input_features"].shape[-1]) for b in clips)

@@ -95,12 +95,13 @@ def test_families_since_qwen3_vl_split_their_media_over_2_ranks_exactly():
     """GLM-4.1V, GLM-4.6V, Kimi-K2.5 (a video clip too), Mistral 3 (images at their own sizes)
     Gemma 3 and Gemma 4 (each image a bidirectional block, the blocks cut by the zigzag
     boundaries), PaliGemma (each prefix of images and prompt a bidirectional block over both
-    ranks) and the Qwen3-Omni thinker (deepstack rows, a video split): media
+    ranks), the Qwen3-Omni thinker (deepstack rows, a video split) and MiniCPM-V 4.6 (slices at
+    their own sizes, its Gated DeltaNet layer's state handed across the cut): media
     in a sequence over the budget, split over 2 ranks and cut at the boundary, with and without
     encoder balancing: loss and every gradient within 1e-5 of each example alone, every item
     encoded once in the world."""
     runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4",
-                                             "qwen3_omni_moe")
+                                             "qwen3_omni_moe", "minicpmv4_6")
             if hf_zoo.available(name) and not _own_mean_loss(name) for balance in ("plain", "encoder")]  # fmt: skip
     out = launch(SCRIPT, *runs, nproc=2, timeout=840)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
@@ -161,6 +162,8 @@ SPECS = {
     "paligemma": [[1, 1], [], [1]],  # each sequence's prefix (images, prompt) a bidirectional block
     # images and frames at their own sizes, each a bidirectional block in the sliding layers
     "gemma4": [[(4, 4), (2, 6)], [], [("video", 2, 4, 4) if hf_zoo.gemma4_videos_run() else (6, 4), (4, 2)]],
+    # slices at their own sizes (an image's thumbnail and a slice, a video's frames), Gated DeltaNet layers
+    "minicpmv4_6": [[(4, 4), [(8, 8), (4, 8)]], [], [("video", 2, 4, 8), (8, 4)]],
 }
 MROPE = ("qwen", "glm")  # the families whose positions are M-RoPE rows from get_rope_index
 
@@ -220,7 +223,7 @@ def test_a_model_that_averages_its_own_loss_is_refused_labels_by_name():
 
 
 # the families since Qwen3-VL: on every release through the 2-rank test's encoder run, here on the newest
-NEWER = ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4")
+NEWER = ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4", "minicpmv4_6")
 
 
 @pytest.mark.parametrize(
@@ -280,6 +283,8 @@ def test_one_process_shard_matches_the_stock_forward(name):
     elif name == "gemma4":  # and Gemma 4's: its patches that are not padding
         encoded = sum(int((~(batch[k] == -1).all(dim=-1)).sum()) for k in ("image_position_ids", "video_position_ids")
                       if k in batch)  # fmt: skip
+    elif name == "minicpmv4_6":  # every slice's patches
+        encoded = sum(int(batch[k].prod(-1).sum()) for k in ("target_sizes", "target_sizes_videos") if k in batch)
     else:
         encoded = sum(int(batch[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in batch)
     assert handle.stats["encoded_rows"] == encoded

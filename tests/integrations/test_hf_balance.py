@@ -55,10 +55,12 @@ SPECS = {
     "llava_onevision": [[[(20, 40), (30, 30)], [("video", 2)]], [[(16, 16)]], []],
     # Gemma 4: images at their own sizes (patches, pooled 2 x 2), a video's frames as items
     "gemma4": [[[(4, 4), (2, 6)], [(6, 4), ("video", 2, 4, 4)]], [[(2, 2)]], []],
+    # MiniCPM-V 4.6: slices at their own sizes (patches), an image with a thumbnail and two slices
+    "minicpmv4_6": [[[(8, 8), [(8, 12), (4, 8), (4, 8)]], [(4, 4), ("video", 2, 8, 4)]], [[(4, 4)]], []],
 }
 # families added with transformers' newer vision-language models: their balance must improve
 IMPROVED = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "gemma3", "paligemma", "mistral3", "qwen3_omni_moe",
-            "llava_onevision", "gemma4")  # fmt: skip
+            "llava_onevision", "gemma4", "minicpmv4_6")  # fmt: skip
 # (the Qwen3-Omni thinker's audio is encoded by the thinker on each rank: qwen_omni.py says why)
 ENCODERS = {"qwen2_audio": {"audio"}, "qwen2_5_omni": {"audio", "vision"}}
 
@@ -170,10 +172,10 @@ def _run(world: int, mode: str) -> list[dict]:
 
 
 # on 3 ranks too: the families before Qwen3.5, and of the newer ones those whose items differ most
-# (Pixtral's and Gemma 4's own sizes, OneVision's tiles and frames, the Omni thinker's two towers); the
+# (Pixtral's, Gemma 4's and MiniCPM-V's own sizes, OneVision's tiles and frames, the Omni thinker's two towers); the
 # rest on 2
 THREE_RANKS = tuple(n for n in Z.MODELS if n not in ("qwen3_5", "qwen3_5_moe", *IMPROVED)) + (
-    "mistral3", "llava_onevision", "qwen3_omni_moe", "gemma4",
+    "mistral3", "llava_onevision", "qwen3_omni_moe", "gemma4", "minicpmv4_6",
 )  # fmt: skip
 CASES = (
     [(name, 2, "plain") for name in Z.MODELS]

@@ -1,6 +1,6 @@
 """Dynamic context parallelism for multimodal models: :meth:`DynamicCPHandle.shard` on the
 batches their processors give (images, videos, audio clips), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, Kimi-K2.5, Mistral 3, Gemma 3, Gemma 4, PaliGemma, LLaVA
+Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, Kimi-K2.5, Mistral 3, Gemma 3, Gemma 4, PaliGemma, MiniCPM-V 4.6, LLaVA
 and the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (images and videos). This module holds the model families (batch
 keys, feature streams, M-RoPE positions, encoder FLOPs, the streams placed into the input
 embeddings) and the encoder cost (a group plans with its members' share of it,
@@ -102,6 +102,8 @@ _MISTRAL3 = {"Mistral3ForConditionalGeneration": "Mistral 3"}
 _GEMMA3 = {"Gemma3ForConditionalGeneration": "Gemma 3"}
 _GEMMA4 = {"Gemma4ForConditionalGeneration": "Gemma 4"}
 _PALIGEMMA = {"PaliGemmaForConditionalGeneration": "PaliGemma"}
+# a NaViT SigLIP tower, a Qwen3.5 (Gated DeltaNet) language model: its layers under a shard as Qwen3.5's
+_MINICPMV = {"MiniCPMV4_6ForConditionalGeneration": "MiniCPM-V 4.6"}
 #: the multimodal model classes ``apply_dynamic_cp`` shards (text decoders work as they are)
 SUPPORTED: tuple[str, ...] = (
     tuple(_QWEN)
@@ -114,6 +116,7 @@ SUPPORTED: tuple[str, ...] = (
     + tuple(_GEMMA3)
     + tuple(_GEMMA4)
     + tuple(_PALIGEMMA)
+    + tuple(_MINICPMV)
 )
 #: vision-language models ``apply_dynamic_cp`` refuses with the reason (their encoders may be balanced)
 NOT_SHARDED = {
@@ -344,6 +347,22 @@ class _Mistral3(VLMFamily):
 
     def item_streams(self, adapter, meta):
         return np.zeros(meta.shape[0], dtype=np.int64)
+
+
+class _MiniCPMV(VLMFamily):
+    """MiniCPM-V 4.6: every slice of an image or a video frame through its NaViT tower
+    (``target_sizes``), 1-D positions (its Qwen3.5 language model repeats them on its M-RoPE rows)."""
+
+    label = "MiniCPM-V 4.6"
+    batch_keys = frozenset({"pixel_values", "target_sizes", "pixel_values_videos", "target_sizes_videos",
+                            "downsample_mode"})  # fmt: skip
+
+    def streams(self, model):
+        cfg = model.config
+        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
+
+    def item_streams(self, adapter, meta):
+        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
 
 
 class _Gemma3(VLMFamily):
@@ -651,6 +670,8 @@ def vlm_family(model) -> VLMFamily | None:
             return _Gemma4(model) if getattr(model.config, "vision_config", None) is not None else None
         if cls.__name__ in _PALIGEMMA:
             return _PaliGemma()
+        if cls.__name__ in _MINICPMV:
+            return _MiniCPMV()
     for cls in type(model).__mro__:
         if cls.__name__ in NOT_SHARDED:
             raise ValueError(

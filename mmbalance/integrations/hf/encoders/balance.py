@@ -245,8 +245,6 @@ NOT_BALANCED = {
     "from the language model's output) in the releases tested, so nothing can be checked against it",
     "Molmo2ForConditionalGeneration": "its pooling indices (image_token_pooling) point into the whole batch's "
     "patches; an item's indices are not yet re-based when it moves",
-    "MiniCPMV4_6ForConditionalGeneration": "its NaViT pixel_values pack every slice into one image; the "
-    "slices as items are not yet cut out of it",
     "Ernie4_5_VLMoeForConditionalGeneration": "its resampler pairs a video's frames and runs images and "
     "videos apart, which one call of the tower per step does not yet cover",
 }

@@ -30,6 +30,9 @@ Mistral 3                              vision    an image (its own size; only   
                                                  its patches travel)            attention over the image
 Kimi-K2.5                              vision    an image or a whole clip       linear in its patches plus
                                                  (frames attend to each other)  attention over the clip
+MiniCPM-V 4.6                          vision    a slice (thumbnail or crop)    linear in its patches plus
+                                                 of an image or a video frame   attention over the slice
+                                                 (only its patches travel)      (a quarter after the merger)
 =====================================  ========  =============================  ==========================
 
 Encoder outputs go back through the models' public hooks: ``mm_encoder_outputs`` for images and
@@ -43,6 +46,7 @@ from .gemma4 import Gemma4VisionAdapter
 from .idefics3 import Idefics3Adapter
 from .internvl import InternVLAdapter
 from .llava import LlavaAdapter, LlavaNextAdapter, LlavaOnevisionAdapter
+from .minicpmv import MiniCPMV46Adapter
 from .mistral3 import Mistral3Adapter
 from .qwen_audio import Qwen2AudioAdapter
 from .qwen_omni import QwenOmniAudioAdapter
@@ -64,6 +68,7 @@ __all__ = [
     "LlavaAdapter",
     "LlavaNextAdapter",
     "LlavaOnevisionAdapter",
+    "MiniCPMV46Adapter",
     "Mistral3Adapter",
     "PaliGemmaAdapter",
     "Qwen2AudioAdapter",

@@ -1,0 +1,195 @@
+"""More tiny families for :mod:`tests.integrations.hf_zoo` (its ``build``, ``batch`` and ``collate``
+hand them here): the towers that take an image at its own size (Gemma 4, Mistral 3, MiniCPM-V
+4.6) and LLaVA-OneVision's anyres tiles. Same conventions: hidden size 32, random weights,
+placeholder tokens that match the encoder inputs, ``spec`` as ``hf_zoo`` describes it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from tests.integrations.hf_zoo import AUD, IMG, TEXT, VE, VID, VS, P, S, _finish, _text
+
+G4_PATCH, G4_POOL, G4_MAX = 2, 2, 64  # Gemma 4: patch side, pooling kernel, patches an image is padded to
+# MiniCPM-V 4.6: patch side, and patches a side per placeholder (a 2 x 2 window, then a 2 x 2 merge)
+MC_PATCH, MC_CELL = 2, 4
+FAMILIES = ("gemma4", "mistral3", "llava_onevision", "minicpmv4_6")
+#: the config class a family needs, where some release of the test matrix lacks it
+NEEDS = {"gemma4": "Gemma4Config", "minicpmv4_6": "MiniCPMV4_6Config"}
+
+
+def build(name: str):
+    """The family's tiny model (the caller seeds torch and puts it in float32 training mode)."""
+    import transformers as tf
+
+    if name == "gemma4":
+        # a ViT at each image's size (patches pooled 2 x 2), images as bidirectional blocks; weights
+        # at 0.2: at the default 0.02 the q/k norms' weight gradients of so small a model cancel, at
+        # 1.0 its activations grow, and either way float32 rounding reaches 1e-5 on 2 ranks
+        text = tf.Gemma4TextConfig(**_text(head_dim=16, global_head_dim=16, num_hidden_layers=2, sliding_window=16,
+                                           layer_types=["sliding_attention", "full_attention"],
+                                           hidden_size_per_layer_input=4, vocab_size_per_layer_input=128,
+                                           use_bidirectional_attention="vision", initializer_range=0.2))  # fmt: skip
+        vision = tf.models.gemma4.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                                     patch_size=G4_PATCH, pooling_kernel_size=G4_POOL,
+                                                     position_embedding_size=64, initializer_range=0.2)  # fmt: skip
+        cfg = tf.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+                              image_token_id=IMG, video_token_id=VID, boi_token_id=VS, eoi_token_id=VE,
+                              audio_token_id=AUD)  # fmt: skip
+        return tf.Gemma4ForConditionalGeneration(cfg)
+    if name == "mistral3":
+        pixtral = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, head_dim=16, image_size=32, patch_size=P)  # fmt: skip
+        cfg = tf.Mistral3Config(vision_config=pixtral, text_config=_text(model_type="mistral", head_dim=16),
+                                image_token_index=IMG, spatial_merge_size=2, vision_feature_layer=-1)  # fmt: skip
+        return tf.Mistral3ForConditionalGeneration(cfg)
+    if name == "llava_onevision":
+        siglip = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=S, patch_size=P, vision_use_head=False)  # fmt: skip
+        cfg = tf.LlavaOnevisionConfig(vision_config=siglip, text_config=_text(model_type="qwen2"),
+                                      image_token_index=IMG, video_token_index=VID, vision_feature_layer=-1,
+                                      vision_feature_select_strategy="full",
+                                      image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]])  # fmt: skip
+        return tf.LlavaOnevisionForConditionalGeneration(cfg)
+    if name == "minicpmv4_6":
+        # a SigLIP tower on each slice's own grid, a Qwen3.5 (Gated DeltaNet) text model
+        text = _text(model_type="qwen3_5_text", num_hidden_layers=2, head_dim=16,
+                     layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                     linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)  # fmt: skip
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=16, patch_size=MC_PATCH)  # fmt: skip
+        cfg = tf.MiniCPMV4_6Config(text_config=text, vision_config=vision, insert_layer_id=0, image_token_id=IMG,
+                                   video_token_id=VID)  # fmt: skip
+        model = tf.MiniCPMV4_6ForConditionalGeneration(cfg)
+        with torch.no_grad():  # decays of e^-0.1..e^-1.3 a token (cp_plain_loop.py says why)
+            for module in model.modules():
+                if hasattr(module, "A_log"):
+                    module.A_log.copy_(torch.linspace(0.1, 1.0, module.A_log.numel()).log())
+        return model
+    raise ValueError(name)
+
+
+def batch(name: str, model, spec: list[list], g: torch.Generator) -> dict:
+    """A batch for ``spec`` (``hf_zoo.batch``'s, with its generator)."""
+    if name == "gemma4":  # images (w, h) in patches, ("video", t, w, h): each frame pooled 2 x 2
+        rows, images, frames, per_video, types = [], [], [], [], []
+        for seq in spec:
+            ids, tt = [TEXT] * 4, [0] * 4
+            for item in seq:
+                video = item[0] == "video"
+                t, w, h = item[1:] if video else (1, *item)
+                n = (w // G4_POOL) * (h // G4_POOL)
+                for _ in range(t):
+                    (frames if video else images).append((w, h))
+                    ids += [VS] + [VID if video else IMG] * n + [VE]
+                    tt += [0] + [2 if video else 1] * n + [0]
+                if video:
+                    per_video.append(t)
+                ids.append(TEXT + 1)
+                tt.append(0)
+            rows.append(ids + [TEXT + 3] * 3)
+            types.append(tt + [0] * 3)
+        out = _finish(rows, types)
+        for key, pos_key, grids in (("pixel_values", "image_position_ids", images),
+                                    ("pixel_values_videos", "video_position_ids", frames)):  # fmt: skip
+            if not grids:
+                continue
+            pv = torch.zeros(len(grids), G4_MAX, 3 * G4_PATCH**2)
+            pos = torch.full((len(grids), G4_MAX, 2), -1, dtype=torch.long)
+            for i, (w, h) in enumerate(grids):
+                yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+                pv[i, : w * h] = torch.randn(w * h, 3 * G4_PATCH**2, generator=g)
+                pos[i, : w * h] = torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=1)
+            out[key], out[pos_key] = pv, pos
+        if (
+            per_video
+            and "num_frames_per_video" in inspect.signature(model.model.get_video_features).parameters
+        ):
+            out["num_frames_per_video"] = torch.tensor(per_video)
+        elif per_video:  # before: [videos, frames, ...], every video of a batch with one frame count
+            for key in ("pixel_values_videos", "video_position_ids"):
+                out[key] = out[key].reshape(len(per_video), per_video[0], *out[key].shape[1:])
+        return out
+    if name == "mistral3":  # images at their own sizes (pixels, multiples of patch x merge = 8)
+        rows, sizes = [], []
+        for seq in spec:
+            ids = [TEXT] * 4
+            for h, w in seq:
+                ids += [VS] + [IMG] * ((h // (2 * P)) * (w // (2 * P))) + [VE, TEXT + 1]
+                sizes.append([h, w])
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if sizes:
+            hm, wm = max(s[0] for s in sizes), max(s[1] for s in sizes)
+            pv = torch.zeros(len(sizes), 3, hm, wm)
+            for i, (h, w) in enumerate(sizes):
+                pv[i, :, :h, :w] = torch.randn(3, h, w, generator=g)
+            out.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
+        return out
+    if name == "llava_onevision":  # images at their sizes (anyres tiles), ("video", frames) clips
+        from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+        core = model.model
+        pinpoints = model.config.image_grid_pinpoints
+        rows, sizes, tiles, videos = [], [], [], []
+        for seq in spec:
+            ids = [TEXT] * 4
+            for item in seq:
+                if item[0] == "video":
+                    ids += [VID] * (item[1] * (-(-S // P // 2)) ** 2 + 1) + [TEXT + 1]
+                    videos.append(item[1])
+                    continue
+                n = image_size_to_num_patches(list(item), pinpoints, S)
+                with torch.no_grad():  # the token count the model's own packing gives
+                    packed, _ = core.pack_image_features([torch.zeros(n, (S // P) ** 2, 32)], torch.tensor([item]),
+                                                         image_newline=core.image_newline)  # fmt: skip
+                ids += [IMG] * packed[0].shape[0] + [TEXT + 1]
+                sizes.append(list(item))
+                tiles.append(n)
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if sizes:
+            pv = torch.zeros(len(sizes), max(tiles), 3, S, S)
+            for i, t in enumerate(tiles):
+                pv[i, :t] = torch.randn(t, 3, S, S, generator=g)
+            out.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
+        if videos:  # every video of a batch has the same frame count
+            out["pixel_values_videos"] = torch.randn(len(videos), videos[0], 3, S, S, generator=g)
+        return out
+    if name == "minicpmv4_6":
+        # images (h, w) in patches, or [(h, w), ...]: a thumbnail and its slices; ("video", t, h, w): t frames
+        rows, slices = [], {"image": [], "video": []}
+        for seq in spec:
+            ids = [TEXT] * 4
+            for item in seq:
+                video = item[0] == "video"
+                parts = (
+                    [tuple(item[2:])] * item[1] if video else ([item] if isinstance(item, tuple) else item)
+                )
+                for k, (h, w) in enumerate(parts):
+                    n = (h // MC_CELL) * (w // MC_CELL)
+                    ids += [VS] + [VID if video else IMG] * n + [VE] + ([TEXT + 2] if k and not video else [])
+                    slices["video" if video else "image"].append((h, w))
+                ids.append(TEXT + 1)
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        for key, size_key, sizes in (("pixel_values", "target_sizes", slices["image"]),
+                                     ("pixel_values_videos", "target_sizes_videos", slices["video"])):  # fmt: skip
+            if sizes:  # every slice's patches, p columns each, in one row
+                cols = sum(h * w for h, w in sizes) * MC_PATCH
+                out[key] = torch.randn(1, 3, MC_PATCH, cols, generator=g)
+                out[size_key] = torch.tensor(sizes, dtype=torch.int32)
+        return out
+    raise ValueError(name)
+
+
+def collate(batches: list[dict], out: dict) -> None:
+    """MiniCPM-V 4.6's media of one-row batches into ``out``: one row of every slice's patches."""
+    for key, size_key in (("pixel_values", "target_sizes"), ("pixel_values_videos", "target_sizes_videos")):
+        parts = [b for b in batches if key in b]
+        if parts:
+            out[key] = torch.cat([b[key] for b in parts], dim=-1)
+            out[size_key] = torch.cat([b[size_key] for b in parts])
