@@ -56,6 +56,8 @@ HOUSES = {
             "cp": {
                 "inputs": "read",
                 "shard": "read",
+                "family": "read",
+                "recent": "read",
                 "families": "read",
                 "plan": "plan",
                 "slots": "plan",

@@ -16,7 +16,8 @@ token-loss sum over the global count); every image and frame is encoded exactly 
 (the rows of the vision tower's calls); no rank's language model embeds more than the budget.
 
 argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | glm4v | glm46v |
-kimi_k25 | mistral3 | gemma3 | paligemma | gemma4 | qwen3_omni_moe | minicpmv4_6 (these nine on 2 ranks: ``PAIR``; Gemma 3's and
+kimi_k25 | mistral3 | gemma3 | paligemma | gemma4 | qwen3_omni_moe | minicpmv4_6 | minicpmv4_7 | minicpm_ocr
+(these eleven on 2 ranks: ``PAIR``; Gemma 3's and
 Gemma 4's images and PaliGemma's prefixes are bidirectional blocks cut by the shard boundaries) | llava (LLaVA
 has no video: a document of eight images stands in for it) | qwen2_5_omni (the thinker: a long
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
@@ -111,13 +112,25 @@ PAIR = {
     # MiniCPM-V 4.6: a small image, an image of a thumbnail and two slices, a video's two frames and
     # an image (slices at their own sizes, a placeholder per 4 x 4 patches) make a 91-token sequence
     # over both ranks, its Gated DeltaNet layer's state handed across the cuts
-    "minicpmv4_6": [[[(8, 8), [(16, 16), (8, 16), (8, 16)], ("video", 2, 8, 16), (16, 12)]], [[(4, 4)], ("text", 3)]],
+    "minicpmv4_6": [
+        [[(8, 8), [(16, 16), (8, 16), (8, 16)], ("video", 2, 8, 16), (16, 12)]],
+        [[(4, 4)], ("text", 3)],
+    ],
 }
+# MiniCPM-V 4.7 (its M-RoPE canvas from the whole sequence) and MiniCPM-OCR (four times the tokens a
+# slice: a 2 x 2 merge only) take the same media
+PAIR["minicpmv4_7"] = PAIR["minicpmv4_6"]
+PAIR["minicpm_ocr"] = [
+    [[(8, 4), [(8, 8), (4, 8), (4, 8)], ("video", 2, 4, 8), (4, 8)]],
+    [[(4, 4)], ("text", 3)],
+]
 if not hf_zoo_kimi_videos_run():  # transformers' own video path of Kimi-K2.5 fails before 5.24
     PAIR["kimi_k25"] = [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]]
 if not hf_zoo_gemma4_videos_run():  # and Gemma 4's in 5.19.0
     PAIR["gemma4"] = [[[(8, 8), (8, 4), (8, 8), (8, 8), (4, 8)]], [[(4, 4)], ("text", 3)]]
 SPECS.update(PAIR)
+# the families whose processors give no mm_token_type_ids
+UNTYPED = ("llava", "qwen2_5_omni", "qwen3_omni_moe", "kimi_k25", "mistral3", "minicpmv4_6", "minicpm_ocr")
 # the degrees of the step's CP groups
 DEGREES = {name: [2] for name in PAIR}
 
@@ -142,7 +155,7 @@ def towers(model) -> list:
             return int((~(pos == -1).all(dim=-1)).sum())
 
         return [(tower, patches, 4)]
-    if FAMILY == "minicpmv4_6":  # a call's rows: its slices' patches
+    if FAMILY.startswith("minicpm"):  # a call's rows: its slices' patches
         rows = lambda a, kw: int(kw["target_sizes"].prod(-1).sum())  # noqa: E731
         return [(core(model).vision_tower, rows, 16)]
     if FAMILY in ("kimi_k25", "gemma3", "paligemma"):
@@ -182,7 +195,7 @@ def examples(model) -> list[list[dict]]:
                 elif FAMILY == "paligemma":  # a prompt, then a one-token answer
                     text["token_type_ids"] = torch.zeros_like(ids)
                     text["token_type_ids"][:, -1] = 1
-                elif FAMILY not in ("llava", "qwen2_5_omni", "qwen3_omni_moe", "kimi_k25", "mistral3", "minicpmv4_6"):
+                elif FAMILY not in UNTYPED:
                     text["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int32)
                 mine.append(text)
             else:
@@ -212,13 +225,18 @@ def summed_grads(model) -> dict:
 def worst_grad(grads: dict, ref) -> tuple[float, str]:
     """The largest relative error of ``grads`` against the reference model's gradients, and where.
     Tensors whose gradient is zero up to rounding (key biases: softmax ignores them) are compared
-    against a floor of 1e-5 of the largest gradient norm."""
+    against a floor of 1e-5 of the largest gradient norm; a Gated DeltaNet's decay parameters against
+    their own tolerance (tests/tolerances.py), scaled to 1e-5."""
+    from tests.tolerances import DECAY_PARAMS, DECAY_RTOL
+
     norms = {n: float(p.grad.norm()) for n, p in ref.named_parameters() if p.grad is not None}
     floor = 1e-5 * max(norms.values())
     worst, where = 0.0, ""
     for n, p in ref.named_parameters():
         want = p.grad if p.grad is not None else torch.zeros_like(p)
         diff = float((grads[n] - want).norm()) / max(float(want.norm()), floor)
+        if n.endswith(DECAY_PARAMS):
+            diff *= 1e-5 / DECAY_RTOL
         if diff > worst:
             worst, where = diff, n
     return worst, where
@@ -308,7 +326,7 @@ def run_one() -> None:
             int(b[k].shape[0]) for b in flat for k in ("pixel_values", "pixel_values_videos") if k in b
         ) if FAMILY != "mistral3" else sum(int((b["image_sizes"] // hf_zoo.P).prod(-1).sum()) for b in flat
                                             if "image_sizes" in b)  # fmt: skip
-        if FAMILY == "minicpmv4_6":  # every slice's patches
+        if FAMILY.startswith("minicpm"):  # every slice's patches
             rows = sum(int(b[k].prod(-1).sum()) for b in flat for k in ("target_sizes", "target_sizes_videos")
                        if k in b)  # fmt: skip
         if FAMILY == "gemma4":  # an image's own patches

@@ -10,14 +10,14 @@ import inspect
 
 import torch
 
-from tests.integrations.hf_zoo import AUD, IMG, TEXT, VE, VID, VS, P, S, _finish, _text
+from tests.integrations.hf_zoo import AE, AS, AUD, IMG, TEXT, VE, VID, VS, P, S, _finish, _text
 
 G4_PATCH, G4_POOL, G4_MAX = 2, 2, 64  # Gemma 4: patch side, pooling kernel, patches an image is padded to
-# MiniCPM-V 4.6: patch side, and patches a side per placeholder (a 2 x 2 window, then a 2 x 2 merge)
-MC_PATCH, MC_CELL = 2, 4
-FAMILIES = ("gemma4", "mistral3", "llava_onevision", "minicpmv4_6")
-#: the config class a family needs, where some release of the test matrix lacks it
-NEEDS = {"gemma4": "Gemma4Config", "minicpmv4_6": "MiniCPMV4_6Config"}
+# MiniCPM-V: patch side; patches a side per placeholder: a 2 x 2 window, then a 2 x 2 merge ("16x",
+# MiniCPM-V 4.6's and 4.7's default), or the merge alone ("4x", MiniCPM-OCR's)
+MC_PATCH = 2
+MINICPM = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
+FAMILIES = ("gemma4", "mistral3", "llava_onevision", *MINICPM)
 
 
 def build(name: str):
@@ -54,16 +54,24 @@ def build(name: str):
                                       vision_feature_select_strategy="full",
                                       image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]])  # fmt: skip
         return tf.LlavaOnevisionForConditionalGeneration(cfg)
-    if name == "minicpmv4_6":
-        # a SigLIP tower on each slice's own grid, a Qwen3.5 (Gated DeltaNet) text model
+    if name in MINICPM:
+        # a SigLIP tower on each slice's own grid, a Qwen3.5 (Gated DeltaNet) text model; 4.7's M-RoPE
+        # canvas reads its markers: <image> </image> around a thumbnail, <slice> </slice> around a crop
         text = _text(model_type="qwen3_5_text", num_hidden_layers=2, head_dim=16,
                      layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                      linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)  # fmt: skip
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       image_size=16, patch_size=MC_PATCH)  # fmt: skip
-        cfg = tf.MiniCPMV4_6Config(text_config=text, vision_config=vision, insert_layer_id=0, image_token_id=IMG,
-                                   video_token_id=VID)  # fmt: skip
-        model = tf.MiniCPMV4_6ForConditionalGeneration(cfg)
+        ids = dict(insert_layer_id=0, image_token_id=IMG, video_token_id=VID)
+        if name == "minicpmv4_7":
+            text["rope_parameters"] = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True,
+                                       "rope_theta": 10000.0}  # fmt: skip
+            ids.update(
+                image_start_id=VS, image_end_id=VE, slice_start_id=AS, slice_end_id=AE, newline_id=TEXT + 2
+            )
+        cls = {"minicpmv4_6": "MiniCPMV4_6", "minicpmv4_7": "MiniCPMV4_7", "minicpm_ocr": "MiniCPMOcr"}[name]
+        cfg = getattr(tf, f"{cls}Config")(text_config=text, vision_config=vision, **ids)
+        model = getattr(tf, f"{cls}ForConditionalGeneration")(cfg)
         with torch.no_grad():  # decays of e^-0.1..e^-1.3 a token (cp_plain_loop.py says why)
             for module in model.modules():
                 if hasattr(module, "A_log"):
@@ -159,23 +167,28 @@ def batch(name: str, model, spec: list[list], g: torch.Generator) -> dict:
         if videos:  # every video of a batch has the same frame count
             out["pixel_values_videos"] = torch.randn(len(videos), videos[0], 3, S, S, generator=g)
         return out
-    if name == "minicpmv4_6":
+    if name in MINICPM:
         # images (h, w) in patches, or [(h, w), ...]: a thumbnail and its slices; ("video", t, h, w): t frames
-        rows, slices = [], {"image": [], "video": []}
+        cell = 2 if model.config.downsample_mode == "4x" else 4
+        rows, types, slices = [], [], {"image": [], "video": []}
         for seq in spec:
-            ids = [TEXT] * 4
+            ids, tt = [TEXT] * 4, [0] * 4
             for item in seq:
                 video = item[0] == "video"
                 parts = (
                     [tuple(item[2:])] * item[1] if video else ([item] if isinstance(item, tuple) else item)
                 )
                 for k, (h, w) in enumerate(parts):
-                    n = (h // MC_CELL) * (w // MC_CELL)
-                    ids += [VS] + [VID if video else IMG] * n + [VE] + ([TEXT + 2] if k and not video else [])
+                    n = (h // cell) * (w // cell)
+                    start, end = (AS, AE) if k and not video else (VS, VE)  # a crop of an image, or a frame
+                    ids += [start] + [VID if video else IMG] * n + [end]
+                    tt += [0] + [2 if video else 1] * n + [0]
                     slices["video" if video else "image"].append((h, w))
                 ids.append(TEXT + 1)
+                tt.append(0)
             rows.append(ids + [TEXT + 3] * 3)
-        out = _finish(rows)
+            types.append(tt + [0] * 3)
+        out = _finish(rows, types if name == "minicpmv4_7" else None)
         for key, size_key, sizes in (("pixel_values", "target_sizes", slices["image"]),
                                      ("pixel_values_videos", "target_sizes_videos", slices["video"])):  # fmt: skip
             if sizes:  # every slice's patches, p columns each, in one row

@@ -58,9 +58,12 @@ SPECS = {
     # MiniCPM-V 4.6: slices at their own sizes (patches), an image with a thumbnail and two slices
     "minicpmv4_6": [[[(8, 8), [(8, 12), (4, 8), (4, 8)]], [(4, 4), ("video", 2, 8, 4)]], [[(4, 4)]], []],
 }
+SPECS["minicpmv4_7"] = SPECS["minicpm_ocr"] = SPECS[
+    "minicpmv4_6"
+]  # (4.7: its M-RoPE canvas; OCR: 2 x 2 merges)
 # families added with transformers' newer vision-language models: their balance must improve
 IMPROVED = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "gemma3", "paligemma", "mistral3", "qwen3_omni_moe",
-            "llava_onevision", "gemma4", "minicpmv4_6")  # fmt: skip
+            "llava_onevision", "gemma4", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr")  # fmt: skip
 # (the Qwen3-Omni thinker's audio is encoded by the thinker on each rank: qwen_omni.py says why)
 ENCODERS = {"qwen2_audio": {"audio"}, "qwen2_5_omni": {"audio", "vision"}}
 

@@ -169,10 +169,10 @@ def test_a_per_layer_feed_forward_width_prices_as_its_mean():
 # the vision-language families since Qwen3-VL (tests/integrations/hf_zoo.py), their language models
 # given a packed row of text sequences with the collator's 2-D positions
 SINCE_QWEN3_VL = ("gemma3", "glm46v", "kimi_k25", "llava_onevision", "mistral3", "qwen3_omni_moe", "gemma4",
-                  "minicpmv4_6")  # fmt: skip
+                  "minicpmv4_6", "minicpmv4_7", "minicpm_ocr")  # fmt: skip
 
 
-@pytest.mark.slow  # 8 models, about 55 s: the newest release (their packing is transformers' own mask)
+@pytest.mark.slow  # 10 models, about 60 s: the newest release (their packing is transformers' own mask)
 @pytest.mark.parametrize("name", SINCE_QWEN3_VL)
 def test_a_packed_row_of_a_newer_family_is_each_sequence_alone_under_sdpa(name):
     """Under ``mmbalance_varlen`` (and ``keep_sequences_apart`` where the model needs it), the packed

@@ -1,9 +1,11 @@
 """Dynamic context parallelism for multimodal models: :meth:`DynamicCPHandle.shard` on the
 batches their processors give (images, videos, audio clips), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, Kimi-K2.5, Mistral 3, Gemma 3, Gemma 4, PaliGemma, MiniCPM-V 4.6, LLaVA
-and the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (images and videos). This module holds the model families (batch
-keys, feature streams, M-RoPE positions, encoder FLOPs, the streams placed into the input
-embeddings) and the encoder cost (a group plans with its members' share of it,
+Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, LLaVA and the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers
+(images and videos), and the families of :mod:`.recent` (Kimi-K2.5, Mistral 3, MiniCPM-V 4.6/4.7,
+MiniCPM-OCR, Gemma 3, Gemma 4, PaliGemma). This module holds those model families (batch keys,
+feature streams, M-RoPE positions, encoder FLOPs, the streams placed into the input embeddings;
+what a family declares: :class:`~.family.VLMFamily`), the lookup (:func:`vlm_family`) and the
+encoder cost (a group plans with its members' share of it,
 :func:`~mmbalance.balancing.cp_schedule`'s ``encoder_seconds``); the numpy side of a
 step is in :mod:`.vlm_plan`, the step itself (:func:`~.vlm_step.shard_vlm`)
 in :mod:`.vlm_step`, the Trainer's collator side in :mod:`.vlm_cut` and the hooks in :mod:`.media`.
@@ -65,13 +67,14 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from mmbalance.balancing import CostModel
 
-from ..encoders import EncoderAdapter, adapters_for, as_int, audio_out_len, core, flops_linear, pooled
+from ..encoders import EncoderAdapter, adapters_for, as_int, audio_out_len, core, flops_linear
 from ..wrappers import wrapper_hint
+from .family import VLMFamily, assign_media, check_feature_rows, entry_rows
 from .inputs import ffn_size, text_config
+from .recent import GEMMA3, GEMMA4, KIMI, MINICPMV, MINICPMV47, MISTRAL3, PALIGEMMA, recent_family
 
 __all__ = [
     "SUPPORTED",
@@ -97,13 +100,7 @@ _OMNI = {"Qwen2_5OmniThinkerForConditionalGeneration": "Qwen2.5-Omni thinker"}
 _OMNI3 = {"Qwen3OmniMoeThinkerForConditionalGeneration": "Qwen3-Omni-MoE thinker"}
 # GLM-4.1V and GLM-4.6V (images; GLM-4.5V's language model runs packed rows wrong: mixers.py)
 _GLM = {"Glm4vForConditionalGeneration": "GLM-4.1V", "Glm46VForConditionalGeneration": "GLM-4.6V"}
-_KIMI = {"Kimi_K25ForConditionalGeneration": "Kimi-K2.5"}
-_MISTRAL3 = {"Mistral3ForConditionalGeneration": "Mistral 3"}
-_GEMMA3 = {"Gemma3ForConditionalGeneration": "Gemma 3"}
-_GEMMA4 = {"Gemma4ForConditionalGeneration": "Gemma 4"}
-_PALIGEMMA = {"PaliGemmaForConditionalGeneration": "PaliGemma"}
-# a NaViT SigLIP tower, a Qwen3.5 (Gated DeltaNet) language model: its layers under a shard as Qwen3.5's
-_MINICPMV = {"MiniCPMV4_6ForConditionalGeneration": "MiniCPM-V 4.6"}
+RECENT = {**KIMI, **MISTRAL3, **GEMMA3, **GEMMA4, **PALIGEMMA, **MINICPMV, **MINICPMV47}
 #: the multimodal model classes ``apply_dynamic_cp`` shards (text decoders work as they are)
 SUPPORTED: tuple[str, ...] = (
     tuple(_QWEN)
@@ -111,12 +108,13 @@ SUPPORTED: tuple[str, ...] = (
     + tuple(_OMNI)
     + tuple(_OMNI3)
     + tuple(_GLM)
-    + tuple(_KIMI)
-    + tuple(_MISTRAL3)
-    + tuple(_GEMMA3)
-    + tuple(_GEMMA4)
-    + tuple(_PALIGEMMA)
-    + tuple(_MINICPMV)
+    + tuple(KIMI)
+    + tuple(MISTRAL3)
+    + tuple(GEMMA3)
+    + tuple(GEMMA4)
+    + tuple(PALIGEMMA)
+    + tuple(MINICPMV)
+    + tuple(MINICPMV47)
 )
 #: vision-language models ``apply_dynamic_cp`` refuses with the reason (their encoders may be balanced)
 NOT_SHARDED = {
@@ -127,121 +125,6 @@ NOT_SHARDED = {
 }
 # a FLOP rate to turn encoder FLOPs into the seconds of the "quadratic" cost (CostModel.transformer)
 _FLOPS = 400e12
-
-
-# --------------------------------------------------------------------------------- the families
-class VLMFamily:
-    """What the sharding needs to know about one family of vision-language models.
-
-    Attributes:
-        label: the family's name in messages.
-        batch_keys: the batch keys of its processor besides ``input_ids``, ``attention_mask``,
-            ``position_ids`` and ``labels``.
-        mrope: its language model takes M-RoPE positions (``[4, 1, T]``) instead of ``[1, T]``.
-    """
-
-    label = ""
-    batch_keys: frozenset[str] = frozenset()
-    mrope = False
-    #: streams the model takes no ``mm_encoder_outputs`` entry for: their rows reach the input
-    #: embeddings through the handle's forward pre-hook (:func:`~.media.embed_streams`)
-    embedded: frozenset[str] = frozenset()
-    #: the batch key that carries each stream's media, for messages
-    media_keys: Mapping[str, str] = {"image": "pixel_values", "video": "pixel_values_videos"}
-    #: streams whose placeholder runs are bidirectional blocks (each token of an image sees the
-    #: whole image: Gemma 3): the shard carries their spans (:attr:`~.shard.CPShard.blocks`) and
-    #: ``token_type_ids`` (1 at their placeholders), from which the model builds its block mask
-    block_streams: frozenset[str] = frozenset()
-    #: every sequence's prefix (``token_type_ids`` 0 before its suffix: PaliGemma's image and
-    #: prompt) is a bidirectional block (:meth:`prefix_lengths`)
-    prefix_blocks = False
-    #: ``pooler_output`` of a stream's ``mm_encoder_outputs`` entry as a tuple (the Qwen and LLaVA
-    #: forwards concatenate it) or, ``False``, as one tensor ``[rows, hidden]`` (Gemma 3 reads it so)
-    rows_in_tuple = True
-
-    def streams(self, model) -> list[tuple[str, int]]:
-        """``(mm_encoder_outputs key, placeholder token id)`` of every feature stream."""
-        raise NotImplementedError
-
-    def item_streams(self, adapter: EncoderAdapter, meta: np.ndarray) -> np.ndarray:
-        """The stream (index into :meth:`streams`) of every item."""
-        raise NotImplementedError
-
-    def positions(
-        self, model, batch: Mapping, ids: list[Tensor], kinds: list[np.ndarray], spans
-    ) -> Tensor | None:
-        """int64 ``[T, 3]``: the M-RoPE positions of every token, sequence by sequence (``None``
-        for models without M-RoPE)."""
-        return None
-
-    def encoder_flops(self, model, adapter: EncoderAdapter, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Forward FLOPs of encoding every item (float64 ``[n]``): by default the adapter's FLOP model."""
-        return np.asarray(adapter.cost(model, meta, rows), dtype=np.float64)
-
-    def check_batch(self, model, batch: Mapping, kinds: list[np.ndarray], spans) -> None:
-        """Raise ValueError naming the key for an input the shard would not carry as the model
-        reads it (``kinds``: every sequence's placeholder kinds, ``spans``: its ``(row, start,
-        end)`` in the batch)."""
-
-    @property
-    def has_blocks(self) -> bool:
-        """Its shards carry bidirectional blocks and give the model ``token_type_ids``."""
-        return bool(self.block_streams) or self.prefix_blocks
-
-    def prefix_lengths(self, model, batch: Mapping, kinds: list[np.ndarray], spans) -> np.ndarray:
-        """int64, per sequence: the tokens of its bidirectional prefix (0 for families without)."""
-        return np.zeros(len(kinds), dtype=np.int64)
-
-    def block_keywords(self, model, input_ids: Tensor, in_block: Tensor) -> dict[str, Tensor]:
-        """The keywords from which the model builds its block mask for a shard's tokens
-        (``input_ids [1, T]``, ``in_block [T]``: whether each lies in a block): ``token_type_ids``
-        1 inside (Gemma 3's images), or 0 inside for a family that marks its prefix so (PaliGemma)."""
-        marks = ~in_block if self.prefix_blocks else in_block
-        return {"token_type_ids": marks.long().reshape(1, -1).to(input_ids.device)}
-
-    def entry(self, rows: Tensor, deepstack=None):
-        """A stream's ``mm_encoder_outputs`` entry holding ``rows`` (and deepstack rows)."""
-        return pooled((rows,) if self.rows_in_tuple else rows, deepstack)
-
-
-def entry_rows(entry) -> Tensor:
-    """The feature rows ``[rows, hidden]`` of an ``mm_encoder_outputs`` entry made by
-    :meth:`VLMFamily.entry`."""
-    out = entry.pooler_output
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def assign_media(sizes: np.ndarray, counts: np.ndarray, key: str, what: str) -> list[np.ndarray]:
-    """Media (``sizes`` placeholder tokens each, in order of appearance) to sequences holding
-    ``counts`` placeholders each: the indices of every sequence's media. Raises ValueError naming
-    ``key`` when the counts do not add up or a medium would straddle two sequences."""
-    ends = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-    bounds = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-    if int(ends[-1]) != int(bounds[-1]):
-        raise ValueError(
-            f"batch[{key!r}] gives {int(ends[-1])} {what} feature rows but input_ids holds {int(bounds[-1])} "
-            f"{what} placeholder tokens (in its valid tokens)"
-        )
-    at = np.searchsorted(ends, bounds)
-    if not np.array_equal(ends[np.minimum(at, ends.size - 1)], bounds):
-        raise ValueError(
-            f"batch[{key!r}]: the {what} placeholders of a sequence do not end where one of its {what}s ends "
-            "(the media sizes do not match the placeholder tokens of input_ids)"
-        )
-    return [np.arange(at[s], at[s + 1], dtype=np.int64) for s in range(counts.size)]
-
-
-def check_feature_rows(ids, streams, mm: Mapping) -> None:
-    """Every placeholder stream of a shard (``(name, token id)`` pairs) got exactly one feature row
-    per placeholder token in ``ids``; ``mm`` holds the rows by stream name, as the model reads them."""
-    for name, token in streams:
-        want = int((ids == token).sum())
-        entry = mm.get(name)
-        have = int(entry_rows(entry).shape[0]) if entry is not None else 0
-        if want != have:
-            raise AssertionError(
-                f"the shard holds {want} {name} placeholders but {have} feature rows arrived"
-            )
 
 
 class _Qwen(VLMFamily):
@@ -319,169 +202,6 @@ class _Glm(_Qwen):
                 "are image tokens that only mm_token_type_ids tells apart); train videos without dynamic CP"
             )
         return super().positions(model, batch, ids, kinds, spans)
-
-
-class _Kimi(VLMFamily):
-    """Kimi-K2.5: images and video clips (a clip's frames pooled into one frame's rows) through its
-    ViT; 1-D positions (its DeepSeek-V3 language model has no M-RoPE)."""
-
-    label = "Kimi-K2.5"
-    batch_keys = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"})
-
-    def streams(self, model):
-        cfg = model.config
-        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
-
-    def item_streams(self, adapter, meta):
-        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
-
-
-class _Mistral3(VLMFamily):
-    """Mistral 3: images at their own sizes through Pixtral (``image_sizes``), 1-D positions."""
-
-    label = "Mistral 3"
-    batch_keys = frozenset({"pixel_values", "image_sizes", "vision_feature_layer"})
-
-    def streams(self, model):
-        return [("image", int(model.config.image_token_id))]
-
-    def item_streams(self, adapter, meta):
-        return np.zeros(meta.shape[0], dtype=np.int64)
-
-
-class _MiniCPMV(VLMFamily):
-    """MiniCPM-V 4.6: every slice of an image or a video frame through its NaViT tower
-    (``target_sizes``), 1-D positions (its Qwen3.5 language model repeats them on its M-RoPE rows)."""
-
-    label = "MiniCPM-V 4.6"
-    batch_keys = frozenset({"pixel_values", "target_sizes", "pixel_values_videos", "target_sizes_videos",
-                            "downsample_mode"})  # fmt: skip
-
-    def streams(self, model):
-        cfg = model.config
-        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
-
-    def item_streams(self, adapter, meta):
-        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
-
-
-class _Gemma3(VLMFamily):
-    """Gemma 3: one SigLIP tile per image (pan-and-scan crops are images of their own), 1-D
-    positions, and each image's tokens a bidirectional block (``token_type_ids``): the shard
-    carries the blocks' spans and gives the model ``token_type_ids`` for its own tokens."""
-
-    label = "Gemma 3"
-    batch_keys = frozenset({"pixel_values", "token_type_ids"})
-    block_streams = frozenset({"image"})
-    rows_in_tuple = False
-
-    def streams(self, model):
-        return [("image", int(model.config.image_token_id))]
-
-    def item_streams(self, adapter, meta):
-        return np.zeros(meta.shape[0], dtype=np.int64)
-
-    def check_batch(self, model, batch, kinds, spans):
-        tt = batch.get("token_type_ids")
-        if tt is None:
-            if any(bool((k == 1).any()) for k in kinds):
-                raise ValueError(
-                    "batch['token_type_ids'] is missing: Gemma 3 runs its images as bidirectional blocks only with "
-                    "it (its processor gives it), and handle.shard gives the shards the blocks the batch asks for"
-                )
-            return
-        tt = torch.as_tensor(tt).cpu()
-        for s, (r, a, z) in enumerate(spans):
-            if not torch.equal(tt[r, a:z].ne(0), torch.from_numpy(kinds[s] == 1)):
-                raise ValueError(
-                    f"batch['token_type_ids'] of sequence {s} is not 1 exactly at its image tokens (the blocks "
-                    "Gemma 3's mask widens); handle.shard gives the model token_type_ids of its own images"
-                )
-
-
-class _Gemma4(VLMFamily):
-    """Gemma 4: images and video frames at their own sizes through its ViT, 1-D positions; where
-    its text config says ``use_bidirectional_attention="vision"`` each run of vision tokens is a
-    bidirectional block in its sliding layers (``mm_token_type_ids``: 1 image, 2 video)."""
-
-    label = "Gemma 4"
-    batch_keys = frozenset({"pixel_values", "image_position_ids", "pixel_values_videos", "video_position_ids",
-                            "num_frames_per_video", "mm_token_type_ids"})  # fmt: skip
-
-    def __init__(self, model):
-        bidirectional = getattr(text_config(model), "use_bidirectional_attention", None) == "vision"
-        self.block_streams = frozenset({"image", "video"}) if bidirectional else frozenset()
-
-    def streams(self, model):
-        cfg = model.config
-        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
-
-    def item_streams(self, adapter, meta):
-        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
-
-    def check_batch(self, model, batch, kinds, spans):
-        tt = batch.get("mm_token_type_ids")
-        if tt is None:
-            if self.block_streams and any(bool((k > 0).any()) for k in kinds):
-                raise ValueError(
-                    "batch['mm_token_type_ids'] is missing: Gemma 4 runs its images and frames as bidirectional "
-                    "blocks only with it (its processor gives it), and handle.shard gives the shards the blocks "
-                    "the batch asks for"
-                )
-            return
-        tt = torch.as_tensor(tt).cpu()
-        for s, (r, a, z) in enumerate(spans):
-            if not torch.equal(tt[r, a:z].long(), torch.from_numpy(kinds[s])):
-                raise ValueError(
-                    f"batch['mm_token_type_ids'] of sequence {s} is not 1 exactly at its image tokens and 2 at its "
-                    "video tokens (the blocks Gemma 4's mask widens)"
-                )
-
-    def block_keywords(self, model, input_ids, in_block):
-        cfg = model.config
-        types = (input_ids == int(cfg.image_token_id)).long() + 2 * (
-            input_ids == int(cfg.video_token_id)
-        ).long()
-        return {"mm_token_type_ids": types}
-
-
-class _PaliGemma(VLMFamily):
-    """PaliGemma: one SigLIP tile per image, 1-D positions, and every sequence's prefix (its
-    images and prompt, ``token_type_ids`` 0) a bidirectional block before its causal suffix."""
-
-    label = "PaliGemma"
-    batch_keys = frozenset({"pixel_values", "token_type_ids"})
-    prefix_blocks = True
-    rows_in_tuple = False
-
-    def streams(self, model):
-        return [("image", int(model.config.image_token_id))]
-
-    def item_streams(self, adapter, meta):
-        return np.zeros(meta.shape[0], dtype=np.int64)
-
-    def prefix_lengths(self, model, batch, kinds, spans):
-        tt = batch.get("token_type_ids")
-        if tt is None:
-            if any(bool((k == 1).any()) for k in kinds):
-                raise ValueError(
-                    "batch['token_type_ids'] is missing: PaliGemma's prefix (images and prompt) attends both ways "
-                    "only with it (its processor gives it with a suffix), and handle.shard gives the shards the "
-                    "prefix the batch asks for"
-                )
-            return np.zeros(len(kinds), dtype=np.int64)
-        tt = torch.as_tensor(tt).cpu()
-        out = np.zeros(len(kinds), dtype=np.int64)
-        for s, (r, a, z) in enumerate(spans):
-            row = tt[r, a:z].ne(0).numpy()
-            n = int(np.argmax(row)) if row.any() else row.size  # the leading zeros: the prefix
-            if row[n:].size and not row[n:].all():
-                raise ValueError(
-                    f"batch['token_type_ids'] of sequence {s} has 0s after its suffix began: PaliGemma's "
-                    "bidirectional prefix must come first (0s, then 1s)"
-                )
-            out[s] = n
-        return out
 
 
 def _grids(batch: Mapping, kinds: list[np.ndarray], merge2: int) -> dict:
@@ -660,18 +380,8 @@ def vlm_family(model) -> VLMFamily | None:
             return _Qwen3Omni()
         if cls.__name__ in _GLM:
             return _Glm(cls.__name__)
-        if cls.__name__ in _KIMI:
-            return _Kimi()
-        if cls.__name__ in _MISTRAL3:
-            return _Mistral3()
-        if cls.__name__ in _GEMMA3:
-            return _Gemma3()
-        if cls.__name__ in _GEMMA4:  # built without its towers (vision_config None): a text model
-            return _Gemma4(model) if getattr(model.config, "vision_config", None) is not None else None
-        if cls.__name__ in _PALIGEMMA:
-            return _PaliGemma()
-        if cls.__name__ in _MINICPMV:
-            return _MiniCPMV()
+        if cls.__name__ in RECENT:  # (a Gemma 4 without its towers: a text model)
+            return recent_family(model, cls.__name__)
     for cls in type(model).__mro__:
         if cls.__name__ in NOT_SHARDED:
             raise ValueError(

@@ -27,7 +27,8 @@ from mmbalance.pyops import cu_seqlens_from_lengths
 from ..attention import CP_KEYWORD
 from ..compat import install_encoder_outputs_hook, remove_encoder_outputs_hook
 from ..encoders import ZeroLink, core, embed_rows, pooled
-from .families import VLMFamily, check_feature_rows, entry_rows, vlm_family
+from .families import vlm_family
+from .family import VLMFamily, check_feature_rows, entry_rows
 from .inputs import model_device
 from .shard import MEDIA_KEYWORD
 from .vlm_plan import PendingMedia

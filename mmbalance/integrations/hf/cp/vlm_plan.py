@@ -19,7 +19,7 @@ from torch import Tensor
 from mmbalance.balancing import Plan
 
 from ..encoders import EncoderAdapter, Items
-from .families import VLMFamily, assign_media
+from .family import VLMFamily, assign_media
 from .inputs import Sequences, split_sequences
 
 __all__ = [

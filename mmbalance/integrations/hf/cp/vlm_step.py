@@ -24,7 +24,8 @@ from mmbalance.pyops import cu_seqlens_from_lengths
 from ..attention import CP_KEYWORD
 from ..compat import loss_takes_token_count
 from ..encoders import EncoderAdapter, ZeroLink, core, encoder_balance_of, encoder_plan
-from .families import VLMFamily, check_feature_rows, encoder_seconds
+from .families import encoder_seconds
+from .family import VLMFamily, check_feature_rows
 from .inputs import IGNORE, check_attention, model_device, pad_id, positions
 from .plan import cost_key, labels_of, plan_layout, shard_of, step_stats
 from .shard import MEDIA_KEYWORD, idle_shard, in_blocks

@@ -1,4 +1,5 @@
-"""MiniCPM-V 4.6: a SigLIP tower at each slice's own size (NaViT), one item per slice.
+"""MiniCPM-V 4.6, MiniCPM-V 4.7 and MiniCPM-OCR: a SigLIP tower at each slice's own size (NaViT),
+one item per slice.
 
 The processor cuts an image into a thumbnail and its slices (a video frame likewise) and packs
 the patches of all of them into one row, ``pixel_values [1, C, p, patches * p]`` (each patch
@@ -9,7 +10,8 @@ the merger's cells, and returns each slice's rows apart (``pooler_output`` is a 
 a slice encoded apart gives exactly its rows, so every slice (of an image or a video frame) is
 an item. Only a slice's own patches travel, as rows ``[patches, C * p * p]``; the encoding rank
 packs its items into one row again. The forward's ``downsample_mode`` (``"4x"`` skips the
-window merger) is honoured; every rank must pass the same one.
+window merger) is honoured; every rank must pass the same one. ``target_sizes`` stay in the
+forward's keywords: MiniCPM-V 4.7 computes its M-RoPE positions from them.
 """
 
 from __future__ import annotations
@@ -23,14 +25,24 @@ from .common import as_int, core, dtype_device, mm_outputs, pooled
 
 __all__ = ["MiniCPMV46Adapter"]
 
-_STREAMS = (("image", "pixel_values", "target_sizes"), ("video", "pixel_values_videos", "target_sizes_videos"))
+_STREAMS = (
+    ("image", "pixel_values", "target_sizes"),
+    ("video", "pixel_values_videos", "target_sizes_videos"),
+)
 
 
 @register_adapter
 class MiniCPMV46Adapter(EncoderAdapter):
     encoder = "vision"
     meta_columns = ("video", "height", "width")
-    model_classes = ("MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_6Model")
+    model_classes = (
+        "MiniCPMV4_6ForConditionalGeneration",
+        "MiniCPMV4_6Model",
+        "MiniCPMV4_7ForConditionalGeneration",
+        "MiniCPMV4_7Model",
+        "MiniCPMOcrForConditionalGeneration",
+        "MiniCPMOcrModel",
+    )
     splits_frames = True  # the tower sees one slice at a time: slices are items whatever this says
 
     def _tower(self, model):
@@ -59,7 +71,9 @@ class MiniCPMV46Adapter(EncoderAdapter):
     def call_options(self, model, kwargs):
         return {"downsample_mode": self._mode(model, kwargs)}
 
-    def _slices(self, model, pix: Tensor, sizes, key: str, size_key: str, mode: str) -> tuple[Tensor, np.ndarray]:
+    def _slices(
+        self, model, pix: Tensor, sizes, key: str, size_key: str, mode: str
+    ) -> tuple[Tensor, np.ndarray]:
         """``(patch rows [patches, C * p * p], target sizes [slices, 2])`` of one stream, checked."""
         p, c = self._patch(model), self._channels(model)
         if sizes is None:
@@ -102,7 +116,7 @@ class MiniCPMV46Adapter(EncoderAdapter):
             parts.append(rows)
             meta += [(video, int(h), int(w)) for h, w in sizes.tolist()]
             context[name] = len(sizes)
-            kwargs[key] = kwargs[size_key] = None
+            kwargs[key] = None  # (the sizes stay: MiniCPM-V 4.7 lays out its M-RoPE canvas from them)
         if not parts:
             return None
         dtype, _ = dtype_device(self._tower(model))
