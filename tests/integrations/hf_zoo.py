@@ -50,11 +50,12 @@ MODELS = (
     "minicpmv4_6",
     "minicpmv4_7",
     "minicpm_ocr",
+    "molmo2",
 )
 # the config class a family needs, where some release of the test matrix lacks it
 NEEDS = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "kimi_k25": "Kimi_K25Config",
          "gemma4": "Gemma4Config", "minicpmv4_6": "MiniCPMV4_6Config", "minicpmv4_7": "MiniCPMV4_7Config",
-         "minicpm_ocr": "MiniCPMOcrConfig"}  # fmt: skip
+         "minicpm_ocr": "MiniCPMOcrConfig", "molmo2": "Molmo2Config"}  # fmt: skip
 
 
 def kimi_videos_run() -> bool:

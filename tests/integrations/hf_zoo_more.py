@@ -17,7 +17,8 @@ G4_PATCH, G4_POOL, G4_MAX = 2, 2, 64  # Gemma 4: patch side, pooling kernel, pat
 # MiniCPM-V 4.6's and 4.7's default), or the merge alone ("4x", MiniCPM-OCR's)
 MC_PATCH = 2
 MINICPM = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
-FAMILIES = ("gemma4", "mistral3", "llava_onevision", *MINICPM)
+MOLMO_SIDE = 4  # Molmo2: a crop's side in patches (28 pixels, patches of 7)
+FAMILIES = ("gemma4", "mistral3", "llava_onevision", *MINICPM, "molmo2")
 
 
 def build(name: str):
@@ -77,7 +78,26 @@ def build(name: str):
                 if hasattr(module, "A_log"):
                     module.A_log.copy_(torch.linspace(0.1, 1.0, module.A_log.numel()).log())
         return model
+    if name == "molmo2":  # a ViT over each image's crops, attention pooling of patch windows into its tokens
+        text = _text(head_dim=16, additional_vocab_size=8)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, image_size=[28, 28], patch_size=7)  # fmt: skip
+        adapter = dict(vision_feature_layer=[-1, -2], hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                       head_dim=16, text_hidden_size=32, intermediate_size=64)  # fmt: skip
+        cfg = tf.Molmo2Config(vision_config=vision, text_config=text, adapter_config=adapter, image_patch_id=IMG,
+                              image_start_token_id=VS, image_end_token_id=VE, low_res_image_start_token_id=AS,
+                              frame_start_token_id=AS, frame_end_token_id=AE)  # fmt: skip
+        return tf.Molmo2ForConditionalGeneration(cfg)
     raise ValueError(name)
+
+
+def _molmo_windows(tokens: int, patches: int, side: int, first: int) -> torch.Tensor:
+    """``tokens`` pooling windows of ``side x side`` patches each, walking over ``patches`` patches from
+    ``first`` on; a window's last entry is padding (``-1``) on every third token, as at an image's edge."""
+    k = side * side
+    idx = (torch.arange(tokens * k) % patches + first).reshape(tokens, k)
+    idx[::3, -1] = -1
+    return idx
 
 
 def batch(name: str, model, spec: list[list], g: torch.Generator) -> dict:
@@ -195,6 +215,42 @@ def batch(name: str, model, spec: list[list], g: torch.Generator) -> dict:
                 cols = sum(h * w for h, w in sizes) * MC_PATCH
                 out[key] = torch.randn(1, 3, MC_PATCH, cols, generator=g)
                 out[size_key] = torch.tensor(sizes, dtype=torch.int32)
+        return out
+    if name == "molmo2":
+        # images (tiles, h2, w2): the resized view pooled to 2 x 2 tokens and `tiles` crops pooled to
+        # h2 x w2 tokens (2 x 2 windows); ("video", frames): 2 x 2 tokens a frame (3 x 3 windows). A
+        # batch holds images or videos, not both (the model refuses both in one call).
+        per = MOLMO_SIDE * MOLMO_SIDE
+        rows, types, crops, grids, pools, vgrids, vpools, patches = [], [], [], [], [], [], [], [0, 0]
+        for seq in spec:
+            ids, tt = [TEXT] * 4, [0] * 4
+            for item in seq:
+                if item[0] == "video":
+                    frames = item[1]
+                    vgrids.append([frames, 2, 2])
+                    vpools.append(_molmo_windows(frames * 4, frames * per, 3, patches[1]))
+                    patches[1] += frames * per
+                    n, kind = frames * 4, 2
+                else:
+                    tiles, h2, w2 = item
+                    grids.append([2, 2, h2, w2])
+                    crops.append(1 + tiles)
+                    view = _molmo_windows(4, per, 2, patches[0])
+                    pools.append(torch.cat([view, _molmo_windows(h2 * w2, tiles * per, 2, patches[0] + per)]))
+                    patches[0] += (1 + tiles) * per
+                    n, kind = 4 + h2 * w2, 1
+                ids += [VS] + [IMG] * n + [VE, TEXT + 1]
+                tt += [0] + [kind] * n + [0, 0]
+            rows.append(ids + [TEXT + 3] * 3)
+            types.append(tt + [0] * 3)
+        out = _finish(rows, types)
+        pixels = 7 * 7 * 3
+        if crops:
+            out.update(pixel_values=torch.randn(sum(crops), per, pixels, generator=g), image_token_pooling=torch.cat(pools),
+                       image_grids=torch.tensor(grids), image_num_crops=torch.tensor(crops))  # fmt: skip
+        if vgrids:
+            out.update(pixel_values_videos=torch.randn(patches[1] // per, per, pixels, generator=g),
+                       video_token_pooling=torch.cat(vpools), video_grids=torch.tensor(vgrids))  # fmt: skip
         return out
     raise ValueError(name)
 

@@ -58,12 +58,13 @@ SPECS = {
     # MiniCPM-V 4.6: slices at their own sizes (patches), an image with a thumbnail and two slices
     "minicpmv4_6": [[[(8, 8), [(8, 12), (4, 8), (4, 8)]], [(4, 4), ("video", 2, 8, 4)]], [[(4, 4)]], []],
 }
-SPECS["minicpmv4_7"] = SPECS["minicpm_ocr"] = SPECS[
-    "minicpmv4_6"
-]  # (4.7: its M-RoPE canvas; OCR: 2 x 2 merges)
+# MiniCPM-V 4.7 (its M-RoPE canvas) and MiniCPM-OCR (2 x 2 merges only) take the same media
+SPECS["minicpmv4_7"] = SPECS["minicpm_ocr"] = SPECS["minicpmv4_6"]
+# Molmo2: images (tiles, h2, w2): a resized view and its tiles; ("video", frames); a batch holds one or the other
+SPECS["molmo2"] = [[[(2, 2, 2), (1, 2, 1)], [(3, 2, 3)]], [[("video", 3)]], []]
 # families added with transformers' newer vision-language models: their balance must improve
 IMPROVED = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "gemma3", "paligemma", "mistral3", "qwen3_omni_moe",
-            "llava_onevision", "gemma4", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr")  # fmt: skip
+            "llava_onevision", "gemma4", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "molmo2")  # fmt: skip
 # (the Qwen3-Omni thinker's audio is encoded by the thinker on each rank: qwen_omni.py says why)
 ENCODERS = {"qwen2_audio": {"audio"}, "qwen2_5_omni": {"audio", "vision"}}
 
@@ -178,7 +179,7 @@ def _run(world: int, mode: str) -> list[dict]:
 # (Pixtral's, Gemma 4's and MiniCPM-V's own sizes, OneVision's tiles and frames, the Omni thinker's two towers); the
 # rest on 2
 THREE_RANKS = tuple(n for n in Z.MODELS if n not in ("qwen3_5", "qwen3_5_moe", *IMPROVED)) + (
-    "mistral3", "llava_onevision", "qwen3_omni_moe", "gemma4", "minicpmv4_6",
+    "mistral3", "llava_onevision", "qwen3_omni_moe", "gemma4", "minicpmv4_6", "molmo2",
 )  # fmt: skip
 CASES = (
     [(name, 2, "plain") for name in Z.MODELS]
@@ -390,16 +391,18 @@ def test_a_family_not_balanced_yet_is_refused_with_the_reason():
 
     from mmbalance.integrations.hf import apply_encoder_balance
 
-    if not hasattr(tf, "Molmo2Config"):
-        pytest.skip(f"transformers {transformers_version()} has no Molmo2")
-    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                head_dim=16, vocab_size=128, additional_vocab_size=8)  # fmt: skip
-    vision = dict(hidden_size=32, num_hidden_layers=3, head_dim=16, image_size=[28, 28], patch_size=7)
-    adapter = dict(vision_feature_layer=[-1, -2], hidden_size=32, text_hidden_size=32, intermediate_size=64)
-    model = tf.Molmo2ForConditionalGeneration(
-        tf.Molmo2Config(vision_config=vision, text_config=text, adapter_config=adapter)
+    if not hasattr(tf, "Ernie4_5_VLMoeConfig"):
+        pytest.skip(f"transformers {transformers_version()} has no Ernie-4.5-VL")
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, moe_intermediate_size=[32, 32], moe_k=1, moe_num_experts=2,
+                moe_num_shared_experts=0, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                mrope_section=[3, 3, 2]))  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+    model = tf.Ernie4_5_VLMoeForConditionalGeneration(
+        tf.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision)
     )
     with pytest.raises(
-        ValueError, match=r"Molmo2ForConditionalGeneration: its encoders are not balanced: its pooling"
+        ValueError,
+        match=r"Ernie4_5_VLMoeForConditionalGeneration: its encoders are not balanced: its resampler",
     ):
         apply_encoder_balance(model)

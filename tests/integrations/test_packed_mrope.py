@@ -169,7 +169,7 @@ def test_a_per_layer_feed_forward_width_prices_as_its_mean():
 # the vision-language families since Qwen3-VL (tests/integrations/hf_zoo.py), their language models
 # given a packed row of text sequences with the collator's 2-D positions
 SINCE_QWEN3_VL = ("gemma3", "glm46v", "kimi_k25", "llava_onevision", "mistral3", "qwen3_omni_moe", "gemma4",
-                  "minicpmv4_6", "minicpmv4_7", "minicpm_ocr")  # fmt: skip
+                  "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "molmo2")  # fmt: skip
 
 
 @pytest.mark.slow  # 10 models, about 60 s: the newest release (their packing is transformers' own mask)
@@ -212,3 +212,37 @@ def test_a_packed_row_of_a_newer_family_is_each_sequence_alone_under_sdpa(name):
     assert checked
     if handle is not None:
         handle.remove()
+
+
+def test_molmo2_images_in_a_packed_row_are_refused_by_name():
+    """Molmo2 makes all image tokens of a row one bidirectional block: in a packed row the images
+    of different sequences would see one another, so the backend refuses the row (by what it does
+    not implement) instead of running it."""
+    if not hf_zoo.available("molmo2"):
+        pytest.skip(f"transformers {transformers.__version__} has no Molmo2")
+    register_attention()
+    model = hf_zoo.build("molmo2", seed=4).eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    keep_sequences_apart(model)
+    rows = [
+        hf_zoo.batch("molmo2", model, [[spec]], seed=7 + i) for i, spec in enumerate([(1, 2, 1), (2, 2, 2)])
+    ]
+    first = (
+        rows[0]["pixel_values"].shape[0] * rows[0]["pixel_values"].shape[1]
+    )  # the second image's patches follow
+    pool = rows[1]["image_token_pooling"]
+    packed = dict(
+        input_ids=torch.cat([r["input_ids"] for r in rows], 1),
+        mm_token_type_ids=torch.cat([r["mm_token_type_ids"] for r in rows], 1),
+        position_ids=torch.cat([torch.arange(r["input_ids"].shape[1]) for r in rows])[None],
+        pixel_values=torch.cat([r["pixel_values"] for r in rows]),
+        image_token_pooling=torch.cat(
+            [rows[0]["image_token_pooling"], torch.where(pool >= 0, pool + first, pool)]
+        ),
+        image_grids=torch.cat([r["image_grids"] for r in rows]),
+        image_num_crops=torch.cat([r["image_num_crops"] for r in rows]),
+    )
+    with pytest.raises(ValueError, match="bidirectional blocks that are not contiguous"), torch.no_grad():
+        model(**packed)
+    with torch.no_grad():  # one sequence with one image runs
+        model(**{k: v for k, v in rows[0].items() if k not in ("labels", "attention_mask")})

@@ -429,6 +429,8 @@ _LOSS_WITHOUT_KEYWORDS_UNTIL = {
     "Glm4vForConditionalGeneration": (5, 17),
     "Glm4vMoeForConditionalGeneration": (5, 17),
     "Glm46VForConditionalGeneration": (5, 17),
+    # MiniCPM-V 4.6: no keywords in 5.10.4 and 5.16.1, passed in 5.19.0 (4.7 passes them from its first)
+    "MiniCPMV4_6ForConditionalGeneration": (5, 17),
 }
 
 

@@ -113,6 +113,8 @@ _INERT = {
     "position_embeddings", "target_dtype", "labels", "shift_labels",
     # which positions the language-model head computes logits for (LLaVA-OneVision passes it down)
     "logits_to_keep",
+    # which tower layers feed the projector (Molmo2's config defaults reach its towers' attention)
+    "vision_feature_layer",
 }  # fmt: skip
 # keywords refused whenever they ask for something (not None / False)
 _REFUSED = {

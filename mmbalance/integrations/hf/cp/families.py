@@ -122,6 +122,8 @@ NOT_SHARDED = {
     "another under every attention, and a CP shard is a packed row",
     "LlavaOnevisionForConditionalGeneration": "an image's rows come from packing all its tiles together "
     "(anyres unpadding and newlines), so its tiles cannot be encoded where the rows are needed",
+    "Molmo2ForConditionalGeneration": "all image tokens of a sequence form one bidirectional block (every image "
+    "attends to every other), which neither a shard nor mmbalance_varlen carries",
 }
 # a FLOP rate to turn encoder FLOPs into the seconds of the "quadratic" cost (CostModel.transformer)
 _FLOPS = 400e12

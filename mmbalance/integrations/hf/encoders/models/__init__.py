@@ -33,6 +33,9 @@ Kimi-K2.5                              vision    an image or a whole clip       
 MiniCPM-V 4.6                          vision    a slice (thumbnail or crop)    linear in its patches plus
                                                  of an image or a video frame   attention over the slice
                                                  (only its patches travel)      (a quarter after the merger)
+Molmo2                                 vision    an image (its crops and the    one ViT pass per crop
+                                                 pooling windows of its tokens)
+                                                 or a video (its frames)
 =====================================  ========  =============================  ==========================
 
 Encoder outputs go back through the models' public hooks: ``mm_encoder_outputs`` for images and
@@ -48,6 +51,7 @@ from .internvl import InternVLAdapter
 from .llava import LlavaAdapter, LlavaNextAdapter, LlavaOnevisionAdapter
 from .minicpmv import MiniCPMV46Adapter
 from .mistral3 import Mistral3Adapter
+from .molmo2 import Molmo2Adapter
 from .qwen_audio import Qwen2AudioAdapter
 from .qwen_omni import QwenOmniAudioAdapter
 from .qwen_vl import (
@@ -70,6 +74,7 @@ __all__ = [
     "LlavaOnevisionAdapter",
     "MiniCPMV46Adapter",
     "Mistral3Adapter",
+    "Molmo2Adapter",
     "PaliGemmaAdapter",
     "Qwen2AudioAdapter",
     "Qwen3OmniVisionAdapter",
