@@ -91,6 +91,18 @@ def more():
     return hf_zoo_more
 
 
+@functools.cache
+def refused(name: str) -> str | None:
+    """Why the installed transformers' ``name`` cannot have its encoders balanced nor its media
+    sharded (``EncoderAdapter.refusal``: MiniCPM-V on 5.16), or ``None``."""
+    from mmbalance.integrations.hf.encoders import adapters_for
+
+    if not available(name):
+        return None
+    model = build(name)
+    return next((r for r in (a.refusal(model) for a in adapters_for(model)) if r), None)
+
+
 def available(name: str) -> bool:
     """Whether the installed transformers has the family ``name``."""
     import transformers as tf

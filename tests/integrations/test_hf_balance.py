@@ -171,7 +171,7 @@ LORA = ("qwen2_vl", "llava")
 @functools.cache
 def _run(world: int, mode: str) -> list[dict]:
     names = {"plain": Z.MODELS if world == 2 else THREE_RANKS, "lora": LORA}.get(mode, WRAPPED)
-    names = tuple(n for n in names if Z.available(n))
+    names = tuple(n for n in names if Z.available(n) and not Z.refused(n))
     return run_distributed(_same_results, world, names, mode, timeout=840, pg_timeout=300)
 
 
@@ -193,6 +193,10 @@ CASES = (
 def test_balanced_model_gives_the_unbalanced_loss_and_gradients(name, world, mode):
     if not Z.available(name):
         pytest.skip(f"transformers {transformers_version()} has no {name}")
+    if Z.refused(name):
+        pytest.skip(
+            f"refused on transformers {transformers_version()} (test_a_release_that_cannot_balance_...)"
+        )
     for rank, res in enumerate(_run(world, mode)):
         ref_loss, loss = res[name]["loss"]
         assert loss == pytest.approx(ref_loss, rel=1e-5), f"rank {rank}: loss {loss} vs unbalanced {ref_loss}"
@@ -406,3 +410,27 @@ def test_a_family_not_balanced_yet_is_refused_with_the_reason():
         match=r"Ernie4_5_VLMoeForConditionalGeneration: its encoders are not balanced: its resampler",
     ):
         apply_encoder_balance(model)
+
+
+def test_a_release_that_cannot_balance_a_family_refuses_it_by_name():
+    """MiniCPM-V 4.6 on a release whose window merger takes every slice of a call at the first
+    slice's size (5.16): a call of several ranks' slices would be merged wrongly, so
+    ``apply_encoder_balance`` and ``apply_dynamic_cp`` refuse it, with the reason."""
+    from mmbalance.integrations.hf import apply_dynamic_cp, apply_encoder_balance, register_attention
+
+    if not Z.refused("minicpmv4_6"):
+        pytest.skip(
+            f"transformers {transformers_version()} merges MiniCPM-V's slices one by one (or has none)"
+        )
+    model = Z.build("minicpmv4_6")
+    with pytest.raises(
+        ValueError,
+        match=r"MiniCPMV4_6ForConditionalGeneration: its vision encoder is not balanced: .*first slice",
+    ):
+        apply_encoder_balance(model)
+    register_attention()
+    model.set_attn_implementation("mmbalance_varlen")
+    with pytest.raises(
+        ValueError, match=r"does not shard MiniCPMV4_6ForConditionalGeneration: .*first slice"
+    ):
+        apply_dynamic_cp(model, max_tokens_per_rank=64)

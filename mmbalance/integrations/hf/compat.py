@@ -66,6 +66,7 @@ __all__ = [
     "loss_takes_token_count",
     "loader_options",
     "mask_pieces",
+    "merges_one_slice_size",
     "remove_encoder_outputs_hook",
     "require_supported_transformers",
     "takes_encoder_outputs",
@@ -432,6 +433,24 @@ _LOSS_WITHOUT_KEYWORDS_UNTIL = {
     # MiniCPM-V 4.6: no keywords in 5.10.4 and 5.16.1, passed in 5.19.0 (4.7 passes them from its first)
     "MiniCPMV4_6ForConditionalGeneration": (5, 17),
 }
+
+
+def merges_one_slice_size(tower) -> bool:
+    """Whether a MiniCPM-V tower's window merger reads every slice's grid from the call's first one
+    (transformers 5.16's vectorised merge, which assumes the slices of a call share one size: others
+    fail, or with the same patch count are merged on the wrong grid); 5.10 and 5.19 on merge slice
+    by slice. Read from the merger's source."""
+    merger = getattr(tower, "vit_merger", None)
+    return merger is not None and _merges_one_size(type(merger))
+
+
+@functools.cache
+def _merges_one_size(cls: type) -> bool:
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "get_vision_merged_shape" in src or "seq_per_img" in src
 
 
 def _drops_loss_keywords(model) -> bool:

@@ -368,8 +368,22 @@ class _Llava(VLMFamily):
 def vlm_family(model) -> VLMFamily | None:
     """The family of ``model`` if it is a supported vision-language model, ``None`` for a text
     model; raises ValueError naming the class, with the supported list, for any other multimodal
-    model. The class is looked up along its MRO, as the encoder adapters match it: FSDP2's
-    ``fully_shard`` (``FSDP<Name>``) and a user's subclass keep their family."""
+    model, and with the reason for a family whose encoder the installed release runs wrongly on
+    items gathered from several ranks (:meth:`~..encoders.EncoderAdapter.refusal`). The class is
+    looked up along its MRO, as the encoder adapters match it: FSDP2's ``fully_shard``
+    (``FSDP<Name>``) and a user's subclass keep their family."""
+    family = _family_of(model)
+    if family is not None:
+        for adapter in adapters_for(model):
+            reason = adapter.refusal(model)
+            if reason:
+                raise ValueError(
+                    f"model: apply_dynamic_cp does not shard {type(model).__name__}{wrapper_hint(model)}: {reason}"
+                )
+    return family
+
+
+def _family_of(model) -> VLMFamily | None:
     name = type(model).__name__
     for cls in type(model).__mro__:
         if cls.__name__ in _QWEN:

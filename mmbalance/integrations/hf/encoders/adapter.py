@@ -16,13 +16,14 @@ An adapter says, for one model class and one encoder,
   their original order, into the forward's keyword arguments, so the rest of the model runs
   exactly as if it had encoded them itself.
 
-Two optional parts:
+Three optional parts:
 
 * :attr:`~EncoderAdapter.splits_frames`: the encoder attends within each temporal frame only, so
   ``extract`` gives one item per frame of a video and ``restore`` reassembles them (exact): one
   long video no longer bounds the step;
 * :meth:`~EncoderAdapter.call_options`: per-call keyword arguments that change the encoder's output
-  (``vision_feature_layer`` ...): every rank must pass the same ones, and ``encode`` gets them.
+  (``vision_feature_layer`` ...): every rank must pass the same ones, and ``encode`` gets them;
+* :meth:`~EncoderAdapter.refusal`: why the installed release cannot balance this encoder.
 
 Register a new adapter with :func:`register_adapter` (or pass adapters to
 ``apply_encoder_balance(..., adapters=[...])``); nothing in mmbalance needs to change. The built-in
@@ -139,6 +140,12 @@ class EncoderAdapter:
     def cost(self, model, meta: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Relative cost of encoding each item (float64 ``[n]``); default: its input rows."""
         return rows.astype(np.float64)
+
+    def refusal(self, model) -> str | None:
+        """Why the installed release's ``model`` cannot have this encoder balanced (its own encoder
+        would run the items of several ranks differently than it runs them apart), or ``None``.
+        ``apply_encoder_balance`` and ``apply_dynamic_cp`` raise it by name on every rank."""
+        return None
 
     def matches(self, model) -> bool:
         return any(c.__name__ in self.model_classes for c in type(model).__mro__)

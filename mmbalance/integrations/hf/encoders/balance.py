@@ -309,6 +309,12 @@ def apply_encoder_balance(
             f"{type(inner).__name__}: its encoders are not balanced: {NOT_BALANCED[type(inner).__name__]}"
             f"{wrapper_hint(inner)}"
         )
+    for a in (
+        adapters_for(inner) if adapters is None else [a for a in adapters if isinstance(a, EncoderAdapter)]
+    ):
+        reason = a.refusal(inner)  # the installed release runs this encoder wrongly on gathered items
+        if reason:
+            raise ValueError(f"{type(inner).__name__}: its {a.encoder} encoder is not balanced: {reason}")
     base = group if group is not None else dist.group.WORLD
     _, world = world_of(group)
     if not (cost in ("auto", "rows", "items") or callable(cost)):

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...compat import merges_one_slice_size
 from ..adapter import EncoderAdapter, Items, flops_linear, packed_rows, register_adapter
 from .common import as_int, core, dtype_device, mm_outputs, pooled
 
@@ -47,6 +48,15 @@ class MiniCPMV46Adapter(EncoderAdapter):
 
     def _tower(self, model):
         return core(model).vision_tower
+
+    def refusal(self, model):
+        if merges_one_slice_size(self._tower(model)):
+            return (
+                "the installed transformers' MiniCPM-V window merger takes every slice of a call at the first "
+                "slice's size, so a call holding several ranks' slices would merge them on the wrong grids "
+                "(the releases before 5.16 and from 5.19 on merge slice by slice)"
+            )
+        return None
 
     def _patch(self, model) -> int:
         return as_int(self._tower(model).config.patch_size)
