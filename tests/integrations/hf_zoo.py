@@ -51,6 +51,7 @@ MODELS = (
     "minicpmv4_7",
     "minicpm_ocr",
     "molmo2",
+    "ernie4_5_vl_moe",
 )
 # the config class a family needs, where some release of the test matrix lacks it
 NEEDS = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "kimi_k25": "Kimi_K25Config",

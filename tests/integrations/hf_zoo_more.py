@@ -10,7 +10,7 @@ import inspect
 
 import torch
 
-from tests.integrations.hf_zoo import AE, AS, AUD, IMG, TEXT, VE, VID, VS, P, S, _finish, _text
+from tests.integrations.hf_zoo import AE, AS, AUD, IMG, MERGE, PATCH, TEXT, VE, VID, VS, P, S, _finish, _text
 
 G4_PATCH, G4_POOL, G4_MAX = 2, 2, 64  # Gemma 4: patch side, pooling kernel, patches an image is padded to
 # MiniCPM-V: patch side; patches a side per placeholder: a 2 x 2 window, then a 2 x 2 merge ("16x",
@@ -18,7 +18,7 @@ G4_PATCH, G4_POOL, G4_MAX = 2, 2, 64  # Gemma 4: patch side, pooling kernel, pat
 MC_PATCH = 2
 MINICPM = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
 MOLMO_SIDE = 4  # Molmo2: a crop's side in patches (28 pixels, patches of 7)
-FAMILIES = ("gemma4", "mistral3", "llava_onevision", *MINICPM, "molmo2")
+FAMILIES = ("gemma4", "mistral3", "llava_onevision", *MINICPM, "molmo2", "ernie4_5_vl_moe")
 
 
 def build(name: str):
@@ -88,6 +88,15 @@ def build(name: str):
                               image_start_token_id=VS, image_end_token_id=VE, low_res_image_start_token_id=AS,
                               frame_start_token_id=AS, frame_end_token_id=AE)  # fmt: skip
         return tf.Molmo2ForConditionalGeneration(cfg)
+    if name == "ernie4_5_vl_moe":  # the Qwen ViT's inputs, a resampler merging 2 x 2 patches and frame pairs
+        text = _text(head_dim=16, moe_intermediate_size=[32, 32], moe_k=1, moe_num_experts=2, moe_num_shared_experts=0,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2]))  # fmt: skip
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH,
+                      spatial_merge_size=MERGE)  # fmt: skip
+        cfg = tf.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=VID,
+                                      image_start_token_id=VS, image_end_token_id=VE, video_start_token_id=AS,
+                                      video_end_token_id=AE)  # fmt: skip
+        return tf.Ernie4_5_VLMoeForConditionalGeneration(cfg)
     raise ValueError(name)
 
 
@@ -251,6 +260,27 @@ def batch(name: str, model, spec: list[list], g: torch.Generator) -> dict:
         if vgrids:
             out.update(pixel_values_videos=torch.randn(patches[1] // per, per, pixels, generator=g),
                        video_token_pooling=torch.cat(vpools), video_grids=torch.tensor(vgrids))  # fmt: skip
+        return out
+    if name == "ernie4_5_vl_moe":  # images (h, w) in patches, ("video", t, h, w) with t even: frames paired
+        rows, types, media = [], [], {"image": ([], []), "video": ([], [])}
+        for seq in spec:
+            ids, tt = [TEXT] * 4, [0] * 4
+            for item in seq:
+                video = item[0] == "video"
+                t, h, w = item[1:] if video else (1, *item)
+                n = t * h * w // MERGE**2 // (2 if video else 1)
+                ids += [AS if video else VS] + [VID if video else IMG] * n + [AE if video else VE, TEXT + 1]
+                tt += [0] + [2 if video else 1] * n + [0, 0]
+                pix, grids = media["video" if video else "image"]
+                pix.append(torch.randn(t * h * w, 3 * PATCH * PATCH, generator=g))
+                grids.append([t, h, w])
+            rows.append(ids + [TEXT + 3] * 3)
+            types.append(tt + [0] * 3)
+        out = _finish(rows, types)
+        for key, grid_key, (pix, grids) in (("pixel_values", "image_grid_thw", media["image"]),
+                                            ("pixel_values_videos", "video_grid_thw", media["video"])):  # fmt: skip
+            if pix:
+                out.update({key: torch.cat(pix), grid_key: torch.tensor(grids)})
         return out
     raise ValueError(name)
 

@@ -478,7 +478,8 @@ def test_other_multimodal_models_are_refused_by_name(name):
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("glm4v_moe", "packed rows"), ("llava_onevision", "anyres"), ("molmo2", "one bidirectional block")],
+    [("glm4v_moe", "packed rows"), ("llava_onevision", "anyres"), ("molmo2", "one bidirectional block"),
+     ("ernie4_5_vl_moe", "experts of their own")],
 )  # fmt: skip
 def test_families_whose_media_cannot_be_split_yet_are_refused_with_the_reason(name, reason):
     register_attention()

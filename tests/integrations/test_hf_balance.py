@@ -62,9 +62,11 @@ SPECS = {
 SPECS["minicpmv4_7"] = SPECS["minicpm_ocr"] = SPECS["minicpmv4_6"]
 # Molmo2: images (tiles, h2, w2): a resized view and its tiles; ("video", frames); a batch holds one or the other
 SPECS["molmo2"] = [[[(2, 2, 2), (1, 2, 1)], [(3, 2, 3)]], [[("video", 3)]], []]
+# Ernie-4.5-VL: images and videos whose frames its resampler merges two by two (items: frame pairs)
+SPECS["ernie4_5_vl_moe"] = [[[(4, 4), (2, 6)], [("video", 4, 4, 4)]], [[(6, 4), ("video", 2, 4, 2)]], []]
 # families added with transformers' newer vision-language models: their balance must improve
 IMPROVED = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "gemma3", "paligemma", "mistral3", "qwen3_omni_moe",
-            "llava_onevision", "gemma4", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "molmo2")  # fmt: skip
+            "llava_onevision", "gemma4", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "molmo2", "ernie4_5_vl_moe")  # fmt: skip
 # (the Qwen3-Omni thinker's audio is encoded by the thinker on each rank: qwen_omni.py says why)
 ENCODERS = {"qwen2_audio": {"audio"}, "qwen2_5_omni": {"audio", "vision"}}
 
@@ -179,7 +181,7 @@ def _run(world: int, mode: str) -> list[dict]:
 # (Pixtral's, Gemma 4's and MiniCPM-V's own sizes, OneVision's tiles and frames, the Omni thinker's two towers); the
 # rest on 2
 THREE_RANKS = tuple(n for n in Z.MODELS if n not in ("qwen3_5", "qwen3_5_moe", *IMPROVED)) + (
-    "mistral3", "llava_onevision", "qwen3_omni_moe", "gemma4", "minicpmv4_6", "molmo2",
+    "mistral3", "llava_onevision", "qwen3_omni_moe", "gemma4", "minicpmv4_6", "molmo2", "ernie4_5_vl_moe",
 )  # fmt: skip
 CASES = (
     [(name, 2, "plain") for name in Z.MODELS]

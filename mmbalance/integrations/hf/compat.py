@@ -441,13 +441,13 @@ def merges_one_slice_size(tower) -> bool:
     fail, or with the same patch count are merged on the wrong grid); 5.10 and 5.19 on merge slice
     by slice. Read from the merger's source."""
     merger = getattr(tower, "vit_merger", None)
-    return merger is not None and _merges_one_size(type(merger))
+    return merger is not None and _merges_one_size(type(merger).forward)
 
 
 @functools.cache
-def _merges_one_size(cls: type) -> bool:
+def _merges_one_size(forward: Any) -> bool:
     try:
-        src = inspect.getsource(cls.forward)
+        src = inspect.getsource(forward)
     except (OSError, TypeError):
         return False
     return "get_vision_merged_shape" in src or "seq_per_img" in src

@@ -124,6 +124,8 @@ NOT_SHARDED = {
     "(anyres unpadding and newlines), so its tiles cannot be encoded where the rows are needed",
     "Molmo2ForConditionalGeneration": "all image tokens of a sequence form one bidirectional block (every image "
     "attends to every other), which neither a shard nor mmbalance_varlen carries",
+    "Ernie4_5_VLMoeForConditionalGeneration": "its language model sends image and video tokens to experts of their "
+    "own by moe_mm_token_type_ids, which the shards do not carry yet",
 }
 # a FLOP rate to turn encoder FLOPs into the seconds of the "quadratic" cost (CostModel.transformer)
 _FLOPS = 400e12

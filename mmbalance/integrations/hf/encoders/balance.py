@@ -243,8 +243,6 @@ def encoder_balance_of(model) -> EncoderBalanceHandle | None:
 NOT_BALANCED = {
     "Llama4ForConditionalGeneration": "transformers' own forward of Llama 4 fails (it reads image_outputs "
     "from the language model's output) in the releases tested, so nothing can be checked against it",
-    "Ernie4_5_VLMoeForConditionalGeneration": "its resampler pairs a video's frames and runs images and "
-    "videos apart, which one call of the tower per step does not yet cover",
 }
 
 

@@ -33,6 +33,9 @@ Kimi-K2.5                              vision    an image or a whole clip       
 MiniCPM-V 4.6                          vision    a slice (thumbnail or crop)    linear in its patches plus
                                                  of an image or a video frame   attention over the slice
                                                  (only its patches travel)      (a quarter after the merger)
+Ernie-4.5-VL                           vision    an image, or two frames of a   linear in its patches plus
+                                                 video (its resampler merges    attention per frame
+                                                 them)
 Molmo2                                 vision    an image (its crops and the    one ViT pass per crop
                                                  pooling windows of its tokens)
                                                  or a video (its frames)
@@ -55,6 +58,7 @@ from .molmo2 import Molmo2Adapter
 from .qwen_audio import Qwen2AudioAdapter
 from .qwen_omni import QwenOmniAudioAdapter
 from .qwen_vl import (
+    ErnieVisionAdapter,
     GlmVisionAdapter,
     KimiVisionAdapter,
     Qwen3OmniVisionAdapter,
@@ -63,6 +67,7 @@ from .qwen_vl import (
 )
 
 __all__ = [
+    "ErnieVisionAdapter",
     "Gemma3Adapter",
     "Gemma4VisionAdapter",
     "GlmVisionAdapter",

@@ -1,6 +1,6 @@
 """The natural-resolution Qwen ViTs: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, the
 Qwen2.5-Omni and Qwen3-Omni thinkers' vision towers; and the towers that take the same inputs
-(patches with ``*_grid_thw`` rows): GLM-4.1V / 4.5V / 4.6V and Kimi-K2.5 (below).
+(patches with ``*_grid_thw`` rows): GLM-4.1V / 4.5V / 4.6V, Kimi-K2.5 and Ernie-4.5-VL (below).
 
 One item per image, and one per temporal frame of a video (``t`` frames of ``h x w`` patches): the
 towers attend within each frame only (``cu_seqlens`` restart at every frame; Qwen2.5's windows lie
@@ -18,8 +18,8 @@ from ...compat import feature_rows
 from ..adapter import EncoderAdapter, Items, flops_linear, packed_rows, register_adapter
 from .common import as_int, core, dtype_device, mm_outputs, pooled
 
-__all__ = ["GlmVisionAdapter", "KimiVisionAdapter", "Qwen3OmniVisionAdapter", "Qwen3VLMoeVisionAdapter",
-           "QwenVisionAdapter"]  # fmt: skip
+__all__ = ["ErnieVisionAdapter", "GlmVisionAdapter", "KimiVisionAdapter", "Qwen3OmniVisionAdapter",
+           "Qwen3VLMoeVisionAdapter", "QwenVisionAdapter"]  # fmt: skip
 
 
 @register_adapter
@@ -240,3 +240,57 @@ class KimiVisionAdapter(QwenVisionAdapter):
                 f"Kimi-K2.5: merge_kernel_size {kernel} is not square (an item's rows assume it is)"
             )
         return int(h)
+
+
+@register_adapter
+class ErnieVisionAdapter(QwenVisionAdapter):
+    """Ernie-4.5-VL: the Qwen ViT's inputs (patches with ``*_grid_thw`` rows, attention within each
+    frame), then a resampler that merges ``2 x 2`` patches and, in a video, each pair of frames (an
+    image's frame is paired with itself). Items: images, and a video's frames two by two (whole videos
+    with ``splits_frames = False``); the tower and the resampler run once on every rank's items, images
+    and frame pairs together, as ``get_image_features`` and ``get_video_features`` run them."""
+
+    model_classes = ("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VLMoeModel")
+    tower = "vision_tower"
+
+    def _row(self, model) -> int:
+        cfg = self._visual(model).config
+        return int(cfg.in_channels) * as_int(cfg.patch_size) ** 2
+
+    def _pair(self, model) -> int:
+        return int(self._visual(model).config.temporal_merge_size)
+
+    def extract(self, model, kwargs):
+        items = super().extract(model, kwargs)
+        if items is None or not self.splits_frames:
+            return items
+        # the frames of a video two by two (the resampler merges each pair): super() gave one per frame
+        pair, meta, frames = self._pair(model), [], []
+        at = 0
+        for kind, count in items.context["frames"]:
+            own = items.meta[at : at + count]
+            if kind == 0 or count == 1:
+                meta.append(own)
+                frames.append((kind, count))
+            else:
+                if count % pair:
+                    raise ValueError(
+                        f"video_grid_thw: a video of {count} frames; the resampler merges frames {pair} by {pair}"
+                    )
+                merged = own[::pair].copy()
+                merged[:, 1] = pair
+                meta.append(merged)
+                frames.append((kind, count // pair))
+            at += count
+        meta_np = np.concatenate(meta)
+        return Items(items.payload, meta_np[:, 1:].prod(1), meta_np, {"frames": frames})
+
+    def out_rows(self, model, meta):
+        per_frame = meta[:, 2] * meta[:, 3] // self._merge(model) ** 2
+        return np.where(meta[:, 1] > 1, meta[:, 1] * per_frame // self._pair(model), per_frame)
+
+    def encode(self, model, payload, meta):
+        c = core(model)
+        grid = torch.as_tensor(meta[:, 1:4], dtype=torch.long, device=payload[0].device)
+        hidden = c.vision_tower(payload[0], grid).last_hidden_state
+        return [c.resampler_model(hidden, grid)]
