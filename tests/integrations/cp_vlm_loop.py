@@ -17,7 +17,7 @@ token-loss sum over the global count); every image and frame is encoded exactly 
 
 argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | glm4v | glm46v |
 kimi_k25 | mistral3 | gemma3 | paligemma | gemma4 | qwen3_omni_moe | minicpmv4_6 | minicpmv4_7 | minicpm_ocr
-(these eleven on 2 ranks: ``PAIR``; Gemma 3's and
+| ernie4_5_vl_moe (these twelve on 2 ranks: ``PAIR``; Gemma 3's and
 Gemma 4's images and PaliGemma's prefixes are bidirectional blocks cut by the shard boundaries) | llava (LLaVA
 has no video: a document of eight images stands in for it) | qwen2_5_omni (the thinker: a long
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
@@ -119,6 +119,9 @@ PAIR = {
 }
 # MiniCPM-V 4.7 (its M-RoPE canvas from the whole sequence) and MiniCPM-OCR (four times the tokens a
 # slice: a 2 x 2 merge only) take the same media
+# Ernie-4.5-VL: images and a 4-frame video (its frames merged two by two) make an 80-token sequence,
+# its vision tokens routed to their own experts on every shard
+PAIR["ernie4_5_vl_moe"] = [[[(8, 8), ("video", 4, 8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]]
 PAIR["minicpmv4_7"] = PAIR["minicpmv4_6"]
 PAIR["minicpm_ocr"] = [
     [[(8, 4), [(8, 8), (4, 8), (4, 8)], ("video", 2, 4, 8), (4, 8)]],
@@ -155,6 +158,9 @@ def towers(model) -> list:
             return int((~(pos == -1).all(dim=-1)).sum())
 
         return [(tower, patches, 4)]
+    if FAMILY == "ernie4_5_vl_moe":  # its tower is the model's vision_tower, called with the patch rows
+        rows = lambda a, kw: int((a[0] if a else kw["hidden_states"]).shape[0])  # noqa: E731
+        return [(core(model).vision_tower, rows, 4)]
     if FAMILY.startswith("minicpm"):  # a call's rows: its slices' patches
         rows = lambda a, kw: int(kw["target_sizes"].prod(-1).sum())  # noqa: E731
         return [(core(model).vision_tower, rows, 16)]
@@ -197,6 +203,8 @@ def examples(model) -> list[list[dict]]:
                     text["token_type_ids"][:, -1] = 1
                 elif FAMILY not in UNTYPED:
                     text["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int32)
+                if FAMILY == "ernie4_5_vl_moe":  # no vision token, no vision expert
+                    text["moe_mm_token_type_ids"] = torch.zeros_like(ids)
                 mine.append(text)
             else:
                 mine.append(hf_zoo.batch(FAMILY, model, [spec], seed=100 + k))

@@ -553,7 +553,14 @@ def collate(batches: list[dict], left=False) -> dict:
     width = max(int(b["input_ids"].shape[1]) for b in batches)
     lefts = left if isinstance(left, (list, tuple)) else [left] * len(batches)
     out: dict = {}
-    for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids"):
+    for key in (
+        "input_ids",
+        "attention_mask",
+        "labels",
+        "mm_token_type_ids",
+        "token_type_ids",
+        "moe_mm_token_type_ids",
+    ):
         if key not in batches[0]:
             continue
         fill = -100 if key == "labels" else 0

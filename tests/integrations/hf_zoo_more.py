@@ -89,7 +89,8 @@ def build(name: str):
                               frame_start_token_id=AS, frame_end_token_id=AE)  # fmt: skip
         return tf.Molmo2ForConditionalGeneration(cfg)
     if name == "ernie4_5_vl_moe":  # the Qwen ViT's inputs, a resampler merging 2 x 2 patches and frame pairs
-        text = _text(head_dim=16, moe_intermediate_size=[32, 32], moe_k=1, moe_num_experts=2, moe_num_shared_experts=0,
+        text = _text(head_dim=16, num_hidden_layers=2, moe_intermediate_size=[32, 32], moe_k=1, moe_num_experts=2,
+                     moe_num_shared_experts=0,
                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2]))  # fmt: skip
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH,
                       spatial_merge_size=MERGE)  # fmt: skip
@@ -277,6 +278,11 @@ def batch(name: str, model, spec: list[list], g: torch.Generator) -> dict:
             rows.append(ids + [TEXT + 3] * 3)
             types.append(tt + [0] * 3)
         out = _finish(rows, types)
+        ids = out["input_ids"]  # its processor's experts by token: vision tokens and their markers
+        out["moe_mm_token_type_ids"] = (
+            torch.isin(ids, torch.tensor([IMG, VS, VE])).long()
+            + 2 * torch.isin(ids, torch.tensor([VID, AS, AE])).long()
+        )
         for key, grid_key, (pix, grids) in (("pixel_values", "image_grid_thw", media["image"]),
                                             ("pixel_values_videos", "video_grid_thw", media["video"])):  # fmt: skip
             if pix:

@@ -103,7 +103,8 @@ def test_families_since_qwen3_vl_split_their_media_over_2_ranks_exactly():
     encoder balancing: loss and every gradient within 1e-5 of each example alone, every item
     encoded once in the world."""
     runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4",
-                                             "qwen3_omni_moe", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
+                                             "qwen3_omni_moe", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
+                                             "ernie4_5_vl_moe")
             if hf_zoo.available(name) and not _own_mean_loss(name) and not hf_zoo.refused(name)
             for balance in ("plain", "encoder")]  # fmt: skip
     out = launch(SCRIPT, *runs, nproc=2, timeout=840)
@@ -170,11 +171,11 @@ SPECS = {
     # and 4.7's M-RoPE canvas (a thumbnail and its crops laid out on one), OCR's 2 x 2 merges
     "minicpmv4_7": [[(4, 4), [(8, 8), (4, 8), (4, 8)]], [], [("video", 2, 4, 8), (8, 4)]],
     "minicpm_ocr": [[(4, 4), [(8, 8), (4, 8)]], [], [("video", 2, 4, 8), (8, 4)]],
+    # a video's frames merged two by two, vision tokens with experts of their own
+    "ernie4_5_vl_moe": [[(4, 4)], [("video", 4, 4, 4), (8, 4)], []],
 }
-MROPE = (
-    "qwen",
-    "glm",
-)  # the families whose positions are M-RoPE rows from get_rope_index (and MiniCPM-V 4.7)
+# the families whose positions are M-RoPE rows from get_rope_index (and MiniCPM-V 4.7)
+MROPE = ("qwen", "glm", "ernie")
 
 
 def _grads(model) -> dict:
@@ -239,7 +240,7 @@ def test_a_model_that_averages_its_own_loss_is_refused_labels_by_name():
 
 # the families since Qwen3-VL: on every release through the 2-rank test's encoder run, here on the newest
 NEWER = ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4", "minicpmv4_6", "minicpmv4_7",
-         "minicpm_ocr")  # fmt: skip
+         "minicpm_ocr", "ernie4_5_vl_moe")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -478,8 +479,7 @@ def test_other_multimodal_models_are_refused_by_name(name):
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("glm4v_moe", "packed rows"), ("llava_onevision", "anyres"), ("molmo2", "one bidirectional block"),
-     ("ernie4_5_vl_moe", "experts of their own")],
+    [("glm4v_moe", "packed rows"), ("llava_onevision", "anyres"), ("molmo2", "one bidirectional block")],
 )  # fmt: skip
 def test_families_whose_media_cannot_be_split_yet_are_refused_with_the_reason(name, reason):
     register_attention()

@@ -397,19 +397,14 @@ def test_a_family_not_balanced_yet_is_refused_with_the_reason():
 
     from mmbalance.integrations.hf import apply_encoder_balance
 
-    if not hasattr(tf, "Ernie4_5_VLMoeConfig"):
-        pytest.skip(f"transformers {transformers_version()} has no Ernie-4.5-VL")
-    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, moe_intermediate_size=[32, 32], moe_k=1, moe_num_experts=2,
-                moe_num_shared_experts=0, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                                mrope_section=[3, 3, 2]))  # fmt: skip
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
-    model = tf.Ernie4_5_VLMoeForConditionalGeneration(
-        tf.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision)
-    )
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)  # fmt: skip
+    model = tf.Llama4ForConditionalGeneration(tf.Llama4Config(text_config=text, vision_config=vision))
     with pytest.raises(
         ValueError,
-        match=r"Ernie4_5_VLMoeForConditionalGeneration: its encoders are not balanced: its resampler",
+        match=r"Llama4ForConditionalGeneration: its encoders are not balanced: transformers' own forward",
     ):
         apply_encoder_balance(model)
 

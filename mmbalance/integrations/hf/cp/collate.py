@@ -210,6 +210,7 @@ class CPCollator:
                     idle.update(
                         self.vlm.family.block_keywords(self.vlm.model, one, torch.zeros(1, dtype=torch.bool))
                     )
+                idle.update(self.vlm.family.token_keywords(self.vlm.model, one))
             return idle
         batch = self.collate([row for row, _ in items])
         mrope = pending = blocks = None
@@ -241,6 +242,8 @@ class CPCollator:
             shard.blocks = blocks
             marks = torch.from_numpy(in_blocks(shard))
             out.update(self.vlm.family.block_keywords(self.vlm.model, out["input_ids"], marks))
+        if self.vlm is not None:
+            out.update(self.vlm.family.token_keywords(self.vlm.model, out["input_ids"]))
         if pending is not None:
             if mrope is not None:  # [4, 1, T]: the position in the sequence, then the M-RoPE rows
                 out["position_ids"] = torch.cat([pos.unsqueeze(0), mrope[index].t()]).unsqueeze(1)

@@ -1,6 +1,6 @@
 """Dynamic context parallelism for multimodal models: :meth:`DynamicCPHandle.shard` on the
 batches their processors give (images, videos, audio clips), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, LLaVA and the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers
+Qwen3-VL-MoE, Qwen3.5, GLM-4.1V/4.6V, Ernie-4.5-VL, LLaVA and the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers
 (images and videos), and the families of :mod:`.recent` (Kimi-K2.5, Mistral 3, MiniCPM-V 4.6/4.7,
 MiniCPM-OCR, Gemma 3, Gemma 4, PaliGemma). This module holds those model families (batch keys,
 feature streams, M-RoPE positions, encoder FLOPs, the streams placed into the input embeddings;
@@ -64,9 +64,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from mmbalance.balancing import CostModel
 
@@ -100,6 +102,8 @@ _OMNI = {"Qwen2_5OmniThinkerForConditionalGeneration": "Qwen2.5-Omni thinker"}
 _OMNI3 = {"Qwen3OmniMoeThinkerForConditionalGeneration": "Qwen3-Omni-MoE thinker"}
 # GLM-4.1V and GLM-4.6V (images; GLM-4.5V's language model runs packed rows wrong: mixers.py)
 _GLM = {"Glm4vForConditionalGeneration": "GLM-4.1V", "Glm46VForConditionalGeneration": "GLM-4.6V"}
+# its resampler merges a video's frames two by two; its vision tokens have experts of their own
+_ERNIE = {"Ernie4_5_VLMoeForConditionalGeneration": "Ernie-4.5-VL"}
 RECENT = {**KIMI, **MISTRAL3, **GEMMA3, **GEMMA4, **PALIGEMMA, **MINICPMV, **MINICPMV47}
 #: the multimodal model classes ``apply_dynamic_cp`` shards (text decoders work as they are)
 SUPPORTED: tuple[str, ...] = (
@@ -108,6 +112,7 @@ SUPPORTED: tuple[str, ...] = (
     + tuple(_OMNI)
     + tuple(_OMNI3)
     + tuple(_GLM)
+    + tuple(_ERNIE)
     + tuple(KIMI)
     + tuple(MISTRAL3)
     + tuple(GEMMA3)
@@ -124,8 +129,6 @@ NOT_SHARDED = {
     "(anyres unpadding and newlines), so its tiles cannot be encoded where the rows are needed",
     "Molmo2ForConditionalGeneration": "all image tokens of a sequence form one bidirectional block (every image "
     "attends to every other), which neither a shard nor mmbalance_varlen carries",
-    "Ernie4_5_VLMoeForConditionalGeneration": "its language model sends image and video tokens to experts of their "
-    "own by moe_mm_token_type_ids, which the shards do not carry yet",
 }
 # a FLOP rate to turn encoder FLOPs into the seconds of the "quadratic" cost (CostModel.transformer)
 _FLOPS = 400e12
@@ -157,9 +160,17 @@ class _Qwen(VLMFamily):
     def item_streams(self, adapter, meta):
         return meta[:, 0].astype(np.int64)  # the adapter's "video" column
 
+    #: the placeholders of a video's frame: its merged patches over this (Ernie's resampler merges frame pairs)
+    frames_merged = 1
+
+    def _merge2(self, model) -> int:
+        c = core(model)
+        tower: Any = getattr(c, "visual", None) or getattr(c, "vision_tower")  # noqa: B009 (Ernie's name)
+        return int(tower.spatial_merge_size) ** 2
+
     def positions(self, model, batch, ids, kinds, spans):
         c = core(model)
-        grids = _grids(batch, kinds, int(c.visual.spatial_merge_size) ** 2)
+        grids = _grids(batch, kinds, self._merge2(model), self.frames_merged)
         seconds = batch.get("second_per_grid_ts")
         tt_all = batch.get("mm_token_type_ids")
         rope = c.get_rope_index
@@ -208,9 +219,59 @@ class _Glm(_Qwen):
         return super().positions(model, batch, ids, kinds, spans)
 
 
-def _grids(batch: Mapping, kinds: list[np.ndarray], merge2: int) -> dict:
+class _Ernie(_Qwen):
+    """Ernie-4.5-VL: images and videos through its Qwen-style ViT and a resampler that merges a
+    video's frames two by two, M-RoPE positions from ``get_rope_index``; its language model sends
+    vision tokens (and their start and end markers) to experts of their own by
+    ``moe_mm_token_type_ids``, which the shard gives for its own tokens, by the processor's rule."""
+
+    def __init__(self, cls_name: str):
+        self.label = _ERNIE[cls_name]
+        self.batch_keys = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                     "mm_token_type_ids", "moe_mm_token_type_ids"})  # fmt: skip
+
+    def positions(self, model, batch, ids, kinds, spans):
+        self.frames_merged = int(core(model).vision_tower.config.temporal_merge_size)
+        return super().positions(model, batch, ids, kinds, spans)
+
+    def _expert_kinds(self, model, ids: Tensor) -> Tensor:
+        """The processor's ``moe_mm_token_type_ids`` of ``ids``: 1 at image placeholders and the image
+        start and end markers, 2 at the video ones, 0 elsewhere."""
+        cfg = model.config
+        out = torch.zeros_like(ids)
+        for kind, keys in ((1, ("image_token_id", "image_start_token_id", "image_end_token_id")),
+                           (2, ("video_token_id", "video_start_token_id", "video_end_token_id"))):  # fmt: skip
+            for key in keys:
+                out[ids == int(getattr(cfg, key))] = kind
+        return out
+
+    def check_batch(self, model, batch, kinds, spans):
+        given = batch.get("moe_mm_token_type_ids")
+        ids = torch.as_tensor(batch["input_ids"]).cpu()
+        if given is None:
+            if bool(self._expert_kinds(model, ids).ne(0).any()):
+                raise ValueError(
+                    "batch['moe_mm_token_type_ids'] is missing: Ernie-4.5-VL sends its vision tokens to their own "
+                    "experts only with it (its processor gives it), and handle.shard gives the shards the experts "
+                    "the processor's rule says"
+                )
+            return
+        given = torch.as_tensor(given).cpu()
+        for s, (r, a, z) in enumerate(spans):
+            if not torch.equal(given[r, a:z].long(), self._expert_kinds(model, ids[r, a:z]).long()):
+                raise ValueError(
+                    f"batch['moe_mm_token_type_ids'] of sequence {s} is not the processor's (1 at image tokens and "
+                    "their markers, 2 at video ones); handle.shard gives the shards that rule's experts"
+                )
+
+    def token_keywords(self, model, input_ids):
+        return {"moe_mm_token_type_ids": self._expert_kinds(model, input_ids)}
+
+
+def _grids(batch: Mapping, kinds: list[np.ndarray], merge2: int, frames_merged: int = 1) -> dict:
     """Per vision stream (kinds 1 and 2), the batch's ``*_grid_thw`` rows and the rows of every
-    sequence's media; raises ValueError naming the keys when placeholders have no media."""
+    sequence's media (``merge2`` patches a placeholder; a video's frames ``frames_merged`` by
+    ``frames_merged`` as well); raises ValueError naming the keys when placeholders have no media."""
     grids = {}
     for col, (name, key) in enumerate((("image", "image_grid_thw"), ("video", "video_grid_thw"))):
         counts = np.array([int((k == col + 1).sum()) for k in kinds], dtype=np.int64)
@@ -225,7 +286,8 @@ def _grids(batch: Mapping, kinds: list[np.ndarray], merge2: int) -> dict:
             if g is None
             else torch.as_tensor(g).reshape(-1, 3).cpu().long()
         )
-        grids[name] = (g, assign_media(g.prod(-1).numpy() // merge2, counts, key, name))
+        per = merge2 * (frames_merged if name == "video" else 1)
+        grids[name] = (g, assign_media(g.prod(-1).numpy() // per, counts, key, name))
     return grids
 
 
@@ -398,6 +460,8 @@ def _family_of(model) -> VLMFamily | None:
             return _Qwen3Omni()
         if cls.__name__ in _GLM:
             return _Glm(cls.__name__)
+        if cls.__name__ in _ERNIE:
+            return _Ernie(cls.__name__)
         if cls.__name__ in RECENT:  # (a Gemma 4 without its towers: a text model)
             return recent_family(model, cls.__name__)
     for cls in type(model).__mro__:

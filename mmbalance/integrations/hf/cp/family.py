@@ -86,6 +86,11 @@ class VLMFamily:
         marks = ~in_block if self.prefix_blocks else in_block
         return {"token_type_ids": marks.long().reshape(1, -1).to(input_ids.device)}
 
+    def token_keywords(self, model, input_ids: Tensor) -> dict[str, Tensor]:
+        """Per-token keywords the model reads for a shard's tokens (``input_ids [1, T]``) besides
+        its positions and blocks: Ernie-4.5-VL's experts by token kind; none by default."""
+        return {}
+
     def entry(self, rows: Tensor, deepstack=None):
         """A stream's ``mm_encoder_outputs`` entry holding ``rows`` (and deepstack rows)."""
         return pooled((rows,) if self.rows_in_tuple else rows, deepstack)

@@ -351,6 +351,7 @@ def shard_vlm(handle, batch: Mapping) -> dict:
         kw["position_ids"] = out[:, 3].unsqueeze(0)
     if family.has_blocks:  # the model builds its block mask from them
         kw.update(family.block_keywords(model, kw["input_ids"], torch.from_numpy(in_blocks(shard))))
+    kw.update(family.token_keywords(model, kw["input_ids"]))
     if mm:
         kw["mm_encoder_outputs"] = mm
     if media.pending:  # the handle installs the media hook that resolves it
