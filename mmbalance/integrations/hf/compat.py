@@ -432,6 +432,8 @@ _LOSS_WITHOUT_KEYWORDS_UNTIL = {
     "Glm46VForConditionalGeneration": (5, 17),
     # MiniCPM-V 4.6: no keywords in 5.10.4 and 5.16.1, passed in 5.19.0 (4.7 passes them from its first)
     "MiniCPMV4_6ForConditionalGeneration": (5, 17),
+    # Ernie-4.5-VL: no keywords in 5.6.0 to 5.16.1, passed in 5.19.0
+    "Ernie4_5_VLMoeForConditionalGeneration": (5, 17),
 }
 
 
