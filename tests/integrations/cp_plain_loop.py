@@ -7,7 +7,7 @@ alone through the stock eager attention, token-loss sum over the global count).
 
 argv: one or more ``family:form:scenario`` runs: family llama | qwen2, one with attention
 features (sliding windows, softcap, sinks: see :func:`tiny_model`), or a Gated DeltaNet hybrid
-(qwen3_5, qwen3_5_moe, qwen3_next: a linear-attention layer and a full-attention one; their
+(qwen3_5, qwen3_5_moe, qwen3_next, olmo_hybrid: a linear-attention layer and a full-attention one; their
 decay parameters are held to 5e-5, see the comment there), batch form packed | padded,
 scenario long (one sequence over 2x the budget) | mixed (a schedule of degrees 3 and 1, forced by a
 cost with an expensive ring; the model wrapped in DDP, which averages the gradients) | fsdp2 (the
@@ -77,7 +77,12 @@ def tiny_model(attn: str):
                    {"head_dim": 8, "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     }  # fmt: skip
-    if FAMILY in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # Gated DeltaNet beside full attention
+    if FAMILY in (
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+        "olmo_hybrid",
+    ):  # Gated DeltaNet beside full attention
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         from tests.integrations.hybrids import tiny_config
 

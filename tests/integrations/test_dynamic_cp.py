@@ -52,13 +52,13 @@ def test_plain_loop_matches_one_process_reference_on_4_ranks():
 
 
 HYBRID_RUNS = ["qwen3_5:packed:long", "qwen3_5_moe:padded:long", "qwen3_next:packed:mixed", "qwen3_5:padded:fsdp2",
-               "qwen3_next:packed:ckpt"]  # fmt: skip
+               "qwen3_next:packed:ckpt", "olmo_hybrid:packed:long"]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_gated_deltanet_hybrids_match_the_reference_on_4_ranks():
-    """Qwen3.5, Qwen3.5-MoE and Qwen3-Next (a Gated DeltaNet layer and a full-attention one; the
+    """Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo hybrid (a Gated DeltaNet layer and a full-attention one; the
     conv windows and the recurrent states handed along each CP group, cp/linear.py): one sequence
     over twice the budget split over 3 ranks beside a rank of degree 1 (long), degrees 3 and 1 under
     DDP (mixed), under FSDP2 and with gradient checkpointing; the summed loss and every gradient

@@ -49,7 +49,7 @@ def _packed(n=(5, 9, 4)):
 
 
 # the Gated DeltaNet layers that run under a shard (cp/linear.py; tests/integrations/test_dynamic_cp.py)
-CP_RUNS = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
+CP_RUNS = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"}
 
 
 @pytest.mark.parametrize("model_type", sorted(CP_RUNS))

@@ -1,4 +1,5 @@
-"""Gated DeltaNet layers of a dynamic context-parallel shard (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
+"""Gated DeltaNet layers of a dynamic context-parallel shard (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo
+hybrid).
 
 A Gated DeltaNet layer mixes tokens with a causal depthwise convolution (kernel ``w``, 4) and a
 gated delta-rule recurrence, not attention, so the ring never sees it. Under a shard
@@ -8,8 +9,9 @@ own forward, on the rank's pieces of every sequence (degree 1: whole sequences, 
 ``d``: the zigzag runs of :func:`~mmbalance.collectives.ring.ring_plan`):
 
 1. its projections on the local tokens (the layer's own modules: ``in_proj_qkv`` / ``in_proj_z`` /
-   ``in_proj_b`` / ``in_proj_a``, or Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` through its
-   ``fix_query_key_value_ordering``);
+   ``in_proj_b`` / ``in_proj_a``, Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` through its
+   ``fix_query_key_value_ordering``, or OLMo hybrid's ``q_proj`` ... ``g_proj``, its beta doubled where
+   ``allow_neg_eigval`` says so);
 2. the convolution of every piece continues from the ``w - 1`` inputs before it in its sequence,
    wherever they are: each rank's last ``w - 1`` inputs of every piece are gathered over the group;
 3. the recurrence of every piece starts from the state all earlier pieces of its sequence leave:
@@ -18,15 +20,15 @@ own forward, on the rank's pieces of every sequence (degree 1: whole sequences, 
    the states its pieces start from (:func:`~mmbalance.pyops.delta_rule.compose_chunk_states`) and
    runs its pieces from them with the layer's own chunked delta rule (flash-linear-attention's
    kernel where transformers uses it);
-4. the gated norm and the output projection.
+4. the gated norm and the output projection (``norm`` / ``out_proj``, OLMo hybrid's ``o_norm`` / ``o_proj``).
 
 Both gathers carry gradients back (an all-reduce of the gathered gradients, each rank keeping its
 own), so the backward is the sequence's whole: a piece's conv window and starting state receive the
 gradients of the pieces after it. Degree 1 needs no exchange: every sequence starts from a zero
 window and a zero state, as alone.
 
-The other hybrids (Mamba mixers, short convolutions, lightning attention, OLMo hybrid's GDN, Kimi
-Delta Attention) are refused by name at ``apply_dynamic_cp`` (:func:`~.attention.model_refusal`).
+The other hybrids (Mamba mixers, short convolutions, lightning attention, Kimi Delta Attention) are
+refused by name at ``apply_dynamic_cp`` (:func:`~.attention.model_refusal`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ __all__ = ["CP_LINEAR", "install_linear_cp", "remove_linear_cp", "linear_cp_forw
 
 #: Gated DeltaNet classes that run under a shard (checked against the layer's own forward on whole
 #: sequences and against one process on split ones: tests/integrations/test_linear_cp.py)
-CP_LINEAR = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
+CP_LINEAR = frozenset(
+    {"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet"}
+)
 
 _SHARD = "_mmbalance_cp_shard"
 
@@ -72,13 +76,18 @@ class _GroupGather(torch.autograd.Function):
 
 
 def _projections(layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(mixed_qkv [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv])`` of the local tokens."""
+    """``(mixed_qkv [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv])`` of the local tokens (``z``:
+    the output gate)."""
     if hasattr(layer, "in_proj_qkvz"):  # Qwen3-Next: grouped projections, reordered by the layer
         q, k, v, z, b, a = layer.fix_query_key_value_ordering(
             layer.in_proj_qkvz(x[None]), layer.in_proj_ba(x[None])
         )
         mixed = torch.cat([t.reshape(1, t.shape[1], -1) for t in (q, k, v)], dim=-1)[0]
         return mixed, z[0], b[0], a[0]
+    if hasattr(layer, "g_proj"):  # OLMo hybrid: a projection each, the output gate its own
+        mixed = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
+        z = layer.g_proj(x).reshape(x.shape[0], -1, layer.head_v_dim)
+        return mixed, z, layer.b_proj(x), layer.a_proj(x)
     mixed = layer.in_proj_qkv(x)
     z = layer.in_proj_z(x).reshape(x.shape[0], -1, layer.head_v_dim)
     return mixed, z, layer.in_proj_b(x), layer.in_proj_a(x)
@@ -201,6 +210,8 @@ def linear_cp_forward(layer, hidden_states: Tensor, shard) -> Tensor:
     k = k.reshape(tokens, -1, layer.head_k_dim)
     v = v.reshape(tokens, -1, layer.head_v_dim)
     beta = b.sigmoid()
+    if getattr(layer, "allow_neg_eigval", False):  # OLMo hybrid: beta in [0, 2]
+        beta = beta * 2.0
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
     heads = v.shape[1]
 
@@ -240,8 +251,11 @@ def linear_cp_forward(layer, hidden_states: Tensor, shard) -> Tensor:
         )  # fmt: skip
         outs.append(out[0])
     core = torch.cat(outs) if outs else v.new_zeros((0, heads, layer.head_v_dim))
-    core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
-    return layer.out_proj(core.reshape(1, tokens, -1).to(hidden_states.dtype))
+    norm, out_proj = (
+        (layer.o_norm, layer.o_proj) if hasattr(layer, "o_norm") else (layer.norm, layer.out_proj)
+    )
+    core = norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return out_proj(core.reshape(1, tokens, -1).to(hidden_states.dtype))
 
 
 def _layers(model):
