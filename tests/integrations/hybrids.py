@@ -12,7 +12,8 @@ import torch
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
              head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-GDN = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+# (twice the value heads as key heads, as the released Qwen3.5 and Qwen3-Next have them)
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 MAMBA = dict(
     mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16, mamba_head_dim=16, mamba_n_groups=1, mamba_expand=2

@@ -93,6 +93,18 @@ def _projections(layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return mixed, z, layer.in_proj_b(x), layer.in_proj_a(x)
 
 
+def _conv(layer) -> tuple[Tensor, Tensor | None]:
+    """The depthwise convolution's ``(weight [C, 1, w], bias)`` over the mixed q, k, v channels: the
+    layer's one ``conv1d``, or OLMo hybrid's three (``q_conv1d``, ``k_conv1d``, ``v_conv1d``, before
+    transformers 5.16), their channels in that order."""
+    if hasattr(layer, "conv1d"):
+        return layer.conv1d.weight, layer.conv1d.bias
+    convs = [layer.q_conv1d, layer.k_conv1d, layer.v_conv1d]
+    biases = [c.bias for c in convs]
+    bias = None if all(b is None for b in biases) else torch.cat([b for b in biases if b is not None])
+    return torch.cat([c.weight for c in convs]), bias
+
+
 def _chunk_rule(layer):
     """The layer's chunked delta rule (flash-linear-attention's where transformers uses it)."""
     own = getattr(layer, "chunk_gated_delta_rule", None)
@@ -177,8 +189,7 @@ def linear_cp_forward(layer, hidden_states: Tensor, shard) -> Tensor:
             )
         tails = torch.stack(rows).reshape(lay.sequences, 2, width, channels) if rows else tails
         every_tail = _GroupGather.apply(tails, group, lay.rank, lay.degree)  # [d, S, 2, w, C]
-    weight = layer.conv1d.weight  # [C, 1, w + 1]
-    bias = layer.conv1d.bias
+    weight, bias = _conv(layer)
     convolved = []
     for i, (s, j) in enumerate(slots):
         p = piece(i)
@@ -209,6 +220,9 @@ def linear_cp_forward(layer, hidden_states: Tensor, shard) -> Tensor:
     q = q.reshape(tokens, -1, layer.head_k_dim)
     k = k.reshape(tokens, -1, layer.head_k_dim)
     v = v.reshape(tokens, -1, layer.head_v_dim)
+    if q.shape[1] != v.shape[1]:  # more value heads than key heads: each key head serves a group of them
+        q = q.repeat_interleave(v.shape[1] // q.shape[1], dim=1)
+        k = k.repeat_interleave(v.shape[1] // k.shape[1], dim=1)
     beta = b.sigmoid()
     if getattr(layer, "allow_neg_eigval", False):  # OLMo hybrid: beta in [0, 2]
         beta = beta * 2.0
