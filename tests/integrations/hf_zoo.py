@@ -477,10 +477,7 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
             rows.append(ids + [TEXT + 3] * 3)
         out = _finish(rows)
         if sizes:
-            pv = torch.zeros(len(sizes), max(tiles), 3, S, S)
-            for i, t in enumerate(tiles):
-                pv[i, :t] = torch.randn(t, 3, S, S, generator=g)
-            out.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
+            out.update(pixel_values=anyres_pixels(tiles, g), image_sizes=torch.tensor(sizes))
         return out
     if name == "internvl":
         per_tile = int((S // P * 0.5) ** 2)
@@ -532,6 +529,15 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
             out.update(input_features=f, feature_attention_mask=m)
         return out
     raise ValueError(name)
+
+
+def anyres_pixels(tiles: list[int], g: torch.Generator) -> torch.Tensor:
+    """``[images, most tiles, 3, S, S]``: each image's ``tiles`` random tiles, zeros after them (the
+    anyres processors pad an image's tiles so)."""
+    pv = torch.zeros(len(tiles), max(tiles), 3, S, S)
+    for i, t in enumerate(tiles):
+        pv[i, :t] = torch.randn(t, 3, S, S, generator=g)
+    return pv
 
 
 def summed_loss(model, batch: dict, count: int):

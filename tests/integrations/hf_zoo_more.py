@@ -10,7 +10,23 @@ import inspect
 
 import torch
 
-from tests.integrations.hf_zoo import AE, AS, AUD, IMG, MERGE, PATCH, TEXT, VE, VID, VS, P, S, _finish, _text
+from tests.integrations.hf_zoo import (
+    AE,
+    AS,
+    AUD,
+    IMG,
+    MERGE,
+    PATCH,
+    TEXT,
+    VE,
+    VID,
+    VS,
+    P,
+    S,
+    _finish,
+    _text,
+    anyres_pixels,
+)
 
 G4_PATCH, G4_POOL, G4_MAX = 2, 2, 64  # Gemma 4: patch side, pooling kernel, patches an image is padded to
 # MiniCPM-V: patch side; patches a side per placeholder: a 2 x 2 window, then a 2 x 2 merge ("16x",
@@ -190,10 +206,7 @@ def batch(name: str, model, spec: list[list], g: torch.Generator) -> dict:
             rows.append(ids + [TEXT + 3] * 3)
         out = _finish(rows)
         if sizes:
-            pv = torch.zeros(len(sizes), max(tiles), 3, S, S)
-            for i, t in enumerate(tiles):
-                pv[i, :t] = torch.randn(t, 3, S, S, generator=g)
-            out.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
+            out.update(pixel_values=anyres_pixels(tiles, g), image_sizes=torch.tensor(sizes))
         if videos:  # every video of a batch has the same frame count
             out["pixel_values_videos"] = torch.randn(len(videos), videos[0], 3, S, S, generator=g)
         return out

@@ -74,7 +74,7 @@ from mmbalance.balancing import CostModel
 
 from ..encoders import EncoderAdapter, adapters_for, as_int, audio_out_len, core, flops_linear
 from ..wrappers import wrapper_hint
-from .family import VLMFamily, assign_media, check_feature_rows, entry_rows
+from .family import VLMFamily, assign_media, check_feature_rows, entry_rows, mrope_rows
 from .inputs import ffn_size, text_config
 from .recent import GEMMA3, GEMMA4, KIMI, MINICPMV, MINICPMV47, MISTRAL3, PALIGEMMA, recent_family
 
@@ -172,33 +172,21 @@ class _Qwen(VLMFamily):
         c = core(model)
         grids = _grids(batch, kinds, self._merge2(model), self.frames_merged)
         seconds = batch.get("second_per_grid_ts")
-        tt_all = batch.get("mm_token_type_ids")
-        rope = c.get_rope_index
-        takes_seconds = "second_per_grid_ts" in inspect.signature(rope).parameters
-        out = []
-        with torch.no_grad():
-            for s, (seq_ids, kind) in enumerate(zip(ids, kinds)):
-                n = seq_ids.numel()
-                if not bool((kind != 0).any()):
-                    out.append(torch.arange(n, dtype=torch.int64)[:, None].expand(n, 3))
-                    continue
-                if tt_all is not None:
-                    r, a, z = spans[s]
-                    tt = torch.as_tensor(tt_all)[r, a:z].reshape(1, -1).cpu().to(torch.int32)
-                else:  # as the processor writes it: 1 at image placeholders, 2 at video ones
-                    tt = torch.from_numpy(kind.astype(np.int32)).reshape(1, -1)
-                img, vid = grids["image"][0][grids["image"][1][s]], grids["video"][0][grids["video"][1][s]]
-                kw = {
-                    "mm_token_type_ids": tt,
-                    "image_grid_thw": img if img.shape[0] else None,
-                    "video_grid_thw": vid if vid.shape[0] else None,
-                    "attention_mask": None,
-                }
-                if takes_seconds and seconds is not None and vid.shape[0]:
-                    kw["second_per_grid_ts"] = torch.as_tensor(seconds).reshape(-1)[grids["video"][1][s]]
-                pos, _ = rope(seq_ids.reshape(1, -1), **kw)
-                out.append(pos[:, 0, :].t().to(torch.int64).cpu())
-        return torch.cat(out) if out else torch.zeros(0, 3, dtype=torch.int64)
+        takes_seconds = "second_per_grid_ts" in inspect.signature(c.get_rope_index).parameters
+
+        def rope(s: int, seq: Tensor, tt: Tensor) -> Tensor:
+            img, vid = grids["image"][0][grids["image"][1][s]], grids["video"][0][grids["video"][1][s]]
+            kw = {
+                "mm_token_type_ids": tt,
+                "image_grid_thw": img if img.shape[0] else None,
+                "video_grid_thw": vid if vid.shape[0] else None,
+                "attention_mask": None,
+            }
+            if takes_seconds and seconds is not None and vid.shape[0]:
+                kw["second_per_grid_ts"] = torch.as_tensor(seconds).reshape(-1)[grids["video"][1][s]]
+            return c.get_rope_index(seq, **kw)[0]
+
+        return mrope_rows(batch, ids, kinds, spans, rope)
 
 
 class _Glm(_Qwen):

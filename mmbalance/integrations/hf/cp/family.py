@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from ..encoders import EncoderAdapter, pooled
 
-__all__ = ["VLMFamily", "assign_media", "check_feature_rows", "entry_rows"]
+__all__ = ["VLMFamily", "assign_media", "check_feature_rows", "entry_rows", "mrope_rows"]
 
 
 class VLMFamily:
@@ -134,3 +135,26 @@ def check_feature_rows(ids, streams, mm: Mapping) -> None:
             raise AssertionError(
                 f"the shard holds {want} {name} placeholders but {have} feature rows arrived"
             )
+
+
+def mrope_rows(batch: Mapping, ids: list[Tensor], kinds: list[np.ndarray], spans, rope) -> Tensor:
+    """int64 ``[T, 3]``: the M-RoPE positions of every token, sequence by sequence. A sequence
+    without media counts up on all three rows; any other's come from ``rope(s, ids [1, n], types [1,
+    n])`` (``[3, 1, n]``: the model's ``get_rope_index`` on the whole sequence), ``types`` its
+    ``mm_token_type_ids`` from the batch, or as the processors write them: 1 at image placeholders,
+    2 at video ones."""
+    tt_all = batch.get("mm_token_type_ids")
+    out = []
+    with torch.no_grad():
+        for s, (seq_ids, kind) in enumerate(zip(ids, kinds)):
+            n = seq_ids.numel()
+            if not bool((kind != 0).any()):
+                out.append(torch.arange(n, dtype=torch.int64)[:, None].expand(n, 3))
+                continue
+            if tt_all is not None:
+                r, a, z = spans[s]
+                tt = torch.as_tensor(tt_all)[r, a:z].reshape(1, -1).cpu().to(torch.int32)
+            else:
+                tt = torch.from_numpy(kind.astype(np.int32)).reshape(1, -1)
+            out.append(rope(s, seq_ids.reshape(1, -1), tt)[:, 0, :].t().to(torch.int64).cpu())
+    return torch.cat(out) if out else torch.zeros(0, 3, dtype=torch.int64)

@@ -4,11 +4,14 @@ Qwen-VL kind (GLM-4.xV) and the Omni thinkers (:mod:`.families`): Kimi-K2.5, Mis
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+from torch import Tensor
 
 from ..encoders import core
-from .family import VLMFamily, assign_media
+from .family import VLMFamily, assign_media, mrope_rows
 from .inputs import text_config
 
 __all__ = ["GEMMA3", "GEMMA4", "KIMI", "MINICPMV", "MINICPMV47", "MISTRAL3", "PALIGEMMA", "recent_family"]
@@ -100,29 +103,20 @@ class _MiniCPMV47(_MiniCPMV):
             )
             rows = ((got[:, 0] // merge) * (got[:, 1] // merge)).long().numpy()
             sizes[name] = (got.long(), assign_media(rows, counts, key, name))
-        tt_all = batch.get("mm_token_type_ids")
-        out = []
-        with torch.no_grad():
-            for s, (seq_ids, kind) in enumerate(zip(ids, kinds)):
-                n = seq_ids.numel()
-                if not bool((kind != 0).any()):
-                    out.append(torch.arange(n, dtype=torch.int64)[:, None].expand(n, 3))
-                    continue
-                if tt_all is not None:
-                    r, a, z = spans[s]
-                    tt = torch.as_tensor(tt_all)[r, a:z].reshape(1, -1).cpu().to(torch.int32)
-                else:  # as the processor writes it: 1 at image placeholders, 2 at video ones
-                    tt = torch.from_numpy(kind.astype(np.int32)).reshape(1, -1)
-                img, vid = (sizes[k][0][sizes[k][1][s]] for k in ("image", "video"))
-                pos, _ = core(model).get_rope_index(
-                    seq_ids.reshape(1, -1),
-                    mm_token_type_ids=tt,
-                    target_sizes=img if img.shape[0] else None,
-                    target_sizes_videos=vid if vid.shape[0] else None,
-                    downsample_mode=mode,
-                )
-                out.append(pos[:, 0, :].t().to(torch.int64).cpu())
-        return torch.cat(out) if out else torch.zeros(0, 3, dtype=torch.int64)
+
+        owner: Any = core(model)
+
+        def rope(s: int, seq: Tensor, tt: Tensor) -> Tensor:
+            img, vid = (sizes[k][0][sizes[k][1][s]] for k in ("image", "video"))
+            return owner.get_rope_index(
+                seq,
+                mm_token_type_ids=tt,
+                target_sizes=img if img.shape[0] else None,
+                target_sizes_videos=vid if vid.shape[0] else None,
+                downsample_mode=mode,
+            )[0]
+
+        return mrope_rows(batch, ids, kinds, spans, rope)
 
 
 class _Gemma3(VLMFamily):
