@@ -273,21 +273,6 @@ def build(name: str, seed: int = 0):
                                            audio_token_id=AUD, image_token_id=IMG, video_token_id=VID,
                                            vision_start_token_id=VS, audio_start_token_id=AS)  # fmt: skip
         model = tf.Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
-    elif name == "idefics3":
-        cfg = tf.Idefics3Config(
-            vision_config=dict(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=S,
-                patch_size=P,
-            ),  # fmt: skip
-            text_config=_text(model_type="llama"),
-            image_token_id=IMG,
-            scale_factor=2,
-        )
-        model = tf.Idefics3ForConditionalGeneration(cfg)
     elif name == "llava":
         cfg = tf.LlavaConfig(vision_config=clip, text_config=_text(model_type="llama"), image_token_index=IMG,
                              image_seq_length=(S // P) ** 2, vision_feature_layer=-2,
@@ -298,15 +283,6 @@ def build(name: str, seed: int = 0):
                                  image_grid_pinpoints=PINPOINTS, vision_feature_layer=-2,
                                  vision_feature_select_strategy="default")  # fmt: skip
         model = tf.LlavaNextForConditionalGeneration(cfg)
-    elif name == "internvl":
-        cfg = tf.InternVLConfig(
-            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                               image_size=[S, S], patch_size=[P, P]),  # fmt: skip
-            text_config=_text(model_type="qwen2"),
-            image_token_id=IMG, image_seq_length=int((S // P * 0.5) ** 2), downsample_ratio=0.5,
-            vision_feature_layer=-1, vision_feature_select_strategy="default",
-        )  # fmt: skip
-        model = tf.InternVLForConditionalGeneration(cfg)
     elif name == "qwen2_audio":
         cfg = tf.Qwen2AudioConfig(
             audio_config=dict(
@@ -479,37 +455,6 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
         if sizes:
             out.update(pixel_values=anyres_pixels(tiles, g), image_sizes=torch.tensor(sizes))
         return out
-    if name == "internvl":
-        per_tile = int((S // P * 0.5) ** 2)
-        n_tiles = 0
-        for seq in spec:
-            ids = [TEXT] * 4
-            for k in seq:
-                ids += [VS] + [IMG] * (k * per_tile) + [VE, TEXT + 1]
-                n_tiles += k
-            rows.append(ids + [TEXT + 3] * 3)
-        out = _finish(rows)
-        if n_tiles:
-            out["pixel_values"] = torch.randn(n_tiles, 3, S, S, generator=g)
-        return out
-    if name == "idefics3":
-        per_tile = (S // P) ** 2 // 4  # scale factor 2
-        counts = []
-        for seq in spec:
-            ids = [TEXT] * 4
-            for k in seq:
-                ids += [IMG] * (k * per_tile) + [TEXT + 1]
-            counts.append(sum(seq))
-            rows.append(ids + [TEXT + 3] * 3)
-        out = _finish(rows)
-        if any(counts):
-            pv = torch.zeros(len(rows), max(counts), 3, S, S)
-            mask = torch.zeros(len(rows), max(counts), S, S, dtype=torch.bool)
-            for i, k in enumerate(counts):
-                pv[i, :k] = torch.randn(k, 3, S, S, generator=g)
-                mask[i, :k] = True
-            out.update(pixel_values=pv, pixel_attention_mask=mask)
-        return out
     if name == "qwen2_audio":
         frames = 2 * MSP
         feats = []
@@ -529,6 +474,25 @@ def batch(name: str, model, spec: list[list], seed: int = 0) -> dict:
             out.update(input_features=f, feature_attention_mask=m)
         return out
     raise ValueError(name)
+
+
+def varlen_model(name: str, attn: str = "mmbalance_varlen", seed: int = 0):
+    """``build(name, seed)`` with the attention ``attn`` (registering ``mmbalance_varlen``)."""
+    from mmbalance.integrations.hf import register_attention
+
+    register_attention()
+    model = build(name, seed=seed)
+    model.set_attn_implementation(attn)
+    return model
+
+
+@functools.cache
+def own_mean_loss(name: str) -> bool:
+    """Whether ``name``'s forward computes its loss as a mean over each call on the installed
+    release (Gemma 3 before 5.17): its shards' labels are refused."""
+    from mmbalance.integrations.hf.compat import loss_takes_token_count
+
+    return name in MODELS and available(name) and not loss_takes_token_count(build(name))
 
 
 def anyres_pixels(tiles: list[int], g: torch.Generator) -> torch.Tensor:

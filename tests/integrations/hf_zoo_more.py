@@ -1,6 +1,7 @@
 """More tiny families for :mod:`tests.integrations.hf_zoo` (its ``build``, ``batch`` and ``collate``
-hand them here): the towers that take an image at its own size (Gemma 4, Mistral 3, MiniCPM-V
-4.6) and LLaVA-OneVision's anyres tiles. Same conventions: hidden size 32, random weights,
+hand them here): the towers that take an image at its own size (Gemma 4, Mistral 3, MiniCPM-V,
+Molmo2's crops, Ernie-4.5-VL), LLaVA-OneVision's anyres tiles and the tile towers of InternVL and
+Idefics3. Same conventions: hidden size 32, random weights,
 placeholder tokens that match the encoder inputs, ``spec`` as ``hf_zoo`` describes it.
 """
 
@@ -34,7 +35,16 @@ G4_PATCH, G4_POOL, G4_MAX = 2, 2, 64  # Gemma 4: patch side, pooling kernel, pat
 MC_PATCH = 2
 MINICPM = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
 MOLMO_SIDE = 4  # Molmo2: a crop's side in patches (28 pixels, patches of 7)
-FAMILIES = ("gemma4", "mistral3", "llava_onevision", *MINICPM, "molmo2", "ernie4_5_vl_moe")
+FAMILIES = (
+    "gemma4",
+    "mistral3",
+    "llava_onevision",
+    *MINICPM,
+    "molmo2",
+    "ernie4_5_vl_moe",
+    "internvl",
+    "idefics3",
+)
 
 
 def build(name: str):
@@ -94,6 +104,30 @@ def build(name: str):
                 if hasattr(module, "A_log"):
                     module.A_log.copy_(torch.linspace(0.1, 1.0, module.A_log.numel()).log())
         return model
+    if name == "internvl":
+        cfg = tf.InternVLConfig(
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               image_size=[S, S], patch_size=[P, P]),  # fmt: skip
+            text_config=_text(model_type="qwen2"),
+            image_token_id=IMG, image_seq_length=int((S // P * 0.5) ** 2), downsample_ratio=0.5,
+            vision_feature_layer=-1, vision_feature_select_strategy="default",
+        )  # fmt: skip
+        return tf.InternVLForConditionalGeneration(cfg)
+    if name == "idefics3":
+        cfg = tf.Idefics3Config(
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=S,
+                patch_size=P,
+            ),  # fmt: skip
+            text_config=_text(model_type="llama"),
+            image_token_id=IMG,
+            scale_factor=2,
+        )
+        return tf.Idefics3ForConditionalGeneration(cfg)
     if name == "molmo2":  # a ViT over each image's crops, attention pooling of patch windows into its tokens
         text = _text(head_dim=16, additional_vocab_size=8)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
@@ -238,6 +272,37 @@ def batch(name: str, model, spec: list[list], g: torch.Generator) -> dict:
                 cols = sum(h * w for h, w in sizes) * MC_PATCH
                 out[key] = torch.randn(1, 3, MC_PATCH, cols, generator=g)
                 out[size_key] = torch.tensor(sizes, dtype=torch.int32)
+        return out
+    if name == "internvl":
+        rows, per_tile = [], int((S // P * 0.5) ** 2)
+        n_tiles = 0
+        for seq in spec:
+            ids = [TEXT] * 4
+            for k in seq:
+                ids += [VS] + [IMG] * (k * per_tile) + [VE, TEXT + 1]
+                n_tiles += k
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if n_tiles:
+            out["pixel_values"] = torch.randn(n_tiles, 3, S, S, generator=g)
+        return out
+    if name == "idefics3":
+        rows, per_tile = [], (S // P) ** 2 // 4  # scale factor 2
+        counts = []
+        for seq in spec:
+            ids = [TEXT] * 4
+            for k in seq:
+                ids += [IMG] * (k * per_tile) + [TEXT + 1]
+            counts.append(sum(seq))
+            rows.append(ids + [TEXT + 3] * 3)
+        out = _finish(rows)
+        if any(counts):
+            pv = torch.zeros(len(rows), max(counts), 3, S, S)
+            mask = torch.zeros(len(rows), max(counts), S, S, dtype=torch.bool)
+            for i, k in enumerate(counts):
+                pv[i, :k] = torch.randn(k, 3, S, S, generator=g)
+                mask[i, :k] = True
+            out.update(pixel_values=pv, pixel_attention_mask=mask)
         return out
     if name == "molmo2":
         # images (tiles, h2, w2): the resized view pooled to 2 x 2 tokens and `tiles` crops pooled to

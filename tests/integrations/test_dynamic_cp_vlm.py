@@ -3,14 +3,13 @@ Qwen2.5-Omni thinker).
 
 The multi-rank runs (``cp_vlm_loop.py``, 4 ranks as torchrun starts them) check loss, gradients,
 the encoder calls and the budget against a one-process reference, with and without encoder
-balancing, and a bad batch on one rank. The rest runs in one process: every supported family
-against its stock forward (positions from ``get_rope_index`` included), refusals by name, and the
-placeholder counting the feature move is cut by.
+balancing, and a bad batch on one rank. The rest runs in one process: refusals by name and the
+placeholder counting the feature move is cut by; every supported family's one-process shard against
+its stock forward (positions from ``get_rope_index`` included) is in ``test_cp_vlm_shard.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 
 import numpy as np
@@ -24,13 +23,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 from mmbalance.balancing import CostModel  # noqa: E402
 from mmbalance.integrations.hf import apply_dynamic_cp, register_attention  # noqa: E402
-from mmbalance.integrations.hf.compat import loss_takes_token_count  # noqa: E402
 from mmbalance.integrations.hf.cp import SUPPORTED  # noqa: E402
 from mmbalance.integrations.hf.cp.vlm_plan import GatheredStep, PlaceholderRuns  # noqa: E402
 from mmbalance.integrations.hf.encoders import core  # noqa: E402
 from tests.dist_utils import REPO, launch, run_distributed  # noqa: E402
 from tests.integrations import hf_zoo  # noqa: E402
-from tests.tolerances import DECAY_PARAMS, DECAY_RTOL  # noqa: E402
 
 SCRIPT = REPO / "tests" / "integrations" / "cp_vlm_loop.py"
 
@@ -105,7 +102,7 @@ def test_families_since_qwen3_vl_split_their_media_over_2_ranks_exactly():
     runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4",
                                              "qwen3_omni_moe", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
                                              "ernie4_5_vl_moe")
-            if hf_zoo.available(name) and not _own_mean_loss(name) and not hf_zoo.refused(name)
+            if hf_zoo.available(name) and not hf_zoo.own_mean_loss(name) and not hf_zoo.refused(name)
             for balance in ("plain", "encoder")]  # fmt: skip
     out = launch(SCRIPT, *runs, nproc=2, timeout=840)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
@@ -144,241 +141,6 @@ def test_vlm_steps_under_fsdp2_match_one_process_reference_on_4_ranks():
     assert lines[3]["split_items"]["audio"] >= 1 and lines[6]["split_items"]["audio"] >= 1
 
 
-def _model(name: str, attn: str = "mmbalance_varlen", seed: int = 0):
-    register_attention()
-    model = hf_zoo.build(name, seed=seed)
-    model.set_attn_implementation(attn)
-    return model
-
-
-SPECS = {
-    "qwen2_vl": [[(4, 4)], [], [("video", 2, 4, 4), (4, 8)]],
-    "qwen2_5_vl": [[("video", 2, 4, 8)], [(4, 4), (4, 4)], []],
-    "qwen3_vl": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
-    "qwen3_vl_moe": [[("video", 2, 4, 4)], [(4, 4)]],
-    "llava": [[1], [], [1, 1]],
-    "qwen3_5": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
-    "glm4v": [[(4, 4)], [(8, 4), (2, 6)], []],
-    "glm46v": [[(4, 4), (6, 2)], []],
-    "kimi_k25": [[(4, 4)], [("video", 3, 4, 4), (8, 4)] if hf_zoo.kimi_videos_run() else [(8, 4)], []],
-    "mistral3": [[(16, 32)], [], [(8, 8), (24, 16)]],
-    "gemma3": [[1, 1], [], [1]],  # each image a bidirectional block of its sequence
-    "paligemma": [[1, 1], [], [1]],  # each sequence's prefix (images, prompt) a bidirectional block
-    # images and frames at their own sizes, each a bidirectional block in the sliding layers
-    "gemma4": [[(4, 4), (2, 6)], [], [("video", 2, 4, 4) if hf_zoo.gemma4_videos_run() else (6, 4), (4, 2)]],
-    # slices at their own sizes (an image's thumbnail and a slice, a video's frames), Gated DeltaNet layers
-    "minicpmv4_6": [[(4, 4), [(8, 8), (4, 8)]], [], [("video", 2, 4, 8), (8, 4)]],
-    # and 4.7's M-RoPE canvas (a thumbnail and its crops laid out on one), OCR's 2 x 2 merges
-    "minicpmv4_7": [[(4, 4), [(8, 8), (4, 8), (4, 8)]], [], [("video", 2, 4, 8), (8, 4)]],
-    "minicpm_ocr": [[(4, 4), [(8, 8), (4, 8)]], [], [("video", 2, 4, 8), (8, 4)]],
-    # a video's frames merged two by two, vision tokens with experts of their own
-    "ernie4_5_vl_moe": [[(4, 4)], [("video", 4, 4, 4), (8, 4)], []],
-}
-# the families whose positions are M-RoPE rows from get_rope_index (and MiniCPM-V 4.7)
-MROPE = ("qwen", "glm", "ernie")
-
-
-def _grads(model) -> dict:
-    return {
-        n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()
-    }
-
-
-def _worst(got: dict, want: dict) -> tuple[float, str]:
-    """Largest relative difference over the tensors, against 1e-5; gradients that are zero up to
-    rounding (key biases: softmax ignores them) are compared against 1e-5 of the largest gradient
-    norm, a Gated DeltaNet's decay parameters against their own tolerance (tests/tolerances.py), scaled
-    to 1e-5."""
-    floor = 1e-5 * max(float(g.norm()) for g in want.values())
-
-    def err(n: str, g) -> float:
-        e = float((got[n] - g).norm()) / max(float(g.norm()), floor)
-        return e * 1e-5 / DECAY_RTOL if n.endswith(DECAY_PARAMS) else e
-
-    return max((err(n, g), n) for n, g in want.items())
-
-
-def _matches_each_example_alone(model, inputs: dict, ref, rows: list[dict]) -> None:
-    """The sharded step's loss and gradients equal every example alone through the stock ``ref``
-    (token-loss sums over the step's labelled count), within 1e-5."""
-    n = inputs["num_items_in_batch"]
-    assert n == sum(int((b["labels"][0, 1:] != -100).sum()) for b in rows)
-    loss = model(**inputs).loss
-    loss.backward()
-    want = sum(hf_zoo.summed_loss(ref, b, n) for b in rows)
-    want.backward()
-    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
-    err, where = _worst(_grads(model), _grads(ref))
-    assert err <= 1e-5, f"gradient of {where}: {err:.2e}"
-
-
-@functools.cache
-def _own_mean_loss(name: str) -> bool:
-    """Whether ``name``'s forward computes its loss as a mean over each call on the installed
-    release (Gemma 3 before 5.17): its shards' labels are refused."""
-    return name in hf_zoo.MODELS and hf_zoo.available(name) and not loss_takes_token_count(hf_zoo.build(name))
-
-
-def test_a_model_that_averages_its_own_loss_is_refused_labels_by_name():
-    """Gemma 3 before transformers 5.17 shifts the labels inside its call and averages over it: a
-    shard's loss would be wrong, so a batch with labels is refused by name (on every rank: the
-    labels are a global fact); without labels the shard runs."""
-    if not _own_mean_loss("gemma3"):
-        pytest.skip("Gemma 3 takes the shard's shift_labels and token count on this release")
-    model = _model("gemma3")
-    handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
-    batch = hf_zoo.batch("gemma3", model, [[1, 1]])
-    with pytest.raises(
-        ValueError,
-        match=r"batch\['labels'\]: Gemma3ForConditionalGeneration on the installed transformers .* mean",
-    ):
-        handle.shard(batch)
-    batch.pop("labels")
-    assert "labels" not in handle.shard(batch)
-    handle.remove()
-
-
-# the families since Qwen3-VL: on every release through the 2-rank test's encoder run, here on the newest
-NEWER = ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4", "minicpmv4_6", "minicpmv4_7",
-         "minicpm_ocr", "ernie4_5_vl_moe")  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in NEWER else n for n in SPECS]
-)  # fmt: skip
-def test_one_process_shard_matches_the_stock_forward(name):
-    """Every example alone through the stock eager model is the reference (a padded batch is not:
-    the stock Qwen2-VL scores a left-padded text-only row differently from the same row alone)."""
-    if _own_mean_loss(name):
-        pytest.skip(f"{name} computes its loss as a mean over each call on this release: refused (below)")
-    if hf_zoo.refused(name):
-        pytest.skip(f"{name} is refused on this release (test_hf_balance.py)")
-    model, ref = _model(name), _model(name, "eager")
-    rows = [hf_zoo.batch(name, model, [spec], seed=3 + i) for i, spec in enumerate(SPECS[name])]
-    if name == "qwen2_5_vl":
-        rows[0]["second_per_grid_ts"] = torch.tensor([0.5])
-    batch = hf_zoo.collate(rows, left=[i == 1 for i in range(len(rows))])
-    handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
-    if name.startswith(MROPE):
-        # what LLaMA-Factory's collator precomputes: the M-RoPE rows of the padded batch [3, B, L]
-        # (checked against shard's own, then left out; a differing row is refused by name) and
-        # the deltas (left out)
-        kw = {"second_per_grid_ts": batch["second_per_grid_ts"]} if "second_per_grid_ts" in batch else {}
-        pos, deltas = core(ref).get_rope_index(
-            batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
-            image_grid_thw=batch.get("image_grid_thw"), video_grid_thw=batch.get("video_grid_thw"),
-            attention_mask=batch["attention_mask"], **kw,
-        )  # fmt: skip
-        real = int(batch["attention_mask"][1].nonzero()[3])
-        bad = pos.clone()
-        bad[:, 1, real] += 5
-        with pytest.raises(
-            ValueError, match=r"position_ids'\]: the collator's M-RoPE positions of sequence 1"
-        ):
-            handle.shard({**batch, "position_ids": bad})
-        batch["position_ids"], batch["rope_deltas"] = pos, deltas
-    inputs = handle.shard(batch)
-    assert "rope_deltas" not in inputs
-    _matches_each_example_alone(model, inputs, ref, rows)
-    total = sum(int(b["input_ids"].shape[1]) for b in rows)
-    if name.startswith(MROPE) or name == "minicpmv4_7":
-        # the positions are the model's own, computed on the whole sequence
-        want_pos = []
-        for b in rows:
-            if name == "minicpmv4_7":  # its canvas, from the crops' sizes
-                kw = {k: b.get(k) for k in ("target_sizes", "target_sizes_videos")}
-            else:
-                kw = {"second_per_grid_ts": b["second_per_grid_ts"]} if "second_per_grid_ts" in b else {}
-                kw.update(image_grid_thw=b.get("image_grid_thw"), video_grid_thw=b.get("video_grid_thw"))
-            pos, _ = core(ref).get_rope_index(
-                b["input_ids"], mm_token_type_ids=b["mm_token_type_ids"], attention_mask=None, **kw
-            )
-            want_pos.append(pos[:, 0])
-        assert inputs["position_ids"].shape == (4, 1, total)
-        assert torch.equal(inputs["position_ids"][1:, 0], torch.cat(want_pos, dim=1))
-        text = torch.cat([torch.arange(int(b["input_ids"].shape[1])) for b in rows])
-        assert torch.equal(inputs["position_ids"][0, 0], text)
-    else:
-        assert inputs["position_ids"].shape == (1, total)
-    if "image_sizes" in batch:  # Mistral 3: an image's own patches travel
-        encoded = int(((batch["image_sizes"] // hf_zoo.P).prod(-1)).sum())
-    elif name == "gemma4":  # and Gemma 4's: its patches that are not padding
-        encoded = sum(int((~(batch[k] == -1).all(dim=-1)).sum()) for k in ("image_position_ids", "video_position_ids")
-                      if k in batch)  # fmt: skip
-    elif name.startswith("minicpm"):  # every slice's patches
-        encoded = sum(
-            int(batch[k].prod(-1).sum()) for k in ("target_sizes", "target_sizes_videos") if k in batch
-        )
-    else:
-        encoded = sum(int(batch[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in batch)
-    assert handle.stats["encoded_rows"] == encoded
-    handle.remove()
-
-
-# image and audio in one sequence, text alone, audio alone, audio then image, a video and a clip
-OMNI = [
-    [(4, 4), ("audio", 20)],
-    [],
-    [("audio", 13)],
-    [("audio", 30), (4, 8)],
-    [("video", 2, 4, 4), ("audio", 9)],
-]
-
-
-def test_one_process_shard_of_the_omni_thinker_matches_the_stock_forward():
-    """The Qwen2.5-Omni thinker: its audio rows reach the input embeddings at their placeholders
-    (the thinker takes audio only as input_features); positions, loss and gradients as the stock
-    forward gives every example alone, and every clip and image encoded once."""
-    model, ref = _model("qwen2_5_omni"), _model("qwen2_5_omni", "eager")
-    rows = [hf_zoo.batch("qwen2_5_omni", model, [spec], seed=3 + i) for i, spec in enumerate(OMNI)]
-    rows[4]["video_second_per_grid"] = torch.tensor([1.5])
-    batch = hf_zoo.collate(rows, left=[i == 1 for i in range(len(rows))])
-    handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
-    frames = []
-    core(model).audio_tower.register_forward_pre_hook(
-        lambda m, a, kw: frames.append(int(kw["feature_lens"].sum())), with_kwargs=True
-    )
-    inputs = handle.shard(batch)
-    assert set(inputs["mm_encoder_outputs"]) == {"image", "video", "audio"}
-    _matches_each_example_alone(model, inputs, ref, rows)
-    assert frames == [20 + 13 + 30 + 9]  # one audio tower call, every clip's valid frames
-    assert handle.stats["encoders"]["audio"]["items"] == 4
-    want_pos = []
-    for b in rows:
-        pos, _ = core(ref).get_rope_index(
-            b["input_ids"], b.get("image_grid_thw"), b.get("video_grid_thw"), b["attention_mask"], False,
-            b["feature_attention_mask"].sum(-1) if "feature_attention_mask" in b else None,
-            b.get("video_second_per_grid"),
-        )  # fmt: skip
-        want_pos.append(pos[:, 0])
-    assert torch.equal(inputs["position_ids"][1:, 0], torch.cat(want_pos, dim=1))
-    handle.remove()
-    assert not model._forward_pre_hooks  # the audio hook went with the handle
-
-
-def test_one_process_shard_of_the_qwen3_omni_thinker_matches_the_stock_forward():
-    """The Qwen3-Omni thinker with images and a video (its Qwen3-VL tower's deepstack rows
-    carried): positions, loss and gradients as the stock forward gives every example alone."""
-    model, ref = _model("qwen3_omni_moe"), _model("qwen3_omni_moe", "eager")
-    specs = [[(4, 4)], [], [("video", 2, 4, 4), (4, 8)]]
-    rows = [hf_zoo.batch("qwen3_omni_moe", model, [spec], seed=3 + i) for i, spec in enumerate(specs)]
-    rows[2]["video_second_per_grid"] = torch.tensor([2.0])
-    batch = hf_zoo.collate(rows, left=[i == 1 for i in range(len(rows))])
-    handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
-    inputs = handle.shard(batch)
-    assert set(inputs["mm_encoder_outputs"]) == {"image", "video"}
-    _matches_each_example_alone(model, inputs, ref, rows)
-    want_pos = []
-    for b in rows:
-        pos, _ = core(ref).get_rope_index(
-            b["input_ids"], b.get("image_grid_thw"), b.get("video_grid_thw"), b["attention_mask"], False, None,
-            b.get("video_second_per_grid"),
-        )  # fmt: skip
-        want_pos.append(pos[:, 0])
-    assert torch.equal(inputs["position_ids"][1:, 0], torch.cat(want_pos, dim=1).long())
-    handle.remove()
-
-
 def _fsdp2_family(rank: int, world: int) -> dict:
     """FSDP2 on a multimodal model (the tower a unit of its own, then the root): the family is
     found through FSDP2's ``FSDP<Name>`` class, and ``shard`` leaves the media to the forward."""
@@ -387,7 +149,7 @@ def _fsdp2_family(rank: int, world: int) -> dict:
 
     from mmbalance.integrations.hf.cp.shard import MEDIA_KEYWORD
 
-    model = _model("qwen2_vl")
+    model = hf_zoo.varlen_model("qwen2_vl")
     batch = hf_zoo.batch("qwen2_vl", model, [[(4, 4)]], seed=rank)
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(core(model).visual, mesh=mesh)
@@ -409,7 +171,7 @@ def _fsdp2_on_one_rank(rank: int, world: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _model("qwen2_vl")
+    model = hf_zoo.varlen_model("qwen2_vl")
     batch = hf_zoo.batch("qwen2_vl", model, [[(4, 4)]], seed=rank)
     mesh = init_device_mesh("cpu", (world,))  # collective: every rank
     if rank == 0:
@@ -448,7 +210,7 @@ def test_unresolved_media_are_refused_by_the_attention():
 def test_omni_audio_rows_must_match_the_placeholders():
     """The thinker's pre-hook places the shard's audio rows; a count that does not match the
     placeholders of input_ids is refused by name, not scattered short."""
-    model = _model("qwen2_5_omni")
+    model = hf_zoo.varlen_model("qwen2_5_omni")
     handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
     inputs = handle.shard(hf_zoo.batch("qwen2_5_omni", model, [[("audio", 20)]]))
     audio = inputs["mm_encoder_outputs"]["audio"]
@@ -459,7 +221,7 @@ def test_omni_audio_rows_must_match_the_placeholders():
 
 
 def test_the_budget_counts_vision_tokens():
-    model = _model("qwen2_vl")
+    model = hf_zoo.varlen_model("qwen2_vl")
     batch = hf_zoo.batch("qwen2_vl", model, [[(8, 8), (8, 8)]])  # 45 tokens, 32 of them vision
     handle = apply_dynamic_cp(model, max_tokens_per_rank=40)
     with pytest.raises(ValueError, match="max_tokens_per_rank=40"):
@@ -489,7 +251,7 @@ def test_families_whose_media_cannot_be_split_yet_are_refused_with_the_reason(na
 
 
 def test_glm_videos_are_refused_by_name():
-    model = _model("glm4v")
+    model = hf_zoo.varlen_model("glm4v")
     handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
     with pytest.raises(ValueError, match=r"pixel_values_videos.*GLM-4.1V videos"):
         handle.shard(hf_zoo.batch("glm4v", model, [[("video", 2, 4, 4)]]))
@@ -545,7 +307,7 @@ BAD_BATCHES = {
 @pytest.mark.parametrize("case", list(BAD_BATCHES))
 def test_bad_vlm_batches_are_refused_by_name(case):
     (name, spec), change, error, words = BAD_BATCHES[case]
-    model = _model(name)
+    model = hf_zoo.varlen_model(name)
     batch = hf_zoo.batch(name, model, spec)
     change(batch)
     handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
@@ -557,7 +319,7 @@ def test_bad_vlm_batches_are_refused_by_name(case):
 
 
 def test_llava_variable_resolution_images_are_refused():
-    model = _model("llava")
+    model = hf_zoo.varlen_model("llava")
     batch = hf_zoo.batch("llava", model, [[1]])
     batch["image_sizes"] = torch.tensor([[16, 16]])
     handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
@@ -567,7 +329,7 @@ def test_llava_variable_resolution_images_are_refused():
 
 
 def test_a_callable_cost_needs_encoder_cost_none_for_a_vlm():
-    model = _model("qwen2_vl")
+    model = hf_zoo.varlen_model("qwen2_vl")
 
     def cost(lengths, degree):
         return lengths / degree
@@ -621,30 +383,3 @@ def test_balance_trainer_refuses_an_unsupported_vlm_by_name(tmp_path):
     assert "LlavaNextForConditionalGeneration" in str(
         info.value
     ) and "Qwen2VLForConditionalGeneration" in str(info.value)
-
-
-def test_a_stand_in_image_under_the_mask_is_left_out():
-    """LLaMA-Factory's collator gives a batch without media a stand-in image whose placeholder
-    tokens it appends to the first row under ``attention_mask == 0`` (labels ignored): shard leaves
-    it out, and the step equals every real example alone."""
-    name = "qwen2_vl"
-    model, ref = _model(name), _model(name, "eager")
-    rows = [hf_zoo.batch(name, model, [[]], seed=3 + i) for i in range(3)]
-    fake = hf_zoo.batch(name, model, [[(4, 4)]], seed=9)
-    token = int(model.config.image_token_id)
-    tokens = fake["input_ids"][0][fake["input_ids"][0] == token]
-    batch = hf_zoo.collate(rows, left=[False] * 3)
-    pad = torch.zeros(len(rows), tokens.numel(), dtype=torch.long)
-    batch["input_ids"] = torch.cat([batch["input_ids"], pad], dim=1)
-    batch["input_ids"][0, -tokens.numel() :] = tokens
-    batch["attention_mask"] = torch.cat([batch["attention_mask"], pad], dim=1)
-    batch["labels"] = torch.cat([batch["labels"], pad - 100], dim=1)
-    mm = torch.zeros_like(batch["input_ids"])
-    mm[0, -tokens.numel() :] = 1
-    batch["mm_token_type_ids"] = mm
-    batch["pixel_values"], batch["image_grid_thw"] = fake["pixel_values"], fake["image_grid_thw"]
-    handle = apply_dynamic_cp(model, max_tokens_per_rank=4096)
-    inputs = handle.shard(batch)
-    assert inputs.get("pixel_values") is None or handle.stats["encoded_rows"] == 0
-    _matches_each_example_alone(model, inputs, ref, rows)
-    handle.remove()
