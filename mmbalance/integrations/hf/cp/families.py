@@ -160,8 +160,9 @@ class _Qwen(VLMFamily):
     def item_streams(self, adapter, meta):
         return meta[:, 0].astype(np.int64)  # the adapter's "video" column
 
-    #: the placeholders of a video's frame: its merged patches over this (Ernie's resampler merges frame pairs)
-    frames_merged = 1
+    def _frames_merged(self, model) -> int:
+        """A video's frames per placeholder row (Ernie's resampler merges them two by two)."""
+        return 1
 
     def _merge2(self, model) -> int:
         c = core(model)
@@ -170,7 +171,7 @@ class _Qwen(VLMFamily):
 
     def positions(self, model, batch, ids, kinds, spans):
         c = core(model)
-        grids = _grids(batch, kinds, self._merge2(model), self.frames_merged)
+        grids = _grids(batch, kinds, self._merge2(model), self._frames_merged(model))
         seconds = batch.get("second_per_grid_ts")
         takes_seconds = "second_per_grid_ts" in inspect.signature(c.get_rope_index).parameters
 
@@ -218,9 +219,9 @@ class _Ernie(_Qwen):
         self.batch_keys = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
                                      "mm_token_type_ids", "moe_mm_token_type_ids"})  # fmt: skip
 
-    def positions(self, model, batch, ids, kinds, spans):
-        self.frames_merged = int(core(model).vision_tower.config.temporal_merge_size)
-        return super().positions(model, batch, ids, kinds, spans)
+    def _frames_merged(self, model) -> int:
+        tower: Any = core(model).vision_tower
+        return int(tower.config.temporal_merge_size)
 
     def _expert_kinds(self, model, ids: Tensor) -> Tensor:
         """The processor's ``moe_mm_token_type_ids`` of ``ids``: 1 at image placeholders and the image

@@ -141,8 +141,7 @@ class MiniCPMV46Adapter(EncoderAdapter):
 
     def dummy(self, model):
         dtype, device = dtype_device(self._tower(model))
-        side = int(np.prod(self._steps(model, str(model.config.downsample_mode)) or [1]))
-        side = max(side, int(np.prod(self._steps(model, "16x"))))  # valid in either mode
+        side = int(np.prod(self._steps(model, "16x")))  # every merge's multiple: valid in either mode
         p = self._patch(model)
         x = torch.zeros(side * side, self._channels(model) * p * p, dtype=dtype, device=device)
         return [x], np.array([[0, side, side]], dtype=np.int64)
