@@ -15,9 +15,9 @@ over ranks, must equal a one-process reference (each example alone through the s
 token-loss sum over the global count); every image and frame is encoded exactly once in the world
 (the rows of the vision tower's calls); no rank's language model embeds more than the budget.
 
-argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | glm4v | glm46v |
+argv: one or more ``family:balance`` runs: family qwen2_vl | qwen2_5_vl | qwen3_vl | glm4v | glm4v_moe | glm46v |
 kimi_k25 | mistral3 | gemma3 | paligemma | gemma4 | qwen3_omni_moe | minicpmv4_6 | minicpmv4_7 | minicpm_ocr
-| ernie4_5_vl_moe (these twelve on 2 ranks: ``PAIR``; Gemma 3's and
+| ernie4_5_vl_moe | llava_onevision (these fourteen on 2 ranks: ``PAIR``; Gemma 3's and
 Gemma 4's images and PaliGemma's prefixes are bidirectional blocks cut by the shard boundaries) | llava (LLaVA
 has no video: a document of eight images stands in for it) | qwen2_5_omni (the thinker: a long
 audio clip stands in for the video, an image and a clip share a sequence), balance plain | encoder
@@ -51,6 +51,12 @@ def hf_zoo_kimi_videos_run() -> bool:
     from tests.integrations import hf_zoo
 
     return hf_zoo.kimi_videos_run()
+
+
+def hf_zoo_onevision_videos_shard() -> bool:
+    from tests.integrations import hf_zoo
+
+    return hf_zoo.onevision_videos_shard()
 
 
 def hf_zoo_gemma4_videos_run() -> bool:
@@ -93,7 +99,10 @@ SPECS = {
 # sequence (over the budget: split over both ranks, media cut at the boundary), rank 1's short
 # examples join that group of 2
 PAIR = {
-    "glm4v": [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
+    # GLM-4.1V: a 4-frame video (its placeholders image tokens, 16 a frame) split over both ranks,
+    # beside rank 1's image: one stream of image tokens carries frames and images in their order
+    "glm4v": [[[("video", 4, 8, 8)]], [[(4, 4)], ("text", 3)]],
+    "glm4v_moe": [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[("video", 2, 4, 4)], ("text", 3)]],
     "glm46v": [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
     "kimi_k25": [[[(8, 8), (8, 8), ("video", 3, 8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
     "mistral3": [[[(32, 32), (32, 32), (32, 32), (32, 32)]], [[(16, 16)], ("text", 3)]],
@@ -107,6 +116,10 @@ PAIR = {
     # block in its sliding layers: a 93-token sequence over both ranks, whose zigzag boundaries cut
     # the video's second frame and the second image
     "gemma4": [[[(8, 8), ("video", 2, 8, 8), (8, 8), (4, 8)]], [[(4, 4)], ("text", 3)]],
+    # LLaVA-OneVision: anyres images (a 16 x 32 image is its base tile and 2 grid tiles, 52 rows with
+    # its newlines) and, where its forward takes them so, a 4-frame video's 17 rows (pooled frames and
+    # the newline) cut by the boundary
+    "llava_onevision": [[[(16, 32), ("video", 4)]], [[(16, 16)], ("text", 3)]],
     # the Qwen3-Omni thinker: Qwen3-VL's tower with its deepstack rows, a video's frames as items
     "qwen3_omni_moe": [[[("video", 2, 8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]],
     # MiniCPM-V 4.6: a small image, an image of a thumbnail and two slices, a video's two frames and
@@ -127,13 +140,16 @@ PAIR["minicpm_ocr"] = [
     [[(8, 4), [(8, 8), (4, 8), (4, 8)], ("video", 2, 4, 8), (4, 8)]],
     [[(4, 4)], ("text", 3)],
 ]
+if not hf_zoo_onevision_videos_shard():  # before mm_encoder_outputs its videos are refused (test_dynamic_cp_vlm.py)
+    PAIR["llava_onevision"] = [[[(16, 32), (8, 8)]], [("text", 3)]]
 if not hf_zoo_kimi_videos_run():  # transformers' own video path of Kimi-K2.5 fails before 5.24
     PAIR["kimi_k25"] = [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]]
 if not hf_zoo_gemma4_videos_run():  # and Gemma 4's in 5.19.0
     PAIR["gemma4"] = [[[(8, 8), (8, 4), (8, 8), (8, 8), (4, 8)]], [[(4, 4)], ("text", 3)]]
 SPECS.update(PAIR)
 # the families whose processors give no mm_token_type_ids
-UNTYPED = ("llava", "qwen2_5_omni", "qwen3_omni_moe", "kimi_k25", "mistral3", "minicpmv4_6", "minicpm_ocr")
+UNTYPED = ("llava", "qwen2_5_omni", "qwen3_omni_moe", "kimi_k25", "mistral3", "minicpmv4_6", "minicpm_ocr",
+           "llava_onevision")  # fmt: skip
 # the degrees of the step's CP groups
 DEGREES = {name: [2] for name in PAIR}
 
@@ -143,7 +159,7 @@ def towers(model) -> list:
     (a rank with nothing to encode runs a stand-in item)."""
     from mmbalance.integrations.hf.encoders import core
 
-    if FAMILY == "llava":
+    if FAMILY in ("llava", "llava_onevision"):  # tiles (OneVision: every tile of an image, every frame)
         return [
             (core(model).vision_tower, lambda a, kw: int((a[0] if a else kw["pixel_values"]).shape[0]), 1)
         ]
@@ -334,6 +350,8 @@ def run_one() -> None:
             int(b[k].shape[0]) for b in flat for k in ("pixel_values", "pixel_values_videos") if k in b
         ) if FAMILY != "mistral3" else sum(int((b["image_sizes"] // hf_zoo.P).prod(-1).sum()) for b in flat
                                             if "image_sizes" in b)  # fmt: skip
+        if FAMILY == "llava_onevision":  # every image's real tiles, every frame
+            rows = sum(hf_zoo.onevision_rows(model, b) for b in flat)
         if FAMILY.startswith("minicpm"):  # every slice's patches
             rows = sum(int(b[k].prod(-1).sum()) for b in flat for k in ("target_sizes", "target_sizes_videos")
                        if k in b)  # fmt: skip

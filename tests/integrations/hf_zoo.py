@@ -67,6 +67,26 @@ def kimi_videos_run() -> bool:
     return tuple(int(x) for x in tf.__version__.split(".")[:2]) >= (5, 24)
 
 
+def onevision_videos_shard() -> bool:
+    """Whether dynamic CP splits LLaVA-OneVision's videos on the installed transformers: from the
+    release whose forward takes ``mm_encoder_outputs`` (before, the forward appends each video's
+    newline row to the rows it is given, and ``handle.shard`` refuses videos by name)."""
+    import inspect
+
+    import transformers as tf
+
+    return "mm_encoder_outputs" in inspect.signature(tf.LlavaOnevisionModel.forward).parameters
+
+
+def onevision_rows(model, batch: dict) -> int:
+    """The tower rows of a LLaVA-OneVision batch: every image's real tiles, every video's frames."""
+    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+    sizes = batch["image_sizes"].tolist() if "image_sizes" in batch else []
+    rows = sum(image_size_to_num_patches(s, model.config.image_grid_pinpoints, S) for s in sizes)
+    return rows + (int(batch["pixel_values_videos"].shape[:2].numel()) if "pixel_values_videos" in batch else 0)
+
+
 @functools.cache
 def gemma4_videos_run() -> bool:
     """Whether the installed transformers runs Gemma 4's videos itself (5.19.0 asks every video for
@@ -554,6 +574,9 @@ def collate(batches: list[dict], left=False) -> dict:
             parts = [
                 torch.nn.functional.pad(p, (0, w - int(p.shape[-1]), 0, h - int(p.shape[-2]))) for p in parts
             ]
+        if parts and key == "pixel_values" and parts[0].dim() == 5:  # anyres tiles: padded to the most
+            most = max(int(p.shape[1]) for p in parts)
+            parts = [torch.cat([p, p.new_zeros(p.shape[0], most - p.shape[1], *p.shape[2:])], 1) for p in parts]
         if parts:
             out[key] = torch.cat(parts)
     if navit:  # MiniCPM-V: every slice in one row

@@ -25,8 +25,11 @@ SPECS = {
     "qwen3_vl_moe": [[("video", 2, 4, 4)], [(4, 4)]],
     "llava": [[1], [], [1, 1]],
     "qwen3_5": [[(4, 4)], [("video", 3, 4, 4), (8, 4)], []],
-    "glm4v": [[(4, 4)], [(8, 4), (2, 6)], []],
-    "glm46v": [[(4, 4), (6, 2)], []],
+    # a video's placeholders are image tokens: videos and images in sequences of their own (as the
+    # models take them), in one batch
+    "glm4v": [[(4, 4)], [("video", 2, 4, 4)], [(8, 4), (2, 6)], []],
+    "glm4v_moe": [[(4, 4), (6, 2)], [], [("video", 3, 4, 4)], [(8, 4)]],
+    "glm46v": [[("video", 2, 4, 8)], [(4, 4), (6, 2)], []],
     "kimi_k25": [[(4, 4)], [("video", 3, 4, 4), (8, 4)] if hf_zoo.kimi_videos_run() else [(8, 4)], []],
     "mistral3": [[(16, 32)], [], [(8, 8), (24, 16)]],
     "gemma3": [[1, 1], [], [1]],  # each image a bidirectional block of its sequence
@@ -38,6 +41,10 @@ SPECS = {
     # and 4.7's M-RoPE canvas (a thumbnail and its crops laid out on one), OCR's 2 x 2 merges
     "minicpmv4_7": [[(4, 4), [(8, 8), (4, 8), (4, 8)]], [], [("video", 2, 4, 8), (8, 4)]],
     "minicpm_ocr": [[(4, 4), [(8, 8), (4, 8)]], [], [("video", 2, 4, 8), (8, 4)]],
+    # anyres images at their own sizes (each packed with its tiles where it is encoded), a video's frames
+    # where its forward takes the video's newline row with the rows (5.19 on; before, refused: below)
+    "llava_onevision": [[(20, 40), ("video", 2)] if hf_zoo.onevision_videos_shard() else [(20, 40)], [],
+                        [(16, 16), (30, 30)]],  # fmt: skip
     # a video's frames merged two by two, vision tokens with experts of their own
     "ernie4_5_vl_moe": [[(4, 4)], [("video", 4, 4, 4), (8, 4)], []],
 }
@@ -99,8 +106,8 @@ def test_a_model_that_averages_its_own_loss_is_refused_labels_by_name():
 
 
 # the families since Qwen3-VL: on every release through the 2-rank test's encoder run, here on the newest
-NEWER = ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4", "minicpmv4_6", "minicpmv4_7",
-         "minicpm_ocr", "ernie4_5_vl_moe")  # fmt: skip
+NEWER = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4", "minicpmv4_6", "minicpmv4_7",
+         "minicpm_ocr", "ernie4_5_vl_moe", "llava_onevision")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -160,7 +167,9 @@ def test_one_process_shard_matches_the_stock_forward(name):
         assert torch.equal(inputs["position_ids"][0, 0], text)
     else:
         assert inputs["position_ids"].shape == (1, total)
-    if "image_sizes" in batch:  # Mistral 3: an image's own patches travel
+    if name == "llava_onevision":  # an image's real tiles, a video's frames
+        encoded = hf_zoo.onevision_rows(model, batch)
+    elif "image_sizes" in batch:  # Mistral 3: an image's own patches travel
         encoded = int(((batch["image_sizes"] // hf_zoo.P).prod(-1)).sum())
     elif name == "gemma4":  # and Gemma 4's: its patches that are not padding
         encoded = sum(int((~(batch[k] == -1).all(dim=-1)).sum()) for k in ("image_position_ids", "video_position_ids")

@@ -90,7 +90,7 @@ def test_qwen3_5_steps_with_media_in_split_sequences_match_the_reference_on_4_ra
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_families_since_qwen3_vl_split_their_media_over_2_ranks_exactly():
-    """GLM-4.1V, GLM-4.6V, Kimi-K2.5 (a video clip too), Mistral 3 (images at their own sizes)
+    """GLM-4.1V, GLM-4.5V, GLM-4.6V, Kimi-K2.5 (a video clip too), Mistral 3 (images at their own sizes)
     Gemma 3 and Gemma 4 (each image a bidirectional block, the blocks cut by the zigzag
     boundaries), PaliGemma (each prefix of images and prompt a bidirectional block over both
     ranks), the Qwen3-Omni thinker (deepstack rows, a video split) and MiniCPM-V 4.6, 4.7 and
@@ -99,9 +99,9 @@ def test_families_since_qwen3_vl_split_their_media_over_2_ranks_exactly():
     in a sequence over the budget, split over 2 ranks and cut at the boundary, with and without
     encoder balancing: loss and every gradient within 1e-5 of each example alone, every item
     encoded once in the world."""
-    runs = [f"{name}:{balance}" for name in ("glm4v", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4",
+    runs = [f"{name}:{balance}" for name in ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "mistral3", "gemma3", "paligemma", "gemma4",
                                              "qwen3_omni_moe", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
-                                             "ernie4_5_vl_moe")
+                                             "ernie4_5_vl_moe", "llava_onevision")
             if hf_zoo.available(name) and not hf_zoo.own_mean_loss(name) and not hf_zoo.refused(name)
             for balance in ("plain", "encoder")]  # fmt: skip
     out = launch(SCRIPT, *runs, nproc=2, timeout=840)
@@ -241,7 +241,7 @@ def test_other_multimodal_models_are_refused_by_name(name):
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("glm4v_moe", "packed rows"), ("llava_onevision", "anyres"), ("molmo2", "one bidirectional block")],
+    [("molmo2", "one bidirectional block")],
 )  # fmt: skip
 def test_families_whose_media_cannot_be_split_yet_are_refused_with_the_reason(name, reason):
     register_attention()
@@ -250,11 +250,30 @@ def test_families_whose_media_cannot_be_split_yet_are_refused_with_the_reason(na
         apply_dynamic_cp(model, max_tokens_per_rank=64)
 
 
-def test_glm_videos_are_refused_by_name():
+def test_glm_videos_need_their_token_types():
+    """A GLM video's placeholders are image tokens: without ``mm_token_type_ids`` (or with a type
+    that is neither an image's nor a video's) the shard cannot tell them apart, and says so."""
     model = hf_zoo.varlen_model("glm4v")
     handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
-    with pytest.raises(ValueError, match=r"pixel_values_videos.*GLM-4.1V videos"):
-        handle.shard(hf_zoo.batch("glm4v", model, [[("video", 2, 4, 4)]]))
+    batch = hf_zoo.batch("glm4v", model, [[("video", 2, 4, 4)]])
+    with pytest.raises(ValueError, match=r"mm_token_type_ids'\] is missing: GLM-4.1V's video placeholders"):
+        handle.shard({k: v for k, v in batch.items() if k != "mm_token_type_ids"})
+    bad = batch["mm_token_type_ids"].clone()
+    bad[bad == 2] = 3
+    with pytest.raises(ValueError, match=r"mm_token_type_ids'\] of sequence 0: an image placeholder token"):
+        handle.shard({**batch, "mm_token_type_ids": bad})
+    handle.shard(batch)
+    handle.remove()
+
+
+def test_llava_onevision_videos_are_refused_by_name_where_the_forward_adds_their_newline():
+    if hf_zoo.onevision_videos_shard():
+        pytest.skip("this release's LLaVA-OneVision forward takes mm_encoder_outputs: its videos split")
+    model = hf_zoo.varlen_model("llava_onevision")
+    handle = apply_dynamic_cp(model, max_tokens_per_rank=256)
+    with pytest.raises(ValueError, match=r"pixel_values_videos.*appends a newline row to each video's rows"):
+        handle.shard(hf_zoo.batch("llava_onevision", model, [[("video", 2)]]))
+    handle.shard(hf_zoo.batch("llava_onevision", model, [[(20, 40)]]))  # images split on every release
     handle.remove()
 
 

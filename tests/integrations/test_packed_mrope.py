@@ -6,13 +6,16 @@ released since Qwen3-VL that the integration used to trip on.
   rotary rows and build no packing from them: the sequences attend to each other. Under
   ``keep_sequences_apart`` (which ``balance_trainer`` and ``mmbalance launch`` install) they get
   the ``[4, B, L]`` positions with the text row, and a packed row is each sequence alone under
-  ``mmbalance_varlen`` (outputs and gradients); GLM-4.xV-MoE, wrong under every attention in both
-  forms, is refused by name.
+  ``mmbalance_varlen``, ``sdpa`` and eager alike (outputs and gradients), with the cache the model
+  makes by default too (transformers skips the packed mask when it has one: the row runs without);
+  GLM-4.5V, whose layers never see the text row, refuses a cache given with a packed row by name.
 * LLaVA-OneVision hands ``logits_to_keep`` to every attention call: the backend runs it.
 * Gemma 3n keeps one feed-forward width per layer: the default cost model takes their mean.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -55,23 +58,23 @@ def _ernie_vl_text():
     return transformers.Ernie4_5_VLMoeTextModel(cfg)
 
 
-FAMILIES = {"qwen2_vl": _qwen2_vl, "glm4v": _glm4v, "ernie4_5_vl_moe": _ernie_vl_text}
+FAMILIES = {"qwen2_vl": _qwen2_vl, "glm4v": _glm4v, "glm4v_moe": _glm4v_moe, "ernie4_5_vl_moe": _ernie_vl_text}
 LENGTHS = [7, 1, 5]
 
 
-def _out(model, ids, pos=None):
-    got = model(input_ids=ids, position_ids=pos, use_cache=False)
+def _out(model, ids, pos=None, **kw):
+    got = model(input_ids=ids, position_ids=pos, **({"use_cache": False} if not kw else kw))
     return got.logits if hasattr(got, "logits") else got.last_hidden_state
 
 
-def _packed_and_alone(model):
+def _packed_and_alone(model, **kw):
     """A packed row of three sequences (2-D positions restarting) and each sequence alone: the
-    outputs and the gradients of a weighted sum."""
+    outputs and the gradients of a weighted sum (``kw``: the packed call's keywords)."""
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(5, 80, (1, n), generator=g) for n in LENGTHS]
     row = torch.cat(seqs, 1)
     pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
-    out = _out(model, row, pos)
+    out = _out(model, row, pos, **kw)
     w = torch.randn(out.shape, generator=g)
     model.zero_grad()
     (out * w).sum().backward()
@@ -87,39 +90,46 @@ def _packed_and_alone(model):
     return out, torch.cat(alone, 1), packed_grads, alone_grads
 
 
+@pytest.mark.parametrize("attention", [ATTENTION_NAME, "sdpa", "eager"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_packed_row_with_2d_positions_is_each_sequence_alone(family):
+def test_a_packed_row_with_2d_positions_is_each_sequence_alone(family, attention):
+    """Without a cache, and with the one the model makes by default (``use_cache`` left out: the
+    packed row then runs without one, or transformers would build its mask without the packing)."""
     torch.manual_seed(0)
     model = FAMILIES[family]().float().eval()
-    model.set_attn_implementation(ATTENTION_NAME)
+    model.set_attn_implementation(attention)
     handle = keep_sequences_apart(model)
     assert handle is not None
-    got, want, got_g, want_g = _packed_and_alone(model)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert got_g.keys() == want_g.keys() and got_g
-    for k in want_g:
-        torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-4, atol=1e-5, msg=k)
+    for kw in ({"use_cache": False}, {"use_cache": None}):
+        got, want, got_g, want_g = _packed_and_alone(model, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert got_g.keys() == want_g.keys() and got_g
+        for k in want_g:
+            torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-4, atol=1e-5, msg=k)
     handle.remove()  # transformers alone: the sequences run into one another
     got, want, _, _ = _packed_and_alone(model)
     assert (got - want).abs().max() > 1e-3
 
 
-def test_a_model_wrong_in_every_form_is_refused_by_name():
+def test_a_cache_given_with_a_packed_row_is_refused_where_the_layers_cannot_see_the_packing():
+    """GLM-4.5V's text model hands its layers the rotary rows: with a cache (which makes
+    transformers build its mask without the packing) its attention cannot tell the sequences
+    apart, so a cache given with a packed row is refused by name, in either form of positions;
+    without one the row runs (the test above), as do one sequence a row and padded rows with it."""
     torch.manual_seed(0)
     model = _glm4v_moe().eval()
     model.set_attn_implementation(ATTENTION_NAME)
     keep_sequences_apart(model)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     row = torch.randint(5, 80, (1, 12))
     pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
-    with pytest.raises(ValueError, match="packed rows .* in Glm4vMoeTextModel: .* padded batches"):
-        model(input_ids=row, position_ids=pos)
-    with pytest.raises(ValueError, match="Glm4vMoeTextModel"):  # the text row given: as wrong
-        model(input_ids=row, position_ids=torch.cat([pos[None]] * 4))
-    # one sequence a row, and padded rows, run
-    assert model(input_ids=row).logits.shape == (1, 12, 96)
+    for given in (pos, torch.cat([pos[None]] * 4)):
+        with pytest.raises(ValueError, match=r"packed rows .* with a cache in Glm4vMoeTextModel: .*use_cache=False"):
+            model(input_ids=row, position_ids=given, **{key: transformers.DynamicCache(config=model.config)})
+    assert model(input_ids=row, **{key: transformers.DynamicCache(config=model.config)}).logits.shape == (1, 12, 96)
     mask = torch.ones(1, 12, dtype=torch.long)
     mask[0, :3] = 0
-    assert torch.isfinite(model(input_ids=row, attention_mask=mask).logits).all()
+    assert torch.isfinite(model(input_ids=row, attention_mask=mask, use_cache=True).logits).all()
 
 
 def _onevision():

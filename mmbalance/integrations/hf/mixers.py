@@ -289,10 +289,12 @@ def _drops_packed_positions(cls: type) -> bool:
 _DROPS: dict[type, bool] = {}
 
 
-# M-RoPE text models whose packed rows are wrong in either form (2-D or with the text row) under
-# every attention, eager included (measured on transformers 5.24: the second sequence of a packed
-# row 0.18 off in the logits): refused by name
-PACKED_ROWS_WRONG = frozenset({"Glm4vMoeTextModel"})
+# M-RoPE text models that hand their decoder layers the rotary rows, not the text row (GLM-4.5V's
+# in transformers 5.6 to 5.24): with a cache their attention learns the packing from nowhere (the
+# mask is built without it, the layers' positions are the rotary rows), so a packed row runs with
+# no cache and one given is refused by name
+ROTARY_ROWS_TO_LAYERS = frozenset({"Glm4vMoeTextModel"})
+_CACHE_KEYS = ("cache", "past_key_values")
 
 
 def _restarts(pos: torch.Tensor) -> bool:
@@ -303,7 +305,10 @@ def _restarts(pos: torch.Tensor) -> bool:
 def _with_text_row(module, args, kwargs):
     """Packed rows for an M-RoPE text model: 2-D ``position_ids`` that restart inside a row (and no
     padding mask) reach it as ``[4, B, L]`` (the text row, then the three rotary rows the model
-    would have made of them); refused by name for the models of :data:`PACKED_ROWS_WRONG`."""
+    would have made of them), and with ``use_cache=False``: transformers builds the packed mask
+    from the text row only when it has no cache (a training step needs none), and every attention
+    then keeps the sequences apart. A cache given with a packed row is refused by name for the
+    models of :data:`ROTARY_ROWS_TO_LAYERS` (their attention cannot see the packing then)."""
     pos = kwargs.get("position_ids")
     if pos is None or not torch.is_tensor(pos) or pos.dim() not in (2, 3):
         return None
@@ -313,17 +318,19 @@ def _with_text_row(module, args, kwargs):
     text = pos if pos.dim() == 2 else (pos[0] if pos.shape[0] == 4 else None)
     if text is None or not _restarts(text):
         return None  # one sequence a row (or rotary rows alone, which carry no packing)
-    if type(module).__name__ in PACKED_ROWS_WRONG:
+    cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+    if cache is not None and type(module).__name__ in ROTARY_ROWS_TO_LAYERS:
         name = type(module).__name__
         raise ValueError(
-            f"packed rows (position_ids restarting inside a row) in {name}: transformers' {name} runs "
-            "the sequences of a packed row into one another under every attention (a wrong loss, "
-            f"without an error); train it on padded batches (no DataCollatorWithFlattening / packing)"
+            f"packed rows (position_ids restarting inside a row) with a cache in {name}: transformers' {name} "
+            "builds its mask without the packing when it has a cache and hands its layers the rotary rows, so "
+            "the sequences would run into one another; pass no cache (use_cache=False) with packed rows"
         )
-    if pos.dim() == 3:
-        return None  # [4, B, L]: the text row is there
     kwargs = dict(kwargs)
-    kwargs["position_ids"] = torch.cat([pos[None], pos[None].expand(3, -1, -1)], dim=0)
+    if cache is None:
+        kwargs["use_cache"] = False
+    if pos.dim() == 2:
+        kwargs["position_ids"] = torch.cat([pos[None], pos[None].expand(3, -1, -1)], dim=0)
     return args, kwargs
 
 

@@ -76,7 +76,7 @@ from ..encoders import EncoderAdapter, adapters_for, as_int, audio_out_len, core
 from ..wrappers import wrapper_hint
 from .family import VLMFamily, assign_media, check_feature_rows, entry_rows, mrope_rows
 from .inputs import ffn_size, text_config
-from .recent import GEMMA3, GEMMA4, KIMI, MINICPMV, MINICPMV47, MISTRAL3, PALIGEMMA, recent_family
+from .recent import GEMMA3, GEMMA4, KIMI, MINICPMV, MINICPMV47, MISTRAL3, ONEVISION, PALIGEMMA, recent_family
 
 __all__ = [
     "SUPPORTED",
@@ -100,11 +100,15 @@ _QWEN = {
 _LLAVA = {"LlavaForConditionalGeneration": "LLaVA"}
 _OMNI = {"Qwen2_5OmniThinkerForConditionalGeneration": "Qwen2.5-Omni thinker"}
 _OMNI3 = {"Qwen3OmniMoeThinkerForConditionalGeneration": "Qwen3-Omni-MoE thinker"}
-# GLM-4.1V and GLM-4.6V (images; GLM-4.5V's language model runs packed rows wrong: mixers.py)
-_GLM = {"Glm4vForConditionalGeneration": "GLM-4.1V", "Glm46VForConditionalGeneration": "GLM-4.6V"}
+# GLM-4.1V, GLM-4.5V (its mixture-of-experts language model) and GLM-4.6V: images
+_GLM = {
+    "Glm4vForConditionalGeneration": "GLM-4.1V",
+    "Glm4vMoeForConditionalGeneration": "GLM-4.5V",
+    "Glm46VForConditionalGeneration": "GLM-4.6V",
+}
 # its resampler merges a video's frames two by two; its vision tokens have experts of their own
 _ERNIE = {"Ernie4_5_VLMoeForConditionalGeneration": "Ernie-4.5-VL"}
-RECENT = {**KIMI, **MISTRAL3, **GEMMA3, **GEMMA4, **PALIGEMMA, **MINICPMV, **MINICPMV47}
+RECENT = {**KIMI, **MISTRAL3, **GEMMA3, **GEMMA4, **PALIGEMMA, **MINICPMV, **MINICPMV47, **ONEVISION}
 #: the multimodal model classes ``apply_dynamic_cp`` shards (text decoders work as they are)
 SUPPORTED: tuple[str, ...] = (
     tuple(_QWEN)
@@ -120,13 +124,10 @@ SUPPORTED: tuple[str, ...] = (
     + tuple(PALIGEMMA)
     + tuple(MINICPMV)
     + tuple(MINICPMV47)
+    + tuple(ONEVISION)
 )
 #: vision-language models ``apply_dynamic_cp`` refuses with the reason (their encoders may be balanced)
 NOT_SHARDED = {
-    "Glm4vMoeForConditionalGeneration": "transformers' GLM-4.5V language model runs packed rows into one "
-    "another under every attention, and a CP shard is a packed row",
-    "LlavaOnevisionForConditionalGeneration": "an image's rows come from packing all its tiles together "
-    "(anyres unpadding and newlines), so its tiles cannot be encoded where the rows are needed",
     "Molmo2ForConditionalGeneration": "all image tokens of a sequence form one bidirectional block (every image "
     "attends to every other), which neither a shard nor mmbalance_varlen carries",
 }
@@ -191,21 +192,64 @@ class _Qwen(VLMFamily):
 
 
 class _Glm(_Qwen):
-    """GLM-4.1V and GLM-4.6V: images through their Qwen-style ViT, M-RoPE positions from
-    ``get_rope_index`` (which reads ``mm_token_type_ids``). Their videos' placeholders are image
-    tokens (only ``mm_token_type_ids`` tells them apart), which the shard's placeholder streams do not
-    follow yet: a batch with videos is refused by name."""
+    """GLM-4.1V, GLM-4.5V and GLM-4.6V: images and video frames through their Qwen-style ViT, M-RoPE
+    positions from ``get_rope_index`` (which reads ``mm_token_type_ids``). A video's placeholders are
+    image tokens (the models fill every image token from either kind's rows, and only
+    ``mm_token_type_ids`` tells a video's apart: 2 there), so the shard carries one stream of image
+    tokens whose rows are the images' and the frames' in the order they meet them."""
 
     def streams(self, model):
         return [("image", int(model.config.image_token_id))]
 
+    def item_streams(self, adapter, meta):
+        return np.zeros(meta.shape[0], dtype=np.int64)
+
+    def _typed(self, batch, kinds, spans) -> list[np.ndarray]:
+        """Every sequence's placeholder kinds by ``mm_token_type_ids``: 1 image, 2 video."""
+        tt = batch.get("mm_token_type_ids")
+        if tt is None:
+            if batch.get("pixel_values_videos") is not None:
+                raise ValueError(
+                    f"batch['mm_token_type_ids'] is missing: {self.label}'s video placeholders are image tokens "
+                    "that only mm_token_type_ids (2 at a video's) tells apart; its processor gives it"
+                )
+            return kinds
+        tt = torch.as_tensor(tt).cpu().numpy()
+        out = []
+        for s, (kind, (r, a, z)) in enumerate(zip(kinds, spans)):
+            t = tt[r, a:z]
+            if not np.isin(t[kind == 1], (1, 2)).all():
+                raise ValueError(
+                    f"batch['mm_token_type_ids'] of sequence {s}: an image placeholder token is neither an image's "
+                    "(1) nor a video's (2)"
+                )
+            out.append(np.where(kind == 1, t, 0).astype(np.int64))
+        return out
+
+    def check_batch(self, model, batch, kinds, spans):
+        self._typed(batch, kinds, spans)
+
     def positions(self, model, batch, ids, kinds, spans):
-        if batch.get("pixel_values_videos") is not None:
-            raise ValueError(
-                f"batch['pixel_values_videos']: handle.shard does not split {self.label} videos (their placeholders "
-                "are image tokens that only mm_token_type_ids tells apart); train videos without dynamic CP"
-            )
-        return super().positions(model, batch, ids, kinds, spans)
+        return super().positions(model, batch, ids, self._typed(batch, kinds, spans), spans)
+
+    def item_order(self, model, batch, kinds, spans, items, rows):
+        video = items.meta[:, 0] == 1  # the adapter's "video" column
+        if not bool(video.any()):
+            return None
+        typed = self._typed(batch, kinds, spans)
+        placeholders = np.concatenate([t[t > 0] for t in typed] or [np.zeros(0, dtype=np.int64)])
+        start = np.zeros(len(items), dtype=np.int64)
+        for flag, kind, name in ((False, 1, "image"), (True, 2, "video")):
+            idx = np.flatnonzero(video == flag)
+            where = np.flatnonzero(placeholders == kind)
+            ends = np.cumsum(rows[idx])
+            if int(ends[-1] if idx.size else 0) != where.size:
+                raise ValueError(
+                    f"batch['mm_token_type_ids'] marks {where.size} {name} placeholder tokens but the {name}s give "
+                    f"{int(ends[-1] if idx.size else 0)} feature rows"
+                )
+            start[idx] = where[ends - rows[idx]] if idx.size else start[idx]
+        return np.argsort(start, kind="stable")
 
 
 class _Ernie(_Qwen):

@@ -87,13 +87,19 @@ class VLMFamily:
         marks = ~in_block if self.prefix_blocks else in_block
         return {"token_type_ids": marks.long().reshape(1, -1).to(input_ids.device)}
 
+    def item_order(self, model, batch: Mapping, kinds: list[np.ndarray], spans, items, rows: np.ndarray):
+        """The order in which an adapter's ``items`` (``rows`` placeholder rows each, as extracted)
+        meet their placeholders in the batch, where it differs from the extraction order (GLM's
+        videos share the image placeholders: :class:`~.families._Glm`); ``None``: as extracted."""
+        return None
+
     def token_keywords(self, model, input_ids: Tensor) -> dict[str, Tensor]:
         """Per-token keywords the model reads for a shard's tokens (``input_ids [1, T]``) besides
         its positions and blocks: Ernie-4.5-VL's experts by token kind; none by default."""
         return {}
 
-    def entry(self, rows: Tensor, deepstack=None):
-        """A stream's ``mm_encoder_outputs`` entry holding ``rows`` (and deepstack rows)."""
+    def entry(self, rows: Tensor, deepstack=None, stream: str = ""):
+        """The ``mm_encoder_outputs`` entry of ``stream`` holding ``rows`` (and deepstack rows)."""
         return pooled((rows,) if self.rows_in_tuple else rows, deepstack)
 
 
@@ -101,7 +107,8 @@ def entry_rows(entry) -> Tensor:
     """The feature rows ``[rows, hidden]`` of an ``mm_encoder_outputs`` entry made by
     :meth:`VLMFamily.entry`."""
     out = entry.pooler_output
-    return out[0] if isinstance(out, (tuple, list)) else out
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.flatten(0, -2) if out.dim() > 2 else out  # [videos, rows, hidden]: LLaVA-OneVision's videos
 
 
 def assign_media(sizes: np.ndarray, counts: np.ndarray, key: str, what: str) -> list[np.ndarray]:

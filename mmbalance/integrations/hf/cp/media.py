@@ -117,7 +117,7 @@ def resolve_media(model, kwargs: dict) -> dict:
             idx = index.to(received[0].device)
             feats = [t.index_select(0, idx).to(device) for t in received]
             deep = [(f,) for f in feats[1:]] if len(feats) > 1 else None
-            mm[name] = family.entry(feats[0], deep) if family is not None else pooled((feats[0],), deep)
+            mm[name] = family.entry(feats[0], deep, name) if family is not None else pooled((feats[0],), deep)
     ids = kwargs.get("input_ids")
     if ids is not None:
         check_feature_rows(ids, pending.streams, mm)

@@ -1,6 +1,7 @@
 """The vision-language families since Qwen3-VL that dynamic context parallelism shards, besides the
 Qwen-VL kind (GLM-4.xV) and the Omni thinkers (:mod:`.families`): Kimi-K2.5, Mistral 3, MiniCPM-V
-4.6 and 4.7, MiniCPM-OCR, Gemma 3, Gemma 4 and PaliGemma (each a :class:`~.family.VLMFamily`)."""
+4.6 and 4.7, MiniCPM-OCR, Gemma 3, Gemma 4, PaliGemma and LLaVA-OneVision (each a
+:class:`~.family.VLMFamily`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..encoders import core
+from ..compat import forward_adds_video_newline
+from ..encoders import core, pooled
+from ..encoders.models.common import as_int, image_attention_flops
 from .family import VLMFamily, assign_media, mrope_rows
 from .inputs import text_config
 
-__all__ = ["GEMMA3", "GEMMA4", "KIMI", "MINICPMV", "MINICPMV47", "MISTRAL3", "PALIGEMMA", "recent_family"]
+__all__ = ["GEMMA3", "GEMMA4", "KIMI", "MINICPMV", "MINICPMV47", "MISTRAL3", "ONEVISION", "PALIGEMMA", "recent_family"]
 
 KIMI = {"Kimi_K25ForConditionalGeneration": "Kimi-K2.5"}
 MISTRAL3 = {"Mistral3ForConditionalGeneration": "Mistral 3"}
@@ -28,6 +31,8 @@ MINICPMV = {
 }
 # and MiniCPM-V 4.7, whose M-RoPE positions lay every image out on a canvas (get_rope_index)
 MINICPMV47 = {"MiniCPMV4_7ForConditionalGeneration": "MiniCPM-V 4.7"}
+# anyres images (an image's tiles packed into its rows where it is encoded) and pooled video frames
+ONEVISION = {"LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision"}
 
 
 class _Kimi(VLMFamily):
@@ -56,6 +61,43 @@ class _Mistral3(VLMFamily):
 
     def item_streams(self, adapter, meta):
         return np.zeros(meta.shape[0], dtype=np.int64)
+
+
+class _LlavaOnevision(VLMFamily):
+    """LLaVA-OneVision: an image with its tiles (its rows packed, anyres and newlines, on the rank
+    that encodes it) and video frames (pooled, a video's newline row with its last frame), 1-D
+    positions. Before ``mm_encoder_outputs`` the forward appends each video's newline to the rows
+    it is given, which a shard holding part of a video cannot take: videos are refused there."""
+
+    label = "LLaVA-OneVision"
+    batch_keys = frozenset({"pixel_values", "image_sizes", "pixel_values_videos", "batch_num_images",
+                            "vision_feature_layer", "vision_feature_select_strategy", "vision_aspect_ratio"})  # fmt: skip
+
+    def streams(self, model):
+        cfg = model.config
+        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
+
+    def item_streams(self, adapter, meta):
+        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
+
+    def check_batch(self, model, batch, kinds, spans):
+        if batch.get("pixel_values_videos") is not None and forward_adds_video_newline(model):
+            import transformers
+
+            raise ValueError(
+                f"batch['pixel_values_videos']: transformers {transformers.__version__}'s LLaVA-OneVision forward "
+                "appends a newline row to each video's rows, which a shard holding part of a video cannot take; "
+                "handle.shard splits its videos from the release with mm_encoder_outputs (5.19 in the tested ones)"
+            )
+
+    def encoder_flops(self, model, adapter, meta, rows):
+        cfg = core(model).vision_tower.config
+        per_tile = image_attention_flops(cfg, np.array([(as_int(cfg.image_size) // as_int(cfg.patch_size)) ** 2]))
+        return meta[:, 1].astype(np.float64) * float(per_tile[0])
+
+    def entry(self, rows, deepstack=None, stream=""):
+        # its forward reads a video entry as [videos, rows, hidden] and flattens it
+        return pooled(rows[None] if stream == "video" else (rows,), deepstack)
 
 
 class _MiniCPMV(VLMFamily):
@@ -255,4 +297,6 @@ def recent_family(model, cls_name: str) -> VLMFamily | None:
         return _MiniCPMV(cls_name)
     if cls_name in MINICPMV47:
         return _MiniCPMV47(cls_name)
+    if cls_name in ONEVISION:
+        return _LlavaOnevision()
     return None

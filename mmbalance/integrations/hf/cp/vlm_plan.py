@@ -129,8 +129,11 @@ def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch:
             for a in (item_seq, item_stream, out_rows):
                 a.append(np.zeros(0, dtype=np.int64))
             continue
-        stream = family.item_streams(adapter, got.meta)
         rows_out = np.asarray(adapter.out_rows(model, got.meta, **opts), dtype=np.int64)
+        order = family.item_order(model, batch, kinds, seqs.spans, got, rows_out)
+        if order is not None:
+            got, rows_out = _reordered(got, order), rows_out[order]
+        stream = family.item_streams(adapter, got.meta)
         seq_of = np.full(len(got), -1, dtype=np.int64)
         for k in np.unique(stream).tolist():
             idx = np.flatnonzero(stream == k)
@@ -150,6 +153,16 @@ def read_batch(handle, family: VLMFamily, adapters: list[EncoderAdapter], batch:
                 f"{_media_key(family, name)}"
             )
     return LocalBatch(seqs, positions, kinds, items, item_seq, item_stream, out_rows, options, prefix)
+
+
+def _reordered(items: Items, order: np.ndarray) -> Items:
+    """``items`` in ``order`` (their payload rows moved with them)."""
+    ends = np.cumsum(items.rows)
+    starts = ends - items.rows
+    idx = np.concatenate([np.arange(starts[i], ends[i]) for i in order] or [np.zeros(0, dtype=np.int64)])
+    index = torch.from_numpy(idx.astype(np.int64))
+    payload = [t.index_select(0, index.to(t.device)) for t in items.payload]
+    return Items(payload, items.rows[order], items.meta[order], items.context)
 
 
 def _check_given_positions(given: Tensor, positions: Tensor | None, seqs: Sequences) -> None:

@@ -225,7 +225,7 @@ def _media(handle, family: VLMFamily, adapters, local: LocalBatch, step: Gathere
             for name, idx in index.items():
                 feats = [t.index_select(0, idx.to(t.device)).to(device) for t in received]
                 deep = [(f,) for f in feats[1:]] if len(feats) > 1 else None
-                res.mm[name] = family.entry(feats[0], deep)
+                res.mm[name] = family.entry(feats[0], deep, name)
         for st in np.unique(step.stream[k]).tolist():  # items whose rows reach more than one rank
             of = seg["stream"] == st
             pairs = np.unique(np.stack([seg["src"][of], seg["slot"][of], seg["dst"][of]], 1), axis=0)

@@ -10,8 +10,8 @@ thinker's ViT)                                   ``t`` frames)                  
 LLaVA (1.5)                            vision    an image (one tile)            one per tile
 LLaVA-NeXT                             vision    a tile (``image_sizes``:       one per tile
                                                  base tile + grid tiles)
-LLaVA-OneVision                        vision    a tile (as LLaVA-NeXT), a      one per tile
-                                                 video frame
+LLaVA-OneVision                        vision    an image with its tiles        one per tile
+                                                 (packed there), a video frame
 InternVL                               vision    a tile                         one per tile
 Idefics3, SmolVLM                      vision    a real tile (padding dropped)  one per tile
 Qwen2-Audio                            audio     a clip (always 30 s)           one per clip

@@ -1,5 +1,5 @@
 """LLaVA (1.5), LLaVA-NeXT and LLaVA-OneVision: fixed-resolution CLIP / SigLIP towers, one item per
-tile (and per video frame in LLaVA-OneVision).
+tile (LLaVA-OneVision: per image with its tiles, and per video frame).
 
 The tower's feature layer and selection strategy come from the forward's ``vision_feature_layer`` /
 ``vision_feature_select_strategy`` when given there, else from the config, as in the models
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ...compat import forward_adds_video_newline
-from ..adapter import packed_rows, register_adapter
+from ..adapter import Items, packed_rows, register_adapter
 from .common import TileAdapter, as_int, core, mm_outputs, pending_pixels, pooled, vision_feature_options
 
 __all__ = ["LlavaAdapter", "LlavaNextAdapter", "LlavaOnevisionAdapter"]
@@ -128,19 +128,90 @@ class LlavaNextAdapter(_ClipTiles):
 
 @register_adapter
 class LlavaOnevisionAdapter(_ClipTiles):
-    """LLaVA-OneVision: items are the real tiles of every image (the base tile and the grid tiles
-    ``image_sizes`` implies; one tile only for an image of a sample that holds several, as the
-    model does when ``batch_num_images`` says so) and every frame of every video. The tower,
-    feature selection and projector run per tile anywhere; the anyres packing and newline tokens
-    of an image, and a video's pooling and newline, run on the item's own rank."""
+    """LLaVA-OneVision: an item is an image with all its tiles (the base tile and the grid tiles
+    ``image_sizes`` implies; the base tile alone for an image of a sample that holds several, as the
+    model does when ``batch_num_images`` says so), or one frame of a video. The rank that encodes an
+    image runs the tower, feature selection and projector on its tiles and packs them as the model
+    does (anyres unpadding, the newline rows), so an item's rows are exactly its placeholders' rows,
+    wherever they are needed; a frame is pooled there, and a video's last frame carries the video's
+    newline row where ``get_video_features`` returns it (releases with ``mm_encoder_outputs``; before,
+    the forward appends it)."""
 
     model_classes = ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionModel")
+    # video: 1 for a frame; tiles: the item's tiles; h, w: an image's size (pixels); last: the last
+    # frame of its video
+    meta_columns = ("video", "tiles", "h", "w", "last")
 
     def _tokens_per_tile(self, model, vision_feature_select_strategy: str) -> int:
         cfg = self._tower(model).config
         side = as_int(cfg.image_size) // as_int(cfg.patch_size)
         cls = 1 if str(getattr(cfg, "model_type", "")).startswith("clip") else 0  # SigLIP has no CLS token
         return side * side + cls - (1 if vision_feature_select_strategy == "default" else 0)
+
+    def call_options(self, model, kwargs):
+        options = super().call_options(model, kwargs)
+        ratio = kwargs.get("vision_aspect_ratio") or getattr(model.config, "vision_aspect_ratio", None)
+        options["vision_aspect_ratio"] = str(ratio or "anyres_max_9")
+        return options
+
+    def dummy(self, model):
+        payload, _ = super().dummy(model)
+        side = as_int(self._tower(model).config.image_size)
+        return payload, np.array([[0, 1, side, side, 0]], dtype=np.int64)
+
+    def cost(self, model, meta, rows):
+        return meta[:, 1].astype(np.float64)  # every tile alike
+
+    def _image_rows(self, model, tiles: int, h: int, w: int, strategy: str, ratio: str) -> int:
+        key = (tiles, h, w, strategy, ratio)
+        cache = self.__dict__.setdefault("_rows", {})
+        if key not in cache:  # the model's own packing, on zeros of one channel
+            with torch.no_grad():
+                packed, _ = core(model).pack_image_features(
+                    [torch.zeros(tiles, self._tokens_per_tile(model, strategy), 1)],
+                    torch.tensor([[h, w]]),
+                    image_newline=torch.zeros(1),
+                    vision_aspect_ratio=ratio,
+                )
+            cache[key] = int(packed[0].shape[0])
+        return cache[key]
+
+    def _frame_rows(self, model, strategy: str) -> int:
+        with torch.no_grad():
+            return int(core(model).apply_pooling(torch.zeros(1, self._tokens_per_tile(model, strategy), 1)).shape[1])
+
+    def out_rows(self, model, meta, vision_feature_select_strategy=None, vision_aspect_ratio=None, **options):
+        strategy = vision_feature_select_strategy or model.config.vision_feature_select_strategy
+        ratio = vision_aspect_ratio or self.call_options(model, {})["vision_aspect_ratio"]
+        newline = not forward_adds_video_newline(model)
+        frame = self._frame_rows(model, strategy) if bool((meta[:, 0] == 1).any()) else 0
+        return np.array(
+            [frame + int(newline and last) if video else self._image_rows(model, tiles, h, w, strategy, ratio)
+             for video, tiles, h, w, last in meta.tolist()],
+            dtype=np.int64,
+        )  # fmt: skip
+
+    def encode(self, model, payload, meta, **options):
+        options = options or self.call_options(model, {})
+        ratio = options.pop("vision_aspect_ratio")
+        c = core(model)
+        feats = c.multi_modal_projector(self._selected(model, payload[0], **options))
+        out, at = [], 0
+        newline = not forward_adds_video_newline(model)
+        for video, tiles, h, w, last in meta.tolist():
+            own = feats[at : at + tiles]
+            at += tiles
+            if video:
+                rows = c.apply_pooling(own)[0]
+                if newline and last:
+                    rows = torch.cat([rows, c.image_newline[None].to(rows)])
+            else:
+                packed, _ = c.pack_image_features(
+                    [own], torch.tensor([[h, w]]), image_newline=c.image_newline, vision_aspect_ratio=ratio
+                )
+                rows = packed[0]
+            out.append(rows)
+        return [torch.cat(out)]
 
     def extract(self, model, kwargs):
         pix = pending_pixels(kwargs)
@@ -149,7 +220,7 @@ class LlavaOnevisionAdapter(_ClipTiles):
             videos = None
         if pix is None and videos is None:
             return None
-        parts, context = [], {"options": self.call_options(model, kwargs), "ntiles": [], "videos": None}
+        parts, meta, context = [], [], {"options": self.call_options(model, kwargs), "videos": None}
         if pix is not None:
             sizes = kwargs.get("image_sizes")
             if sizes is None:
@@ -162,8 +233,12 @@ class LlavaOnevisionAdapter(_ClipTiles):
             patching = (
                 [True] * len(sizes_list)
                 if counts is None
-                else [int(n) == 1 for n in counts for _ in range(int(n))]
+                else [int(n) == 1 for n in torch.as_tensor(counts).tolist() for _ in range(int(n))]
             )
+            if len(patching) != len(sizes_list):
+                raise ValueError(
+                    f"batch_num_images adds up to {len(patching)} images, image_sizes holds {len(sizes_list)}"
+                )
             ntiles = [
                 image_size_to_num_patches(image_size=s, grid_pinpoints=cfg.image_grid_pinpoints,
                                           patch_size=cfg.vision_config.image_size) if patch else 1
@@ -177,41 +252,32 @@ class LlavaOnevisionAdapter(_ClipTiles):
                 raise ValueError(
                     f"pixel_values of shape {tuple(pix.shape)} does not match image_sizes ({sum(ntiles)} tiles)"
                 )
-            context.update(ntiles=ntiles, image_sizes=sizes)
+            meta += [[0, n, int(h), int(w), 0] for n, (h, w) in zip(ntiles, sizes_list)]
         if videos is not None:
             if videos.dim() != 5:
                 raise ValueError(
                     f"pixel_values_videos must be [videos, frames, C, H, W], got {tuple(videos.shape)}"
                 )
-            context["videos"] = tuple(videos.shape[:2])
+            count, frames = int(videos.shape[0]), int(videos.shape[1])
+            context["videos"] = (count, frames)
             parts.append(videos.reshape(-1, *videos.shape[2:]))
+            meta += [[1, 1, 0, 0, int(f == frames - 1)] for _ in range(count) for f in range(frames)]
             kwargs["pixel_values_videos"] = None
-        items = self._tiles(model, kwargs, torch.cat(parts) if len(parts) > 1 else parts[0], context)
-        return items
+        items = self._tiles(model, kwargs, torch.cat(parts) if len(parts) > 1 else parts[0])
+        return Items(items.payload, np.array([m[1] for m in meta], dtype=np.int64), np.array(meta, dtype=np.int64),
+                     context)  # fmt: skip
 
     def restore(self, model, kwargs, items, outputs):
-        c = core(model)
-        options, context = items.context["options"], items.context
-        per_tile = self._tokens_per_tile(model, options["vision_feature_select_strategy"])
-        feats = outputs[0].reshape(len(items), per_tile, outputs[0].shape[-1])
-        n_image = sum(context["ntiles"])
+        context = items.context
+        rows = packed_rows(outputs[0], self.out_rows(model, items.meta, **context["options"]))
+        video = items.meta[:, 0] == 1
         mm = mm_outputs(kwargs)
-        if n_image:
-            # the forward calls get_image_features without vision_aspect_ratio: the config's
-            packed, _ = c.pack_image_features(
-                list(torch.split(feats[:n_image], context["ntiles"])),
-                context["image_sizes"],
-                image_newline=c.image_newline,
-                vision_aspect_ratio=getattr(model.config, "vision_aspect_ratio", None) or "anyres_max_9",
-            )
-            mm["image"] = pooled(packed)
+        images = [r for r, v in zip(rows, video) if not v]
+        if images:
+            mm["image"] = pooled(images)
         if context["videos"] is not None:
             count, frames = context["videos"]
-            pooled_frames = c.apply_pooling(feats[n_image:])
-            video = pooled_frames.reshape(count, frames * pooled_frames.shape[1], -1)
-            if not forward_adds_video_newline(model):
-                newline = c.image_newline[None, None, :].repeat(count, 1, 1).to(video.device)
-                video = torch.cat((video, newline), dim=1)
-            mm["video"] = pooled(video)
+            clips = [r for r, v in zip(rows, video) if v]
+            mm["video"] = pooled(torch.stack([torch.cat(clips[i * frames : (i + 1) * frames]) for i in range(count)]))
         kwargs["mm_encoder_outputs"] = mm
         return kwargs
