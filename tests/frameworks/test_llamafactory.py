@@ -9,7 +9,10 @@ micro-batches, full and LoRA:
   way (``--no-encoders --no-batches --token-mean-loss``: the loss over the step's global token count; LLaMA-Factory
   itself divides each micro-batch's mean), within 1e-5 of the change;
 * its ``trainer_state.json`` holds the ``mmbalance/*`` keys, and they show balancing acting;
-* ``disable_shuffling: true`` is refused on both ranks before the first step, by name.
+* ``disable_shuffling: true`` is refused on both ranks before the first step, by name;
+* a tiny Qwen3.5 (a Gated DeltaNet layer beside full attention, LLaMA-Factory's ``qwen3_5``
+  template) launched balanced, and with context parallelism (its longest sequences split, the
+  layer's state handed across the cut), ends at the plain run's weights.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ def _train(setup, name: str, tuning: str, launch: list[str] | None, extra: str =
         at = [i for i, ln in enumerate(lines) if ln.startswith(key)]
         lines[at[0] if at else len(lines) :] = [line] + (lines[at[0] + 1 :] if at else [])
         text = "\n".join(lines) + "\n"
+    if "qwen3_5" in str(model):  # Qwen3.5: its own template (Qwen3-VL's image plugin)
+        text = text.replace("template: qwen2_vl", "template: qwen3_5")
     if "text_model" in str(model):  # the language model alone: Qwen2's template, no images
         text = text.replace("template: qwen2_vl", "template: qwen").replace("image_max_pixels: 3136\n", "")
         text = text.replace("image_min_pixels: 784\n", "")
@@ -203,3 +208,39 @@ def test_context_parallel_sft_of_qwen2_vl_ends_at_the_plain_runs_weights(setup):
     runs.record("llamafactory context parallel", gap, keys)
     assert max(keys["mmbalance/cp/max_degree"]) >= 2, keys  # a sequence was split
     assert max(keys["mmbalance/cp/largest_shard"]) <= CP_BUDGET, keys
+
+
+# ------------------------------------------------------------------ Qwen3.5: Gated DeltaNet layers
+@pytest.fixture(scope="module")
+def qwen3_5_setup(setup):
+    """A tiny Qwen3.5 (``tiny_qwen3_5.py``) in the same environment, on the same dataset."""
+    env_dir, where, _, data = setup
+    model = where / "qwen3_5_model"
+    done = runs.run([str(env_dir / "bin" / "python"), str(runs.HERE / "tiny_qwen3_5.py"), str(model)],
+                    runs.environment(env_dir), where, where / "tiny_qwen3_5.log")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return env_dir, where, model, data
+
+
+def test_qwen3_5_balanced_and_context_parallel_end_at_the_plain_runs_weights(qwen3_5_setup):
+    """Qwen3.5 opts out of the step's token count (``accepts_loss_kwargs = False``): the launch
+    hands it the loss keywords. Balanced (encoders and batches), and with ``--context-parallel``
+    (sequences over the budget split over groups of 2, each Gated DeltaNet layer's conv window and
+    state handed from one shard to the next), both end at the plain run's weights (1e-5 of the
+    change)."""
+    _, _, model, _ = qwen3_5_setup
+    plain, plain_out = _train(qwen3_5_setup, "q35_plain", "full",
+                              ["--no-encoders", "--no-batches", "--token-mean-loss"], CP_BATCHES)  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    for name, flags in (("balanced", []), ("cp", ["--context-parallel", "--max-tokens-per-rank", str(CP_BUDGET)])):
+        done, out = _train(qwen3_5_setup, f"q35_{name}", "full", flags, CP_BATCHES)
+        assert done.returncode == 0, done.stderr[-4000:]
+        gap = runs.tuned_weights_gap(plain_out, out, model, "full")
+        assert gap <= 1e-5, f"Qwen3.5 {name}: weights {gap:.2e} of the change away from the plain run's"
+        keys = runs.balance_keys(runs.log_rows(out / "trainer_state.json"))
+        runs.record(f"llamafactory qwen3.5 {name}", gap, keys)
+        if name == "cp":
+            assert max(keys["mmbalance/cp/max_degree"]) >= 2, keys  # a sequence was split
+            assert max(keys["mmbalance/cp/largest_shard"]) <= CP_BUDGET, keys
+        else:
+            assert max(keys["mmbalance/vision/moved"]) > 0 or runs.balanced_batches(keys), keys

@@ -221,7 +221,7 @@ def build(name: str, seed: int = 0):
             pytest.skip(f"transformers {tf.__version__} has no Qwen3.5")
         vision = {k: v for k, v in qwen3_vision.items() if k != "deepstack_visual_indexes"}
         text = _text(num_hidden_layers=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
-                     linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                      linear_value_head_dim=8, rope_parameters=_qwen_rope([4, 2, 2], mrope_interleaved=True))  # fmt: skip
         if name == "qwen3_5":
             cfg = tf.Qwen3_5Config(text_config=text, vision_config=vision, **ids)

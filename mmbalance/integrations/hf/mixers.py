@@ -227,6 +227,10 @@ def keep_sequences_apart(model) -> SequencesApart | None:
       rows for the rotary embedding, and the 2-D positions as the text row its mask and the
       attention read. Positions that do not restart, and 3-D ones, reach it unchanged.
 
+    Packing is read from positions only when the forward has no ``attention_mask``, as transformers
+    and the backend read it: with a mask (a padded batch, LLaMA-Factory's collator, whose M-RoPE
+    text row repeats a position over an image's tokens) the row is what the mask says.
+
     Returns the handle (``remove()``), the same one when called again, or ``None`` when the model
     has neither."""
     decoder = _language_model(model)
@@ -304,7 +308,7 @@ def _restarts(pos: torch.Tensor) -> bool:
 
 def _with_text_row(module, args, kwargs):
     """Packed rows for an M-RoPE text model: 2-D ``position_ids`` that restart inside a row (and no
-    padding mask) reach it as ``[4, B, L]`` (the text row, then the three rotary rows the model
+    attention mask) reach it as ``[4, B, L]`` (the text row, then the three rotary rows the model
     would have made of them), and with ``use_cache=False``: transformers builds the packed mask
     from the text row only when it has no cache (a training step needs none), and every attention
     then keeps the sequences apart. A cache given with a packed row is refused by name for the
@@ -312,9 +316,10 @@ def _with_text_row(module, args, kwargs):
     pos = kwargs.get("position_ids")
     if pos is None or not torch.is_tensor(pos) or pos.dim() not in (2, 3):
         return None
-    mask = kwargs.get("attention_mask")
-    if torch.is_tensor(mask) and not (mask.dim() == 2 and bool(mask.all())):
-        return None  # padded rows: the model's mask keeps them apart
+    if kwargs.get("attention_mask") is not None:
+        # with an attention mask (padded rows, or all ones) transformers and the backend read no
+        # packing from the positions: the row is what the mask says
+        return None
     text = pos if pos.dim() == 2 else (pos[0] if pos.shape[0] == 4 else None)
     if text is None or not _restarts(text):
         return None  # one sequence a row (or rotary rows alone, which carry no packing)
@@ -353,7 +358,11 @@ def _boundaries(input_ids, kwargs) -> tuple | None:
         rows = None
     else:
         pos = kwargs.get("position_ids")
-        if pos is None:
+        if pos is None or kwargs.get("attention_mask") is not None:
+            # transformers (and the attention backend) read packing from positions only when the
+            # forward has no attention mask: with one (a padded batch, LLaMA-Factory's), the row's
+            # positions are not sequence starts (its M-RoPE text row repeats a position over an
+            # image's tokens), and a mixer cut there would part what the attention keeps together
             return None
         if pos.dim() == 3:  # M-RoPE rows: the text row (Qwen3.5's [4, B, L]) or the temporal row
             pos = pos[0]
