@@ -19,13 +19,6 @@ TOL: dict[torch.dtype, tuple[float, float]] = {
 
 LOWP_FACTOR = 2.0
 
-# A Gated DeltaNet's decay parameters (one number a head) take the sum over every token of the
-# decay's gradient, which cancels; transformers' rule runs in float32 whatever the model's dtype, so
-# the sum rounds differently wherever a sequence is cut or packed (the per-token decay gradients
-# agree to about 1e-6, these sums to about 1.4e-5): their gradients' relative tolerance
-DECAY_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias")
-DECAY_RTOL = 5e-5
-
 
 def tol(dtype: torch.dtype, reduction: int = 1) -> dict[str, float]:
     """``atol``/``rtol`` for ``dtype``; atol grows with the square root of the reduction length."""

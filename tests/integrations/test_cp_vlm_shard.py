@@ -16,7 +16,6 @@ pytest.importorskip("transformers", minversion="5.6")
 from mmbalance.integrations.hf import apply_dynamic_cp  # noqa: E402
 from mmbalance.integrations.hf.encoders import core  # noqa: E402
 from tests.integrations import hf_zoo  # noqa: E402
-from tests.tolerances import DECAY_PARAMS, DECAY_RTOL  # noqa: E402
 
 SPECS = {
     "qwen2_vl": [[(4, 4)], [], [("video", 2, 4, 4), (4, 8)]],
@@ -61,15 +60,9 @@ def _grads(model) -> dict:
 def _worst(got: dict, want: dict) -> tuple[float, str]:
     """Largest relative difference over the tensors, against 1e-5; gradients that are zero up to
     rounding (key biases: softmax ignores them) are compared against 1e-5 of the largest gradient
-    norm, a Gated DeltaNet's decay parameters against their own tolerance (tests/tolerances.py), scaled
-    to 1e-5."""
+    norm."""
     floor = 1e-5 * max(float(g.norm()) for g in want.values())
-
-    def err(n: str, g) -> float:
-        e = float((got[n] - g).norm()) / max(float(g.norm()), floor)
-        return e * 1e-5 / DECAY_RTOL if n.endswith(DECAY_PARAMS) else e
-
-    return max((err(n, g), n) for n, g in want.items())
+    return max((float((got[n] - g).norm()) / max(float(g.norm()), floor), n) for n, g in want.items())
 
 
 def _matches_each_example_alone(model, inputs: dict, ref, rows: list[dict]) -> None:
