@@ -232,7 +232,10 @@ def test_qwen3_5_balanced_and_context_parallel_end_at_the_plain_runs_weights(qwe
     plain, plain_out = _train(qwen3_5_setup, "q35_plain", "full",
                               ["--no-encoders", "--no-batches", "--token-mean-loss"], CP_BATCHES)  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-4000:]
-    for name, flags in (("balanced", []), ("cp", ["--context-parallel", "--max-tokens-per-rank", str(CP_BUDGET)])):
+    for name, flags in (
+        ("balanced", []),
+        ("cp", ["--context-parallel", "--max-tokens-per-rank", str(CP_BUDGET)]),
+    ):
         done, out = _train(qwen3_5_setup, f"q35_{name}", "full", flags, CP_BATCHES)
         assert done.returncode == 0, done.stderr[-4000:]
         gap = runs.tuned_weights_gap(plain_out, out, model, "full")

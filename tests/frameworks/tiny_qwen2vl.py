@@ -109,6 +109,28 @@ def build_tokenizer(
     return fast
 
 
+def save_tokenizer(tokenizer, out_dir: str):
+    """Save ``tokenizer`` to ``out_dir`` loadable as a Qwen2 tokenizer, and return it reloaded so.
+
+    Processors check the class (Qwen2VLProcessor wants Qwen2Tokenizer/Qwen2TokenizerFast);
+    "Qwen2TokenizerFast" loads from tokenizer.json alone. transformers 5.x writes
+    "extra_special_tokens" as a list, which 4.x can't read, so the list goes under the old key."""
+    tokenizer.save_pretrained(out_dir)
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        tcfg = json.load(f)
+    tcfg["tokenizer_class"] = "Qwen2TokenizerFast"
+    tcfg.pop("backend", None)
+    extra = tcfg.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        tcfg["additional_special_tokens"] = extra
+    with open(cfg_path, "w") as f:
+        json.dump(tcfg, f, indent=1)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(out_dir)
+
+
 def build_image_processor():
     kw = dict(
         min_pixels=28 * 28,  # 28x28 image -> grid (1, 2, 2) -> 1 merged image token
@@ -194,24 +216,7 @@ def main():
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(args.out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(args.out_dir)
-    # Make tokenizer_config.json loadable as a Qwen2 tokenizer: processors check the class
-    # (Qwen2VLProcessor wants Qwen2Tokenizer/Qwen2TokenizerFast); "Qwen2TokenizerFast" loads
-    # from tokenizer.json alone. transformers 5.x writes "extra_special_tokens" as a list,
-    # which 4.x can't read, so store the list under the old key.
-    cfg_path = os.path.join(args.out_dir, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        tcfg = json.load(f)
-    tcfg["tokenizer_class"] = "Qwen2TokenizerFast"
-    tcfg.pop("backend", None)
-    extra = tcfg.pop("extra_special_tokens", None)
-    if isinstance(extra, list):
-        tcfg["additional_special_tokens"] = extra
-    with open(cfg_path, "w") as f:
-        json.dump(tcfg, f, indent=1)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.out_dir)  # reload as the Qwen2 class
+    tokenizer = save_tokenizer(tokenizer, args.out_dir)
     assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == ids["<|image_pad|>"]
 
     if args.text:

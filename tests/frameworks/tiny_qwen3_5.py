@@ -16,8 +16,7 @@ import json
 import os
 
 import torch
-
-from tiny_qwen2vl import CHAT_TEMPLATE, QWEN_VOCAB, SPECIAL_TOKENS, build_tokenizer
+from tiny_qwen2vl import CHAT_TEMPLATE, QWEN_VOCAB, SPECIAL_TOKENS, build_tokenizer, save_tokenizer
 
 
 def build_model(ids: dict):
@@ -62,22 +61,13 @@ def main():
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(args.out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(args.out_dir)
-    cfg_path = os.path.join(args.out_dir, "tokenizer_config.json")  # loadable as a Qwen2 tokenizer
-    with open(cfg_path) as f:
-        tcfg = json.load(f)
-    tcfg["tokenizer_class"] = "Qwen2TokenizerFast"
-    tcfg.pop("backend", None)
-    extra = tcfg.pop("extra_special_tokens", None)
-    if isinstance(extra, list):
-        tcfg["additional_special_tokens"] = extra
-    with open(cfg_path, "w") as f:
-        json.dump(tcfg, f, indent=1)
-    from transformers import AutoTokenizer, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    tokenizer = save_tokenizer(tokenizer, args.out_dir)
+    from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    tokenizer = AutoTokenizer.from_pretrained(args.out_dir)
     try:  # the PIL backend (transformers 5.x), else the default class
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as Images
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as Images,
+        )
     except ImportError:
         from transformers import Qwen2VLImageProcessor as Images
     pixels = dict(patch_size=16, temporal_patch_size=2, merge_size=2)

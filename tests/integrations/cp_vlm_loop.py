@@ -140,7 +140,9 @@ PAIR["minicpm_ocr"] = [
     [[(8, 4), [(8, 8), (4, 8), (4, 8)], ("video", 2, 4, 8), (4, 8)]],
     [[(4, 4)], ("text", 3)],
 ]
-if not hf_zoo_onevision_videos_shard():  # before mm_encoder_outputs its videos are refused (test_dynamic_cp_vlm.py)
+if (
+    not hf_zoo_onevision_videos_shard()
+):  # before mm_encoder_outputs its videos are refused (test_dynamic_cp_vlm.py)
     PAIR["llava_onevision"] = [[[(16, 32), (8, 8)]], [("text", 3)]]
 if not hf_zoo_kimi_videos_run():  # transformers' own video path of Kimi-K2.5 fails before 5.24
     PAIR["kimi_k25"] = [[[(8, 8), (8, 8), (8, 8), (8, 8)]], [[(4, 4)], ("text", 3)]]

@@ -84,7 +84,9 @@ def onevision_rows(model, batch: dict) -> int:
 
     sizes = batch["image_sizes"].tolist() if "image_sizes" in batch else []
     rows = sum(image_size_to_num_patches(s, model.config.image_grid_pinpoints, S) for s in sizes)
-    return rows + (int(batch["pixel_values_videos"].shape[:2].numel()) if "pixel_values_videos" in batch else 0)
+    return rows + (
+        int(batch["pixel_values_videos"].shape[:2].numel()) if "pixel_values_videos" in batch else 0
+    )
 
 
 @functools.cache
@@ -576,7 +578,9 @@ def collate(batches: list[dict], left=False) -> dict:
             ]
         if parts and key == "pixel_values" and parts[0].dim() == 5:  # anyres tiles: padded to the most
             most = max(int(p.shape[1]) for p in parts)
-            parts = [torch.cat([p, p.new_zeros(p.shape[0], most - p.shape[1], *p.shape[2:])], 1) for p in parts]
+            parts = [
+                torch.cat([p, p.new_zeros(p.shape[0], most - p.shape[1], *p.shape[2:])], 1) for p in parts
+            ]
         if parts:
             out[key] = torch.cat(parts)
     if navit:  # MiniCPM-V: every slice in one row

@@ -42,8 +42,11 @@ SPECS = {
     "minicpm_ocr": [[(4, 4), [(8, 8), (4, 8)]], [], [("video", 2, 4, 8), (8, 4)]],
     # anyres images at their own sizes (each packed with its tiles where it is encoded), a video's frames
     # where its forward takes the video's newline row with the rows (5.19 on; before, refused: below)
-    "llava_onevision": [[(20, 40), ("video", 2)] if hf_zoo.onevision_videos_shard() else [(20, 40)], [],
-                        [(16, 16), (30, 30)]],  # fmt: skip
+    "llava_onevision": [
+        [(20, 40), ("video", 2)] if hf_zoo.onevision_videos_shard() else [(20, 40)],
+        [],
+        [(16, 16), (30, 30)],
+    ],  # fmt: skip
     # a video's frames merged two by two, vision tokens with experts of their own
     "ernie4_5_vl_moe": [[(4, 4)], [("video", 4, 4, 4), (8, 4)], []],
 }

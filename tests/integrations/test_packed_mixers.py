@@ -155,7 +155,9 @@ def test_an_attention_mask_makes_the_row_one_sequence_as_transformers_reads_it(p
     pad = 5 if padded else 0
     ids = torch.cat([batch["input_ids"], torch.zeros(1, pad, dtype=torch.long)], 1)
     mask = torch.cat([torch.ones(1, n, dtype=torch.long), torch.zeros(1, pad, dtype=torch.long)], 1)
-    types = torch.cat([batch["mm_token_type_ids"], torch.zeros(1, pad, dtype=batch["mm_token_type_ids"].dtype)], 1)
+    types = torch.cat(
+        [batch["mm_token_type_ids"], torch.zeros(1, pad, dtype=batch["mm_token_type_ids"].dtype)], 1
+    )
     rope, _ = core(ref).get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=batch["image_grid_thw"],
                                        attention_mask=mask)  # fmt: skip
     pos = torch.cat([rope[:1], rope])  # the text row as the collator writes it: the temporal row

@@ -58,7 +58,12 @@ def _ernie_vl_text():
     return transformers.Ernie4_5_VLMoeTextModel(cfg)
 
 
-FAMILIES = {"qwen2_vl": _qwen2_vl, "glm4v": _glm4v, "glm4v_moe": _glm4v_moe, "ernie4_5_vl_moe": _ernie_vl_text}
+FAMILIES = {
+    "qwen2_vl": _qwen2_vl,
+    "glm4v": _glm4v,
+    "glm4v_moe": _glm4v_moe,
+    "ernie4_5_vl_moe": _ernie_vl_text,
+}
 LENGTHS = [7, 1, 5]
 
 
@@ -124,9 +129,15 @@ def test_a_cache_given_with_a_packed_row_is_refused_where_the_layers_cannot_see_
     row = torch.randint(5, 80, (1, 12))
     pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
     for given in (pos, torch.cat([pos[None]] * 4)):
-        with pytest.raises(ValueError, match=r"packed rows .* with a cache in Glm4vMoeTextModel: .*use_cache=False"):
+        with pytest.raises(
+            ValueError, match=r"packed rows .* with a cache in Glm4vMoeTextModel: .*use_cache=False"
+        ):
             model(input_ids=row, position_ids=given, **{key: transformers.DynamicCache(config=model.config)})
-    assert model(input_ids=row, **{key: transformers.DynamicCache(config=model.config)}).logits.shape == (1, 12, 96)
+    assert model(input_ids=row, **{key: transformers.DynamicCache(config=model.config)}).logits.shape == (
+        1,
+        12,
+        96,
+    )
     mask = torch.ones(1, 12, dtype=torch.long)
     mask[0, :3] = 0
     assert torch.isfinite(model(input_ids=row, attention_mask=mask, use_cache=True).logits).all()

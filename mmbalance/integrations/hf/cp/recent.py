@@ -12,12 +12,21 @@ import torch
 from torch import Tensor
 
 from ..compat import forward_adds_video_newline
-from ..encoders import core, pooled
-from ..encoders.models.common import as_int, image_attention_flops
+from ..encoders import as_int, core, image_attention_flops, pooled
 from .family import VLMFamily, assign_media, mrope_rows
 from .inputs import text_config
 
-__all__ = ["GEMMA3", "GEMMA4", "KIMI", "MINICPMV", "MINICPMV47", "MISTRAL3", "ONEVISION", "PALIGEMMA", "recent_family"]
+__all__ = [
+    "GEMMA3",
+    "GEMMA4",
+    "KIMI",
+    "MINICPMV",
+    "MINICPMV47",
+    "MISTRAL3",
+    "ONEVISION",
+    "PALIGEMMA",
+    "recent_family",
+]
 
 KIMI = {"Kimi_K25ForConditionalGeneration": "Kimi-K2.5"}
 MISTRAL3 = {"Mistral3ForConditionalGeneration": "Mistral 3"}
@@ -35,12 +44,9 @@ MINICPMV47 = {"MiniCPMV4_7ForConditionalGeneration": "MiniCPM-V 4.7"}
 ONEVISION = {"LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision"}
 
 
-class _Kimi(VLMFamily):
-    """Kimi-K2.5: images and video clips (a clip's frames pooled into one frame's rows) through its
-    ViT; 1-D positions (its DeepSeek-V3 language model has no M-RoPE)."""
-
-    label = "Kimi-K2.5"
-    batch_keys = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"})
+class _ImagesAndVideos(VLMFamily):
+    """Images and videos at placeholder tokens of their own; an item's stream is the adapter's
+    first metadata column (1 for a video's)."""
 
     def streams(self, model):
         cfg = model.config
@@ -48,6 +54,14 @@ class _Kimi(VLMFamily):
 
     def item_streams(self, adapter, meta):
         return meta[:, 0].astype(np.int64)  # the adapter's "video" column
+
+
+class _Kimi(_ImagesAndVideos):
+    """Kimi-K2.5: images and video clips (a clip's frames pooled into one frame's rows) through its
+    ViT; 1-D positions (its DeepSeek-V3 language model has no M-RoPE)."""
+
+    label = "Kimi-K2.5"
+    batch_keys = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"})
 
 
 class _Mistral3(VLMFamily):
@@ -63,7 +77,7 @@ class _Mistral3(VLMFamily):
         return np.zeros(meta.shape[0], dtype=np.int64)
 
 
-class _LlavaOnevision(VLMFamily):
+class _LlavaOnevision(_ImagesAndVideos):
     """LLaVA-OneVision: an image with its tiles (its rows packed, anyres and newlines, on the rank
     that encodes it) and video frames (pooled, a video's newline row with its last frame), 1-D
     positions. Before ``mm_encoder_outputs`` the forward appends each video's newline to the rows
@@ -73,26 +87,20 @@ class _LlavaOnevision(VLMFamily):
     batch_keys = frozenset({"pixel_values", "image_sizes", "pixel_values_videos", "batch_num_images",
                             "vision_feature_layer", "vision_feature_select_strategy", "vision_aspect_ratio"})  # fmt: skip
 
-    def streams(self, model):
-        cfg = model.config
-        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
-
-    def item_streams(self, adapter, meta):
-        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
-
     def check_batch(self, model, batch, kinds, spans):
         if batch.get("pixel_values_videos") is not None and forward_adds_video_newline(model):
-            import transformers
-
             raise ValueError(
-                f"batch['pixel_values_videos']: transformers {transformers.__version__}'s LLaVA-OneVision forward "
-                "appends a newline row to each video's rows, which a shard holding part of a video cannot take; "
+                "batch['pixel_values_videos']: the installed transformers' LLaVA-OneVision forward (before "
+                "mm_encoder_outputs) appends a newline row to each video's rows, which a shard holding part of a "
+                "video cannot take; "
                 "handle.shard splits its videos from the release with mm_encoder_outputs (5.19 in the tested ones)"
             )
 
     def encoder_flops(self, model, adapter, meta, rows):
         cfg = core(model).vision_tower.config
-        per_tile = image_attention_flops(cfg, np.array([(as_int(cfg.image_size) // as_int(cfg.patch_size)) ** 2]))
+        per_tile = image_attention_flops(
+            cfg, np.array([(as_int(cfg.image_size) // as_int(cfg.patch_size)) ** 2])
+        )
         return meta[:, 1].astype(np.float64) * float(per_tile[0])
 
     def entry(self, rows, deepstack=None, stream=""):
@@ -100,7 +108,7 @@ class _LlavaOnevision(VLMFamily):
         return pooled(rows[None] if stream == "video" else (rows,), deepstack)
 
 
-class _MiniCPMV(VLMFamily):
+class _MiniCPMV(_ImagesAndVideos):
     """MiniCPM-V 4.6 and MiniCPM-OCR: every slice of an image or a video frame through their NaViT
     tower (``target_sizes``), 1-D positions (their Qwen3.5 language model repeats them on its M-RoPE
     rows)."""
@@ -110,13 +118,6 @@ class _MiniCPMV(VLMFamily):
 
     def __init__(self, cls_name: str):
         self.label = {**MINICPMV, **MINICPMV47}[cls_name]
-
-    def streams(self, model):
-        cfg = model.config
-        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
-
-    def item_streams(self, adapter, meta):
-        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
 
 
 class _MiniCPMV47(_MiniCPMV):
@@ -195,7 +196,7 @@ class _Gemma3(VLMFamily):
                 )
 
 
-class _Gemma4(VLMFamily):
+class _Gemma4(_ImagesAndVideos):
     """Gemma 4: images and video frames at their own sizes through its ViT, 1-D positions; where
     its text config says ``use_bidirectional_attention="vision"`` each run of vision tokens is a
     bidirectional block in its sliding layers (``mm_token_type_ids``: 1 image, 2 video)."""
@@ -207,13 +208,6 @@ class _Gemma4(VLMFamily):
     def __init__(self, model):
         bidirectional = getattr(text_config(model), "use_bidirectional_attention", None) == "vision"
         self.block_streams = frozenset({"image", "video"}) if bidirectional else frozenset()
-
-    def streams(self, model):
-        cfg = model.config
-        return [("image", int(cfg.image_token_id)), ("video", int(cfg.video_token_id))]
-
-    def item_streams(self, adapter, meta):
-        return meta[:, 0].astype(np.int64)  # the adapter's "video" column
 
     def check_batch(self, model, batch, kinds, spans):
         tt = batch.get("mm_token_type_ids")

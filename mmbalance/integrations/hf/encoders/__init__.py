@@ -11,7 +11,7 @@ the model's forward).
 from .adapter import EncoderAdapter, Items, adapters_for, flops_linear, register_adapter, registered_adapters
 from .balance import EncoderBalanceHandle, apply_encoder_balance, encoder_balance_of
 from .link import ZeroLink
-from .models.common import as_int, audio_out_len, core, embed_rows, pooled
+from .models.common import as_int, audio_out_len, core, embed_rows, image_attention_flops, pooled
 from .plan import encoder_plan
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "encoder_balance_of",
     "encoder_plan",
     "flops_linear",
+    "image_attention_flops",
     "pooled",
     "register_adapter",
     "registered_adapters",

@@ -78,7 +78,7 @@ class TileAdapter(EncoderAdapter):
     all of equal cost."""
 
     encoder = "vision"
-    meta_columns = ("tile",)
+    meta_columns: tuple[str, ...] = ("tile",)
 
     def _tower(self, model):
         return core(model).vision_tower

@@ -8,6 +8,8 @@ themselves; every rank must pass the same ones (items of all ranks are encoded t
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -140,7 +142,7 @@ class LlavaOnevisionAdapter(_ClipTiles):
     model_classes = ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionModel")
     # video: 1 for a frame; tiles: the item's tiles; h, w: an image's size (pixels); last: the last
     # frame of its video
-    meta_columns = ("video", "tiles", "h", "w", "last")
+    meta_columns: tuple[str, ...] = ("video", "tiles", "h", "w", "last")
 
     def _tokens_per_tile(self, model, vision_feature_select_strategy: str) -> int:
         cfg = self._tower(model).config
@@ -166,8 +168,9 @@ class LlavaOnevisionAdapter(_ClipTiles):
         key = (tiles, h, w, strategy, ratio)
         cache = self.__dict__.setdefault("_rows", {})
         if key not in cache:  # the model's own packing, on zeros of one channel
+            owner: Any = core(model)
             with torch.no_grad():
-                packed, _ = core(model).pack_image_features(
+                packed, _ = owner.pack_image_features(
                     [torch.zeros(tiles, self._tokens_per_tile(model, strategy), 1)],
                     torch.tensor([[h, w]]),
                     image_newline=torch.zeros(1),
@@ -177,8 +180,11 @@ class LlavaOnevisionAdapter(_ClipTiles):
         return cache[key]
 
     def _frame_rows(self, model, strategy: str) -> int:
+        owner: Any = core(model)
         with torch.no_grad():
-            return int(core(model).apply_pooling(torch.zeros(1, self._tokens_per_tile(model, strategy), 1)).shape[1])
+            return int(
+                owner.apply_pooling(torch.zeros(1, self._tokens_per_tile(model, strategy), 1)).shape[1]
+            )
 
     def out_rows(self, model, meta, vision_feature_select_strategy=None, vision_aspect_ratio=None, **options):
         strategy = vision_feature_select_strategy or model.config.vision_feature_select_strategy
@@ -278,6 +284,8 @@ class LlavaOnevisionAdapter(_ClipTiles):
         if context["videos"] is not None:
             count, frames = context["videos"]
             clips = [r for r, v in zip(rows, video) if v]
-            mm["video"] = pooled(torch.stack([torch.cat(clips[i * frames : (i + 1) * frames]) for i in range(count)]))
+            mm["video"] = pooled(
+                torch.stack([torch.cat(clips[i * frames : (i + 1) * frames]) for i in range(count)])
+            )
         kwargs["mm_encoder_outputs"] = mm
         return kwargs
