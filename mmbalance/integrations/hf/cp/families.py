@@ -100,7 +100,7 @@ _QWEN = {
 _LLAVA = {"LlavaForConditionalGeneration": "LLaVA"}
 _OMNI = {"Qwen2_5OmniThinkerForConditionalGeneration": "Qwen2.5-Omni thinker"}
 _OMNI3 = {"Qwen3OmniMoeThinkerForConditionalGeneration": "Qwen3-Omni-MoE thinker"}
-# GLM-4.1V, GLM-4.5V (its mixture-of-experts language model) and GLM-4.6V: images
+# GLM-4.1V, GLM-4.5V (its mixture-of-experts language model) and GLM-4.6V: images and videos
 _GLM = {
     "Glm4vForConditionalGeneration": "GLM-4.1V",
     "Glm4vMoeForConditionalGeneration": "GLM-4.5V",
