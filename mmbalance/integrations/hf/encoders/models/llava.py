@@ -165,19 +165,16 @@ class LlavaOnevisionAdapter(_ClipTiles):
         return meta[:, 1].astype(np.float64)  # every tile alike
 
     def _image_rows(self, model, tiles: int, h: int, w: int, strategy: str, ratio: str) -> int:
-        key = (tiles, h, w, strategy, ratio)
-        cache = self.__dict__.setdefault("_rows", {})
-        if key not in cache:  # the model's own packing, on zeros of one channel
-            owner: Any = core(model)
-            with torch.no_grad():
-                packed, _ = owner.pack_image_features(
-                    [torch.zeros(tiles, self._tokens_per_tile(model, strategy), 1)],
-                    torch.tensor([[h, w]]),
-                    image_newline=torch.zeros(1),
-                    vision_aspect_ratio=ratio,
-                )
-            cache[key] = int(packed[0].shape[0])
-        return cache[key]
+        """An image's rows: the model's own packing, run on zeros of one channel."""
+        owner: Any = core(model)
+        with torch.no_grad():
+            packed, _ = owner.pack_image_features(
+                [torch.zeros(tiles, self._tokens_per_tile(model, strategy), 1)],
+                torch.tensor([[h, w]]),
+                image_newline=torch.zeros(1),
+                vision_aspect_ratio=ratio,
+            )
+        return int(packed[0].shape[0])
 
     def _frame_rows(self, model, strategy: str) -> int:
         owner: Any = core(model)
