@@ -170,3 +170,97 @@ def test_an_attention_mask_makes_the_row_one_sequence_as_transformers_reads_it(p
     got.backward()
     want.backward()
     _grads_close(ours, ref)
+
+
+def test_rotary_rows_alone_make_the_row_one_sequence_as_transformers_reads_them():
+    """Qwen3.5's forward with an image and neither ``attention_mask`` nor ``position_ids`` hands
+    its text model the three rotary rows it computed (``[3, B, L]``, no text row): transformers
+    reads no packing from them (its mask and attention see one sequence), so the Gated DeltaNet
+    layers must not cut the row where the temporal row repeats a position over an image's
+    tokens. Under ``keep_sequences_apart`` the step equals the stock model's (``sdpa``; under
+    ``mmbalance_varlen`` such a hybrid forward is refused by name, ``test_mixers.py``)."""
+    from tests.integrations import hf_zoo
+
+    ref = hf_zoo.build("qwen3_5", seed=0)
+    ref.set_attn_implementation("sdpa")
+    ours = copy.deepcopy(ref)
+    keep_sequences_apart(ours)
+    batch = hf_zoo.batch("qwen3_5", ref, [[(4, 4), (8, 4)]], seed=3)
+    seen = []
+    hook = core_text(ours).register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw.get("position_ids")), with_kwargs=True
+    )
+    kw = dict(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False,
+              pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+              mm_token_type_ids=batch["mm_token_type_ids"])  # fmt: skip
+    got, want = ours(**kw).loss, ref(**kw).loss
+    hook.remove()
+    pos = seen[0]
+    assert pos is not None and pos.shape[0] == 3, None if pos is None else pos.shape
+    assert bool((pos[0, 0, 1:] == pos[0, 0, :-1]).any())  # an image's tokens share a temporal position
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (float(got), float(want))
+    got.backward()
+    want.backward()
+    _grads_close(ours, ref)
+
+
+def core_text(model):
+    from mmbalance.integrations.hf.compat import language_model
+    from mmbalance.integrations.hf.wrappers import inner_model
+
+    return language_model(inner_model(model))
+
+
+def _flash_standin(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal attention that reads a row as transformers' flash attention does, for a CPU test:
+    the 2-D padding mask its mask function leaves (none when the mask has no zero), else for one
+    row, positions that do not count up from their smallest split it at each smallest one."""
+    b, _, length, dim = query.shape
+    k = key.repeat_interleave(query.shape[1] // key.shape[1], 1)
+    v = value.repeat_interleave(query.shape[1] // value.shape[1], 1)
+    allowed = torch.ones(b, length, length, dtype=torch.bool).tril()
+    pos = kwargs.get("position_ids")
+    if attention_mask is not None:
+        allowed &= attention_mask.bool()[:, None, -length:]
+    elif b == 1 and pos is not None and bool((pos[0] != pos[0].min() + torch.arange(length)).any()):
+        seq = torch.cumsum((pos[0] == pos[0].min()).long(), 0)
+        allowed &= seq[:, None] == seq[None, :]
+    scores = (query @ k.transpose(-1, -2)) * (scaling if scaling is not None else dim**-0.5)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("mask", ["none", "all_ones"])
+def test_under_a_flash_attention_the_mixers_read_the_packing_it_reads(mask):
+    """Under a flash attention transformers drops a mask without a zero and the attention reads
+    one row's packing from its positions: the Gated DeltaNet layers must then keep the sequences
+    apart too (a stand-in of that attention, ``flash_standin``, on the CPU). A packed row with an
+    all-ones mask (as LLaMA-Factory's packing collators give) equals each sequence alone."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import flash_attention_mask
+
+    AttentionInterface.register("flash_standin", _flash_standin)
+    AttentionMaskInterface.register("flash_standin", flash_attention_mask)
+    ref = tiny("qwen3_5")
+    ref.set_attn_implementation("sdpa")
+    ours = copy.deepcopy(ref)
+    # set on the configs, past set_attn_implementation's loading of flash-attn's kernels
+    for c in {
+        id(m.config): m.config for m in ours.modules() if getattr(m, "config", None) is not None
+    }.values():
+        c._attn_implementation = "flash_standin"
+    rows = _rows()
+    batch = transformers.DataCollatorWithFlattening(return_tensors="pt")(
+        [{"input_ids": r.tolist()} for r in rows]
+    )
+    if mask == "all_ones":
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    want = _alone(ref, rows)
+    stock = ours(**batch, use_cache=False).loss  # the attention keeps them apart, the mixers do not
+    assert abs(float(stock) - float(want)) > 1e-5 * abs(float(want)), (float(stock), float(want))
+    keep_sequences_apart(ours)
+    got = ours(**batch, use_cache=False).loss
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (float(got), float(want))
+    got.backward()
+    want.backward()
+    _grads_close(ours, ref)

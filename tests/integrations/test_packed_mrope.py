@@ -8,7 +8,8 @@ released since Qwen3-VL that the integration used to trip on.
   the ``[4, B, L]`` positions with the text row, and a packed row is each sequence alone under
   ``mmbalance_varlen``, ``sdpa`` and eager alike (outputs and gradients), with the cache the model
   makes by default too (transformers skips the packed mask when it has one: the row runs without);
-  GLM-4.5V, whose layers never see the text row, refuses a cache given with a packed row by name.
+  GLM-4.5V and Ernie-4.5-VL, whose layers never see the text row, refuse a cache given with a
+  packed row by name, and so does every model under an attention whose only packing is the mask.
 * LLaVA-OneVision hands ``logits_to_keep`` to every attention call: the backend runs it.
 * Gemma 3n keeps one feed-forward width per layer: the default cost model takes their mean.
 """
@@ -116,31 +117,58 @@ def test_a_packed_row_with_2d_positions_is_each_sequence_alone(family, attention
     assert (got - want).abs().max() > 1e-3
 
 
-def test_a_cache_given_with_a_packed_row_is_refused_where_the_layers_cannot_see_the_packing():
-    """GLM-4.5V's text model hands its layers the rotary rows: with a cache (which makes
-    transformers build its mask without the packing) its attention cannot tell the sequences
-    apart, so a cache given with a packed row is refused by name, in either form of positions;
-    without one the row runs (the test above), as do one sequence a row and padded rows with it."""
+@pytest.mark.parametrize(("family", "text_model"), [("glm4v_moe", "Glm4vMoeTextModel"),
+                                                     ("ernie4_5_vl_moe", "Ernie4_5_VLMoeTextModel")])  # fmt: skip
+def test_a_cache_given_with_a_packed_row_is_refused_where_the_layers_cannot_see_the_packing(
+    family, text_model
+):
+    """GLM-4.5V's and Ernie-4.5-VL's text models hand their layers the rotary rows: with a cache
+    (which makes transformers build its mask without the packing) their attention cannot tell the
+    sequences apart, so a cache given with a packed row is refused by name, in either form of
+    positions, under ``mmbalance_varlen`` too; without one the row runs (the test above), as do one
+    sequence a row and padded rows with it."""
+    from mmbalance.integrations.hf.mixers import _rotary_rows_to_layers
+
     torch.manual_seed(0)
-    model = _glm4v_moe().eval()
+    model = FAMILIES[family]().eval()
     model.set_attn_implementation(ATTENTION_NAME)
     keep_sequences_apart(model)
+    text = next(m for m in model.modules() if type(m).__name__ == text_model)
+    assert _rotary_rows_to_layers(type(text))
+    cfg = getattr(model.config, "text_config", model.config)
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     row = torch.randint(5, 80, (1, 12))
     pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
     for given in (pos, torch.cat([pos[None]] * 4)):
         with pytest.raises(
-            ValueError, match=r"packed rows .* with a cache in Glm4vMoeTextModel: .*use_cache=False"
+            ValueError, match=rf"packed rows .* with a cache in {text_model}: .*use_cache=False"
         ):
-            model(input_ids=row, position_ids=given, **{key: transformers.DynamicCache(config=model.config)})
-    assert model(input_ids=row, **{key: transformers.DynamicCache(config=model.config)}).logits.shape == (
-        1,
-        12,
-        96,
-    )
+            model(input_ids=row, position_ids=given, **{key: transformers.DynamicCache(config=cfg)})
+    assert _out(model, row, **{key: transformers.DynamicCache(config=cfg)}).shape[:2] == (1, 12)
     mask = torch.ones(1, 12, dtype=torch.long)
     mask[0, :3] = 0
-    assert torch.isfinite(model(input_ids=row, attention_mask=mask, use_cache=True).logits).all()
+    assert torch.isfinite(_out(model, row, attention_mask=mask, use_cache=True)).all()
+
+
+def test_the_models_whose_layers_get_the_text_row_are_told_from_their_source():
+    """Every M-RoPE text model of the installed release whose forward takes ``[4, B, L]`` rows is
+    read as handing its layers the text row or not: GLM-4.5V and Ernie-4.5-VL not, Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL, GLM-4.1V and Qwen3.5 do."""
+    import importlib
+
+    from mmbalance.integrations.hf.mixers import ROTARY_ROWS_TO_LAYERS, _rotary_rows_to_layers
+
+    names = {"qwen2_vl": "Qwen2VLTextModel", "qwen2_5_vl": "Qwen2_5_VLTextModel", "qwen3_vl": "Qwen3VLTextModel",
+             "glm4v": "Glm4vTextModel", "qwen3_5": "Qwen3_5TextModel", "glm4v_moe": "Glm4vMoeTextModel",
+             "ernie4_5_vl_moe": "Ernie4_5_VLMoeTextModel"}  # fmt: skip
+    for module, name in names.items():
+        cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name, None)
+        if cls is None:
+            continue
+        assert _rotary_rows_to_layers(cls) == (name in ROTARY_ROWS_TO_LAYERS), name
+        if name in ROTARY_ROWS_TO_LAYERS:  # the source says so too, without the names
+            src = inspect.getsource(cls.forward)
+            assert "position_ids=text_position_ids" not in src.split("decoder_layer(")[-1].split(")")[0], name
 
 
 def _onevision():
@@ -267,3 +295,26 @@ def test_molmo2_images_in_a_packed_row_are_refused_by_name():
         model(**packed)
     with torch.no_grad():  # one sequence with one image runs
         model(**{k: v for k, v in rows[0].items() if k not in ("labels", "attention_mask")})
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"glm4v_moe", "ernie4_5_vl_moe"}))
+def test_a_cache_given_with_a_packed_row_runs_only_where_the_attention_reads_the_positions(family):
+    """With a cache transformers builds its mask without the packing: under ``sdpa`` and eager,
+    whose only packing is the mask, a cache given with a packed row is refused by name; under
+    ``mmbalance_varlen``, which reads the packing from the text row, the row is each sequence alone."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]().float().eval()
+    keep_sequences_apart(model)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cfg = getattr(model.config, "text_config", model.config)
+    for attention in ("sdpa", "eager"):
+        model.set_attn_implementation(attention)
+        with pytest.raises(
+            ValueError, match=rf"packed rows .* with a cache in .* under attn_implementation='{attention}'"
+        ):
+            _packed_and_alone(model, **{key: transformers.DynamicCache(config=cfg)})
+    model.set_attn_implementation(ATTENTION_NAME)
+    got, want, got_g, want_g = _packed_and_alone(model, **{key: transformers.DynamicCache(config=cfg)})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for k in want_g:
+        torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -215,8 +215,9 @@ class SequencesApart:
 def keep_sequences_apart(model) -> SequencesApart | None:
     """Make ``model``'s decoder keep the sequences of a packed row apart where it would not:
 
-    * its token mixers, read from the same ``position_ids`` (restarting inside a row, the 3-D
-      M-RoPE rows' text row included) or ``cu_seq_lens_q`` the attention backend reads: each mixer
+    * its token mixers, read from the same ``position_ids`` (restarting inside a row, the text row
+      of ``[4, B, L]`` M-RoPE rows included; the three rotary rows alone carry no packing) or
+      ``cu_seq_lens_q`` the attention backend reads: each mixer
       of :data:`PADDED_EXACT` runs the row's sequences as a right-padded batch (``unpack``), its
       outputs packed back (``pack``); a row of one sequence runs as before. A mixer outside
       :data:`PADDED_EXACT` is left alone, and packed rows stay refused for that model;
@@ -229,7 +230,9 @@ def keep_sequences_apart(model) -> SequencesApart | None:
 
     Packing is read from positions only when the forward has no ``attention_mask``, as transformers
     and the backend read it: with a mask (a padded batch, LLaMA-Factory's collator, whose M-RoPE
-    text row repeats a position over an image's tokens) the row is what the mask says.
+    text row repeats a position over an image's tokens) the row is what the mask says. Under a
+    flash attention (transformers drops a mask without a zero, and flash-attn reads one row's
+    packing from its positions, a sequence at each smallest one) the mixers read it the same way.
 
     Returns the handle (``remove()``), the same one when called again, or ``None`` when the model
     has neither."""
@@ -254,7 +257,7 @@ def keep_sequences_apart(model) -> SequencesApart | None:
     handle = SequencesApart(decoder, configs, [], modules)
 
     def read(module, args, kwargs):
-        handle.boundaries = _boundaries(args[0] if args else kwargs.get("input_ids"), kwargs)
+        handle.boundaries = _boundaries(module, kwargs)
         return None
 
     def done(module, args, kwargs, output):
@@ -280,25 +283,74 @@ def _drops_packed_positions(cls: type) -> bool:
     """Whether ``cls`` is an M-RoPE text model's class of transformers' Qwen2-VL kind: its forward
     reads packing only from a ``[4, B, L]`` text row and expands 2-D ``position_ids`` into its
     rotary rows without one."""
-    if cls not in _DROPS:
+    src = _forward_source(cls)
+    return "position_ids.ndim == 2" in src and "position_ids.shape[0] == 4" in src
+
+
+def _forward_source(cls: type) -> str:
+    """The source of the forward ``cls`` itself defines ("" when it has none or it cannot be read)."""
+    if cls not in _SOURCES:
         forward = cls.__dict__.get("forward")
         try:
-            src = inspect.getsource(forward) if forward is not None else ""
+            _SOURCES[cls] = inspect.getsource(forward) if forward is not None else ""
         except (OSError, TypeError):
-            src = ""
-        _DROPS[cls] = "position_ids.ndim == 2" in src and "position_ids.shape[0] == 4" in src
-    return _DROPS[cls]
+            _SOURCES[cls] = ""
+    return _SOURCES[cls]
 
 
-_DROPS: dict[type, bool] = {}
+_SOURCES: dict[type, str] = {}
 
 
 # M-RoPE text models that hand their decoder layers the rotary rows, not the text row (GLM-4.5V's
-# in transformers 5.6 to 5.24): with a cache their attention learns the packing from nowhere (the
-# mask is built without it, the layers' positions are the rotary rows), so a packed row runs with
-# no cache and one given is refused by name
-ROTARY_ROWS_TO_LAYERS = frozenset({"Glm4vMoeTextModel"})
+# and Ernie-4.5-VL's in transformers 5.6 to 5.24; others are found by :func:`_rotary_rows_to_layers`):
+# with a cache their attention learns the packing from nowhere (the mask is built without it, the
+# layers' positions are the rotary rows), so a packed row runs with no cache and one given is
+# refused by name
+ROTARY_ROWS_TO_LAYERS = frozenset({"Glm4vMoeTextModel", "Ernie4_5_VLMoeTextModel"})
 _CACHE_KEYS = ("cache", "past_key_values")
+_LAYER_CALL = re.compile(r"(?:decoder_layer|layer)\((.*?)\n\s*\)", re.S)
+
+
+def _rotary_rows_to_layers(cls) -> bool:
+    """Whether the M-RoPE text model ``cls`` hands its decoder layers the rotary rows rather than
+    the text row: by name (:data:`ROTARY_ROWS_TO_LAYERS`), else read from its forward (the layers'
+    call passes ``position_ids=text_position_ids`` or not); a forward that cannot be read counts as
+    not handing them the text row."""
+    if cls.__name__ in ROTARY_ROWS_TO_LAYERS:
+        return True
+    call = _LAYER_CALL.search(_forward_source(cls))
+    return call is None or "position_ids=text_position_ids" not in call.group(1)
+
+
+def _flash(module) -> bool:
+    """Whether ``module`` runs a flash attention of transformers' kind (an implementation whose
+    name holds "flash", as transformers tells them): its masks drop a padding mask without a zero,
+    and the attention then reads packing from the positions (``prepare_fa_kwargs_from_position_ids``:
+    one row, a sequence starting at each smallest position)."""
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return isinstance(impl, str) and "flash" in impl
+
+
+def _mask_hides_packing(module, kwargs) -> bool:
+    """Whether this forward's ``attention_mask`` keeps transformers and the attention from reading
+    packing from the positions: any mask does (a padded batch, or LLaMA-Factory's, whose M-RoPE
+    text row repeats a position over an image's tokens; the row is what the mask says), but under
+    a flash attention a 2-D mask without a zero is dropped and the positions are read."""
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        return False
+    return not (_flash(module) and torch.is_tensor(mask) and mask.dim() == 2 and bool(mask.all()))
+
+
+def _reads_positions(impl) -> bool:
+    """Whether the attention registered as ``impl`` is the package's (``mmbalance_varlen``), which
+    reads a row's packing from the positions its layers get, whatever the mask."""
+    if not isinstance(impl, str):
+        return False
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    fn = ALL_ATTENTION_FUNCTIONS[impl] if impl in ALL_ATTENTION_FUNCTIONS else None
+    return str(getattr(fn, "__module__", "")).startswith("mmbalance.")
 
 
 def _restarts(pos: torch.Tensor) -> bool:
@@ -312,25 +364,34 @@ def _with_text_row(module, args, kwargs):
     would have made of them), and with ``use_cache=False``: transformers builds the packed mask
     from the text row only when it has no cache (a training step needs none), and every attention
     then keeps the sequences apart. A cache given with a packed row is refused by name for the
-    models of :data:`ROTARY_ROWS_TO_LAYERS` (their attention cannot see the packing then)."""
+    models whose layers get the rotary rows (:func:`_rotary_rows_to_layers`: their attention cannot
+    see the packing then), and under an attention whose only packing is the mask (``sdpa``, eager)."""
     pos = kwargs.get("position_ids")
     if pos is None or not torch.is_tensor(pos) or pos.dim() not in (2, 3):
         return None
-    if kwargs.get("attention_mask") is not None:
-        # with an attention mask (padded rows, or all ones) transformers and the backend read no
-        # packing from the positions: the row is what the mask says
+    if _mask_hides_packing(module, kwargs):
         return None
     text = pos if pos.dim() == 2 else (pos[0] if pos.shape[0] == 4 else None)
     if text is None or not _restarts(text):
         return None  # one sequence a row (or rotary rows alone, which carry no packing)
     cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
-    if cache is not None and type(module).__name__ in ROTARY_ROWS_TO_LAYERS:
+    if cache is not None:
         name = type(module).__name__
-        raise ValueError(
-            f"packed rows (position_ids restarting inside a row) with a cache in {name}: transformers' {name} "
-            "builds its mask without the packing when it has a cache and hands its layers the rotary rows, so "
-            "the sequences would run into one another; pass no cache (use_cache=False) with packed rows"
-        )
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if _rotary_rows_to_layers(type(module)):
+            raise ValueError(
+                f"packed rows (position_ids restarting inside a row) with a cache in {name}: transformers' {name} "
+                "builds its mask without the packing when it has a cache and hands its layers the rotary rows, so "
+                "the sequences would run into one another; pass no cache (use_cache=False) with packed rows"
+            )
+        if not (_reads_positions(impl) or _flash(module)):
+            # the mask is the only packing this attention sees, and it is built without it
+            raise ValueError(
+                f"packed rows (position_ids restarting inside a row) with a cache in {name} under "
+                f"attn_implementation={impl!r}: transformers builds its mask without the packing when it has a "
+                "cache, so the sequences would attend to one another; pass no cache (use_cache=False) with packed "
+                "rows, or run attn_implementation='mmbalance_varlen', which reads the packing from the positions"
+            )
     kwargs = dict(kwargs)
     if cache is None:
         kwargs["use_cache"] = False
@@ -346,9 +407,12 @@ def _language_model(model):
     return language_model(inner_model(model))
 
 
-def _boundaries(input_ids, kwargs) -> tuple | None:
+def _boundaries(module, kwargs) -> tuple | None:
     """``(lengths, cu_seqlens, longest)`` of the sequences of this forward's rows over the
-    flattened batch, or ``None`` when every row is one sequence."""
+    flattened batch, or ``None`` when every row is one sequence: read as ``module``'s attention
+    reads them (``cu_seq_lens_q``; else the positions, where no mask hides them: a sequence starts
+    at each position not one more than the one before, or under a flash attention, one row's
+    smallest positions)."""
     import numpy as np
 
     cu = kwargs.get("cu_seq_lens_q")
@@ -358,18 +422,30 @@ def _boundaries(input_ids, kwargs) -> tuple | None:
         rows = None
     else:
         pos = kwargs.get("position_ids")
-        if pos is None or kwargs.get("attention_mask") is not None:
-            # transformers (and the attention backend) read packing from positions only when the
-            # forward has no attention mask: with one (a padded batch, LLaMA-Factory's), the row's
-            # positions are not sequence starts (its M-RoPE text row repeats a position over an
-            # image's tokens), and a mixer cut there would part what the attention keeps together
+        if pos is None or _mask_hides_packing(module, kwargs):
+            # a mixer cut where the attention reads no packing would part what it keeps together
             return None
-        if pos.dim() == 3:  # M-RoPE rows: the text row (Qwen3.5's [4, B, L]) or the temporal row
-            pos = pos[0]
+        if pos.dim() == 3:
+            if pos.shape[0] != 4:
+                # the rotary rows alone (what Qwen3.5's and the other M-RoPE forwards compute when
+                # given no positions): transformers reads no packing from them, and their temporal
+                # row repeats a position over an image's tokens
+                return None
+            pos = pos[0]  # the text row of [4, B, L]
         pos = pos.detach().to("cpu", torch.int64).numpy()
         if pos.ndim != 2:
             return None
-        starts = np.diff(pos, prepend=pos[:, :1] - 1, axis=-1) != 1  # transformers' rule: not one more
+        if _flash(module):
+            # flash-attn's reading: one row, packed unless it counts up from its smallest position
+            if (
+                pos.shape[0] != 1
+                or pos.shape[1] < 2
+                or bool((pos[0] == pos[0].min() + np.arange(pos.shape[1])).all())
+            ):
+                return None
+            starts = pos == pos.min()
+        else:
+            starts = np.diff(pos, prepend=pos[:, :1] - 1, axis=-1) != 1  # transformers' rule: not one more
         starts[:, 0] = True
         if int(starts.sum()) <= pos.shape[0]:  # one sequence a row
             return None
