@@ -11,6 +11,7 @@ pytest.importorskip("transformers", minversion="5.6")
 from mmbalance.integrations.hf.encoders.models import (  # noqa: E402
     InternVLAdapter,
     LlavaAdapter,
+    LlavaOnevisionAdapter,
     Qwen2AudioAdapter,
     QwenOmniAudioAdapter,
 )
@@ -57,3 +58,37 @@ def test_vision_feature_options_come_from_the_call_else_the_config(name, adapter
     assert a.call_options(model, {"vision_feature_layer": -1})["vision_feature_layer"] == -1
     with pytest.raises(ValueError, match="vision_feature_select_strategy"):
         a.call_options(model, {"vision_feature_select_strategy": "bogus"})
+
+
+def test_onevision_packs_at_the_configs_aspect_ratio_whatever_the_call_says():
+    """LLaVA-OneVision's forward takes ``vision_aspect_ratio`` but encodes at the config's (it calls
+    ``get_image_features`` without it): the adapter packs the images at the config's too."""
+    model = hf_zoo.build("llava_onevision")
+    a = LlavaOnevisionAdapter()
+    want = model.config.vision_aspect_ratio
+    other = "anyres_max_1" if want != "anyres_max_1" else "anyres_max_4"
+    assert a.call_options(model, {})["vision_aspect_ratio"] == want
+    assert a.call_options(model, {"vision_aspect_ratio": other})["vision_aspect_ratio"] == want
+
+
+@pytest.mark.parametrize("name", ["glm4v", "qwen2_vl"])
+def test_a_whole_video_encodes_to_the_models_own_video_rows(name):
+    """``split_frames=False`` keeps a video's frames in one item: its rows are the model's own
+    video rows (GLM-4.xV's tower takes one grid row per frame, as its ``get_video_features`` gives
+    them; a whole video's grid would index its position table out of range)."""
+    from mmbalance.integrations.hf.encoders import adapters_for, core
+
+    model = hf_zoo.build(name).double()
+    batch = hf_zoo.batch(name, model, [[("video", 2, 4, 4)]], seed=1)
+    (a,) = [x for x in adapters_for(model) if x.encoder == "vision"]
+    a.splits_frames = False
+    kwargs = {k: (v.double() if torch.is_floating_point(v) else v) for k, v in batch.items()}
+    items = a.extract(model, dict(kwargs))
+    assert items.meta.shape[0] == 1 and int(items.meta[0, 1]) == 2  # one item, both frames
+    (got, *_) = a.encode(model, items.payload, items.meta)
+    want = core(model).get_video_features(
+        kwargs["pixel_values_videos"], kwargs["video_grid_thw"], return_dict=True
+    )
+    want = want.pooler_output
+    want = torch.cat(list(want)) if isinstance(want, (tuple, list)) else want
+    torch.testing.assert_close(torch.cat(list(got)) if isinstance(got, (tuple, list)) else got, want)

@@ -152,7 +152,9 @@ class LlavaOnevisionAdapter(_ClipTiles):
 
     def call_options(self, model, kwargs):
         options = super().call_options(model, kwargs)
-        ratio = kwargs.get("vision_aspect_ratio") or getattr(model.config, "vision_aspect_ratio", None)
+        # the config's: the forward takes a vision_aspect_ratio keyword but calls get_image_features
+        # without it (transformers 5.6 to 5.24), which then reads the config's
+        ratio = getattr(model.config, "vision_aspect_ratio", None)
         options["vision_aspect_ratio"] = str(ratio or "anyres_max_9")
         return options
 

@@ -202,6 +202,16 @@ class GlmVisionAdapter(QwenVisionAdapter):
         "Glm46VModel",
     )
 
+    def encode(self, model, payload, meta):
+        # the tower takes one grid row per frame (get_video_features flattens a video so; a whole
+        # video's [t, h, w] would index its position table out of range): an item of several
+        # frames (split_frames=False) goes as its frames, in order
+        t = np.asarray(meta[:, 1])
+        if (t > 1).any():
+            meta = np.repeat(meta, t, axis=0)
+            meta[:, 1] = 1
+        return super().encode(model, payload, meta)
+
 
 @register_adapter
 class KimiVisionAdapter(QwenVisionAdapter):
