@@ -124,7 +124,7 @@ $(FW_STAMPS): .venv-%/.installed: pyproject.toml setup.py scripts/requirements.p
 # (FW_MARKS="not extended": the runs .ci/run keeps, tests/frameworks/conftest.py)
 FW_MARKS ?= not soak
 test-frameworks: $(STAMP) $(FW_STAMPS)
-	$(PY) -m pytest -q -p no:cacheprovider -m "$(FW_MARKS)" tests/frameworks
+	$(PY) -m pytest -q -p no:cacheprovider --durations 10 -m "$(FW_MARKS)" tests/frameworks
 
 run: $(STAMP) $(PEERS)
 	$(VENV)/bin/mmbalance bench planners

@@ -4,7 +4,8 @@
 #
 #   PY=.venv/bin/python VENV=.venv PYTHON=python3 MAKE=make scripts/make_test.sh [STEP ...]
 #
-# STEP: suite matrix mypy audit-sm_90 audit-sm_80 wheel (default: all, in this order).
+# STEP: suite matrix mypy audit-sm_90 audit-sm_80 wheel (default: all, in this order). The suite
+# ends with its 25 slowest tests' times (the README's "The test suite" holds each to 60 s quiet).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
@@ -19,7 +20,7 @@ done
 
 run_step() {
   case "$1" in
-    suite) "$PY" -m pytest -q tests --ignore=tests/frameworks ;;
+    suite) "$PY" -m pytest -q --durations 25 tests --ignore=tests/frameworks ;;
     matrix) "$MAKE" --no-print-directory test-matrix ;;
     mypy) "$VENV/bin/mypy" ;;
     audit-sm_90) "$PY" -m mmbalance.bench.kernel_audit --arch sm_90 ;;
