@@ -23,7 +23,10 @@ handle balances over a data-parallel sub-group, ranks {0, 2} and {1, 3} as under
 of 2, each splitting a sequence over its two ranks) | triple (sub-groups {0} and {1, 2, 3}; in the
 second a sequence is split over two of its ranks, a ring inside the sub-group that rank 0 helps
 create, and the third runs degree 1) | pair (2 ranks: a sequence over the budget split over both)
-| lora (the data of pair, the model a peft LoRA ``PeftModel``: the handle shards the model inside,
+| apart, apart0 (the data of pair, ``keep_sequences_apart`` called after ``apply_dynamic_cp`` and
+taken off after it, or before it and taken off before it: the Gated DeltaNet layers still run the
+CP path under a shard, and nothing is left on the model after both are removed) | lora (the data
+of pair, the model a peft LoRA ``PeftModel``: the handle shards the model inside,
 and ``remove()`` leaves it without a hook) | switch (2 ranks: the attention switched away from
 mmbalance_varlen after ``apply_dynamic_cp``, sdpa for Mistral, eager otherwise; a forward of a
 shard and the next ``shard`` raise on every rank) | switch1 (2 ranks: rank 0 alone switches to
@@ -116,7 +119,15 @@ def examples(world: int) -> list[list[dict]]:
         lengths = [[9, 23], [150, 5], [17, 30, 2], [12]]  # 150 > 2 * BUDGET
     elif SCENARIO == "strided":
         lengths = [[9, 11], [17, 20, 2], [90, 5], [12, 70]]  # 90 and 70 > BUDGET, in {0, 2} and {1, 3}
-    elif SCENARIO in ("compile", "pair", "lora", "switch", "switch1"):  # 2 ranks: 90 > BUDGET over both
+    elif SCENARIO in (
+        "compile",
+        "pair",
+        "lora",
+        "switch",
+        "switch1",
+        "apart",
+        "apart0",
+    ):  # 2 ranks: 90 > BUDGET
         lengths = [[9, 90], [17, 5]]
 
     elif SCENARIO == "triple":
@@ -188,7 +199,7 @@ def run_one() -> None:
         run_switch_one()
         return
     from mmbalance.balancing import CostModel
-    from mmbalance.integrations.hf import apply_dynamic_cp
+    from mmbalance.integrations.hf import apply_dynamic_cp, keep_sequences_apart
 
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_model("mmbalance_varlen")
@@ -210,7 +221,13 @@ def run_one() -> None:
         model.gradient_checkpointing_enable()
         model.train()
     bare = hooks_of(base)
+    apart = None
+    if SCENARIO == "apart0":  # the mixers kept apart first, dynamic CP on them
+        apart = keep_sequences_apart(model)
     handle = apply_dynamic_cp(model, max_tokens_per_rank=BUDGET, cost=cost)
+    if SCENARIO == "apart":  # dynamic CP first, the mixers kept apart on it
+        apart = keep_sequences_apart(model)
+    assert (apart is not None) == (SCENARIO in ("apart", "apart0")), f"rank {rank}: no mixers to keep apart"
     data = examples(world)
     seen = []
     if SCENARIO != "compile":
@@ -251,7 +268,7 @@ def run_one() -> None:
     assert len(attn_calls) == want, (
         f"rank {rank}: layer 0's attention ran {len(attn_calls)} times, not {want}"
     )
-    if SCENARIO in ("compile", "pair", "lora"):  # 2 ranks, one sequence split over both
+    if SCENARIO in ("compile", "pair", "lora", "apart", "apart0"):  # 2 ranks, one sequence split over both
         assert stats["largest_shard"] <= BUDGET and stats["degrees"] == [2], stats
     elif SCENARIO != "mixed":
         assert max(seen) <= BUDGET, f"rank {rank} embedded {max(seen)} tokens, budget {BUDGET}"
@@ -291,10 +308,16 @@ def run_one() -> None:
             assert diff <= tol_grad, f"gradient of {n}: relative error {float(diff):.2e}"
         print(json.dumps({"run": f"{FAMILY}:{FORM}:{SCENARIO}", "degrees": stats["degrees"], "largest_shard": stats["largest_shard"], "loss_rel": rel,
                           "grad_rel": worst, "before": stats["before"], "after": stats["after"], "graphs": graphs}))  # fmt: skip
+    if SCENARIO == "apart0":  # taken off in the order they came: each wrapper under the other
+        apart.remove()
     handle.remove()
+    if SCENARIO == "apart":
+        apart.remove()
     # the model inside a wrapper was sharded, and remove() leaves it as it was
     assert handle.model is base, f"rank {rank}: the handle held {type(handle.model).__name__}"
     assert hooks_of(base) == bare, f"rank {rank}: hooks {hooks_of(base)} after remove(), {bare} before"
+    left = [type(m).__name__ for m in base.modules() if "forward" in vars(m)]
+    assert not left, f"rank {rank}: forwards left on {left}"
     dist.barrier()
 
 

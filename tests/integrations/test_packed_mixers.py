@@ -264,3 +264,38 @@ def test_under_a_flash_attention_the_mixers_read_the_packing_it_reads(mask):
     got.backward()
     want.backward()
     _grads_close(ours, ref)
+
+
+def test_the_cp_keyword_is_the_backends():
+    """The mixers stand aside under a dynamic-CP shard, told by the keyword the backend defines."""
+    from mmbalance.integrations.hf import mixers
+    from mmbalance.integrations.hf.attention import CP_KEYWORD
+
+    assert mixers.CP_KEYWORD == CP_KEYWORD
+
+
+@pytest.mark.parametrize("order", ["top_first", "bottom_first"])
+def test_forwards_stacked_on_a_module_come_off_in_either_order(order):
+    """Two wrappers on one module (dynamic CP's and the mixers'): taking the lower one off first
+    leaves it passing calls through until the upper one goes; then the module has its class's."""
+    from mmbalance.integrations.hf.mixers import unwrap_forward, wrap_forward
+
+    m = torch.nn.Linear(2, 2)
+    calls = []
+
+    def wrapper(name, below):
+        def forward(x):
+            calls.append(name)
+            return below(x)
+
+        return forward
+
+    low = wrap_forward(m, wrapper("low", m.forward))
+    high = wrap_forward(m, wrapper("high", m.forward))
+    m(torch.zeros(1, 2))
+    assert calls == ["high", "low"]
+    first, second = (high, low) if order == "top_first" else (low, high)
+    unwrap_forward(m, first)
+    assert ("forward" in vars(m)) and (m.forward is (low if order == "top_first" else high))
+    unwrap_forward(m, second)
+    assert "forward" not in vars(m)

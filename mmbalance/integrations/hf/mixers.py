@@ -199,16 +199,18 @@ class SequencesApart:
 
     def __init__(self, decoder, configs, hooks, modules):
         self.decoder, self._configs, self._hooks, self._modules = decoder, configs, hooks, modules
+        self._forwards: list = []  # the forward put on each of the modules
         self.boundaries = None  # this forward's packing: (lengths, cu_seqlens, longest), or None
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
-        for m in self._modules:
-            m.__dict__.pop("forward", None)
+        for m, forward in zip(self._modules, self._forwards):
+            # (ours passes every call through now: no hook sets its boundaries)
+            unwrap_forward(m, forward)
         for c in self._configs:
             _KEPT_APART.pop(c, None)
-        self._hooks, self._modules, self._configs = [], [], []
+        self._hooks, self._modules, self._configs, self._forwards = [], [], [], []
         self.decoder.__dict__.pop("_mmbalance_apart", None)
 
 
@@ -257,7 +259,9 @@ def keep_sequences_apart(model) -> SequencesApart | None:
     handle = SequencesApart(decoder, configs, [], modules)
 
     def read(module, args, kwargs):
-        handle.boundaries = _boundaries(module, kwargs)
+        # under a dynamic-CP shard the Gated DeltaNet layers run its path (cp/linear.py), which
+        # takes the sequences from the shard: the mixers' own packing stays out of its way
+        handle.boundaries = None if kwargs.get(CP_KEYWORD) is not None else _boundaries(module, kwargs)
         return None
 
     def done(module, args, kwargs, output):
@@ -271,8 +275,7 @@ def keep_sequences_apart(model) -> SequencesApart | None:
             decoder.register_forward_hook(done, with_kwargs=True, always_call=True),
         ]
     handle._hooks = hooks
-    for m in modules:
-        m.forward = _apart_forward(m, handle)
+    handle._forwards = [wrap_forward(m, _apart_forward(m, handle)) for m in modules]
     for c in configs:
         _KEPT_APART[c] = 1
     decoder.__dict__["_mmbalance_apart"] = handle
@@ -308,6 +311,8 @@ _SOURCES: dict[type, str] = {}
 # refused by name
 ROTARY_ROWS_TO_LAYERS = frozenset({"Glm4vMoeTextModel", "Ernie4_5_VLMoeTextModel"})
 _CACHE_KEYS = ("cache", "past_key_values")
+# the keyword a dynamic-CP shard reaches the model's forwards with (attention/backend.py's CP_KEYWORD)
+CP_KEYWORD = "mmbalance_cp"
 _LAYER_CALL = re.compile(r"(?:decoder_layer|layer)\((.*?)\n\s*\)", re.S)
 
 
@@ -460,8 +465,10 @@ def _boundaries(module, kwargs) -> tuple | None:
 
 
 def _apart_forward(module, handle: SequencesApart):
-    """``module``'s forward, running a packed row's sequences as a right-padded batch."""
-    stock = type(module).forward.__get__(module)
+    """``module``'s forward, running a packed row's sequences as a right-padded batch; the forward
+    it wraps is the one on the instance if there is one (dynamic CP's: installed in either order,
+    each wrapper calls the other's where it has nothing to do), else the class's."""
+    stock = module.forward
 
     def forward(hidden_states, *args, **kwargs):
         packing = handle.boundaries
@@ -491,3 +498,29 @@ def _apart_forward(module, handle: SequencesApart):
         return (packed, *result[1:]) if isinstance(result, tuple) else packed
 
     return forward
+
+
+def wrap_forward(module, forward):
+    """Put ``forward`` on ``module`` (its instance), over the one there, and return it. Wrappers of
+    one module (dynamic CP's Gated DeltaNet path, :func:`keep_sequences_apart`'s) stack in either
+    order: each calls the forward below it where it has nothing to do."""
+    forward._mmbalance_below = module.__dict__.get("forward")
+    forward._mmbalance_removed = False
+    module.forward = forward
+    return forward
+
+
+def unwrap_forward(module, forward) -> None:
+    """Take ``forward`` (put by :func:`wrap_forward`) off ``module``: when it is on top, the module
+    gets the highest forward below it not taken off yet (or its class's); when another sits on it,
+    it stays there, passing calls through, until that one goes."""
+    forward._mmbalance_removed = True
+    if module.__dict__.get("forward") is not forward:
+        return
+    below = forward._mmbalance_below
+    while below is not None and getattr(below, "_mmbalance_removed", False):
+        below = below._mmbalance_below
+    if below is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = below

@@ -45,6 +45,7 @@ from mmbalance.collectives.ring.plan import ring_plan
 from mmbalance.pyops.delta_rule import compose_chunk_states, delta_rule_chunk_state
 
 from ..attention import CP_KEYWORD
+from ..mixers import unwrap_forward, wrap_forward
 
 __all__ = ["CP_LINEAR", "install_linear_cp", "remove_linear_cp", "linear_cp_forward"]
 
@@ -295,8 +296,7 @@ def install_linear_cp(model) -> None:
             inner.__dict__[_SHARD] = kwargs.get(CP_KEYWORD)
             return None
 
-        stock = inner.forward
-        own = inner.__dict__.get("forward")  # a wrapper already on the instance (keep_sequences_apart's)
+        stock = inner.forward  # (a wrapper already on the instance: keep_sequences_apart's)
 
         def forward(hidden_states, *args, _stock=stock, _inner=inner, **kwargs):
             shard = _inner.__dict__.get(_SHARD)
@@ -306,9 +306,8 @@ def install_linear_cp(model) -> None:
 
         inner.__dict__["_mmbalance_linear_cp"] = (
             decoder.register_forward_pre_hook(hand, with_kwargs=True),
-            own,
+            wrap_forward(inner, forward),
         )
-        inner.forward = forward
 
 
 def remove_linear_cp(model) -> None:
@@ -321,9 +320,6 @@ def remove_linear_cp(model) -> None:
         installed = inner.__dict__.pop("_mmbalance_linear_cp", None)
         inner.__dict__.pop(_SHARD, None)
         if installed is not None:
-            hook, own = installed
+            hook, ours = installed
             hook.remove()
-            if own is not None:
-                inner.__dict__["forward"] = own
-            else:
-                inner.__dict__.pop("forward", None)
+            unwrap_forward(inner, ours)  # (ours passes every call through now: no shard is handed to it)
