@@ -312,3 +312,34 @@ def test_trl_sft_trainer(tmp_path):
     assert t.get_train_dataloader().batch_sampler is s
     t.train()
     assert t.state.global_step == 3
+
+
+@pytest.mark.parametrize("kind", ["parallelism_config", "get_tp_size", "sequence_parallel_size"])
+def test_parallelism_whose_ranks_share_a_batch_is_refused_by_name(tmp_path, kind):
+    """Tensor, context or sequence parallelism gives the ranks of one group the same batch; the
+    balanced sampler gives every rank its own: refused by name, the trainer left as it was (and by
+    the launch's switch too)."""
+    import types
+
+    from mmbalance.integrations.hf import balance_trainer
+    from mmbalance.integrations.hf.trainer import shared_batch_parallelism
+
+    t = _trainer(str(tmp_path))
+    assert shared_batch_parallelism(t) is None
+    if kind == "parallelism_config":
+        t.args.parallelism_config = types.SimpleNamespace(tp_size=1, cp_size=2, sp_size=None)
+        if getattr(t.accelerator, "parallelism_config", None) is not None:
+            pytest.skip("the accelerator holds a parallelism config of its own")
+        want = "cp_size=2"
+    elif kind == "get_tp_size":
+        t.get_tp_size = lambda: 2
+        want = "tensor parallelism of 2"
+    else:
+        t.args.sequence_parallel_size = 4  # ms-swift's
+        want = "sequence_parallel_size=4"
+    assert shared_batch_parallelism(t) == want
+    with pytest.raises(
+        ValueError, match=rf"balance_trainer: the trainer runs {want}: the ranks of one such group"
+    ):
+        balance_trainer(t)
+    assert not hasattr(t, "balanced_sampler")

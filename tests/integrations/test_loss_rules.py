@@ -143,3 +143,68 @@ def test_context_parallelism_on_a_loss_it_would_change_is_refused(tmp_path):
             ValueError, match="--context-parallel regroups the sequences of every step: OwnLoss"
         ):
             own.train()
+
+
+def _moe(**extra):
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                      num_experts=4, num_experts_per_tok=2, **extra)  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def test_a_router_auxiliary_loss_is_refused_by_name(tmp_path):
+    """A mixture-of-experts model with ``output_router_logits`` on adds its router's auxiliary loss,
+    a mean over each forward's tokens: ``balance_trainer`` refuses it, the launch's switch leaves
+    the batches as drawn, and dynamic CP refuses it when applied; with it off (or a zero
+    coefficient) the loss is a token mean again."""
+    from mmbalance.integrations.hf import apply_dynamic_cp, register_attention
+
+    on = _moe(output_router_logits=True, router_aux_loss_coef=0.01)
+    register_attention()
+    on.set_attn_implementation("mmbalance_varlen")
+    assert L.router_aux_loss(on) == "output_router_logits=True, router_aux_loss_coef=0.01"
+    assert L.router_aux_loss(_moe()) is None
+    assert L.router_aux_loss(_moe(output_router_logits=True, router_aux_loss_coef=0.0)) is None
+    trainer = _trainer(tmp_path, model=on)
+    with pytest.raises(ValueError, match=r"balance_trainer: Qwen3MoeForCausalLM adds its router's auxiliary loss "
+                                         r"\(output_router_logits=True, router_aux_loss_coef=0.01\)"):  # fmt: skip
+        balance_trainer(trainer)
+    assert not hasattr(trainer, "balanced_sampler")
+    with pytest.raises(
+        ValueError, match=r"model: dynamic context parallelism does not run the router's auxiliary"
+    ):
+        apply_dynamic_cp(on, max_tokens_per_rank=64)
+    # a vision-language model's text config is read too
+    vlm = transformers.Qwen3VLMoeConfig(
+        text_config=dict(output_router_logits=True, router_aux_loss_coef=0.001)
+    )
+    holder = type("M", (), {"config": vlm})()
+    assert L.router_aux_loss(holder) == "output_router_logits=True, router_aux_loss_coef=0.001"
+    assert L.regrouping_changes_loss(_trainer(tmp_path), _moe()) is None
+
+
+def test_label_smoothing_without_the_count_is_refused_by_name(tmp_path):
+    """Label smoothing is the step's token sum over its count where transformers' LabelSmoother
+    takes ``num_items_in_batch`` (5.15 on); a smoother that does not is a mean over each
+    micro-batch, refused by name."""
+    smoothed = _trainer(tmp_path, label_smoothing_factor=0.1)
+    takes = (
+        "num_items_in_batch" in __import__("inspect").signature(smoothed.label_smoother.__call__).parameters
+    )
+    assert (L.regrouping_changes_loss(smoothed, smoothed.model) is None) == takes
+
+    class OldSmoother:  # as transformers' before 5.15
+        epsilon = 0.1
+
+        def __call__(self, model_output, labels, shift_labels=False):
+            raise AssertionError("not called")
+
+    smoothed.label_smoother = OldSmoother()
+    why = L.regrouping_changes_loss(smoothed, smoothed.model)
+    assert (
+        why is not None
+        and "label smoothing (label_smoothing_factor=0.1) is a mean over each micro-batch" in why
+    )

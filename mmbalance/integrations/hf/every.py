@@ -53,7 +53,7 @@ from .encoders import adapters_for, apply_encoder_balance
 from .logs import balance_log, mean_rows
 from .loss import loss_unit, normalize_over_step, regrouping_changes_loss
 from .mixers import keep_sequences_apart
-from .trainer import balance_trainer, check_cp_budget
+from .trainer import balance_trainer, check_cp_budget, shared_batch_parallelism
 from .wrappers import inner_model
 
 __all__ = ["EveryTrainerHandle", "LeftAsDrawn", "balance_every_trainer"]
@@ -234,6 +234,13 @@ def _set_up_parts(trainer, model, handle: EveryTrainerHandle, notes: list[str], 
     opts = handle.options
     streamed = isinstance(trainer.train_dataset, torch.utils.data.IterableDataset)
     batches = opts["batches"]
+    shared = shared_batch_parallelism(trainer)
+    if shared is not None and (batches or opts["encoders"] or opts["context_parallel"]):
+        raise ValueError(
+            f"{type(trainer).__name__} runs {shared}: the ranks of one such group take the same batch and "
+            "encode the same media, and mmbalance balances over data-parallel ranks only; run it without "
+            "mmbalance's balancing, or with data parallelism (and --context-parallel) instead"
+        )
     # batches are regrouped only where the trainer's loss over the step's global token count stays
     # what it is (loss.py); only then is that normalization switched on: a trainer whose batches
     # are left as drawn keeps its loss exactly

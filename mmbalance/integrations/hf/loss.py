@@ -23,6 +23,12 @@ user's own ``compute_loss`` average over their own micro-batch: their batches ar
 and the normalization is never switched on for them (it would change their loss: LLaMA-Factory's
 DPO loss is no longer divided by the accumulation steps with it on). A loss function handed to the
 trainer (``compute_loss_func``) counts when it takes ``num_items_in_batch``.
+
+Whatever the trainer, two additions to the loss are a mean over each forward and are refused by
+name: a mixture-of-experts router's auxiliary loss (``output_router_logits`` on with a nonzero
+coefficient, :func:`router_aux_loss`; it is also refused under dynamic context parallelism, whose
+shards are pieces of sequences), and label smoothing where transformers' ``LabelSmoother`` takes no
+``num_items_in_batch`` (before 5.15).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ __all__ = [
     "loss_owner",
     "loss_unit",
     "normalize_over_step",
+    "router_aux_loss",
     "regrouping_changes_loss",
 ]
 
@@ -127,6 +134,49 @@ def loss_owner(trainer) -> str:
     return f"{type(trainer).__module__}.{type(trainer).__qualname__}"
 
 
+_AUX_COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
+
+
+def _configs(config, depth: int = 2):
+    """``config`` and the configs inside it (a vision-language model's text config, an omni
+    model's thinker's), ``depth`` levels down."""
+    yield config
+    if depth:
+        for value in vars(config).values():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                yield from _configs(value, depth - 1)
+
+
+def router_aux_loss(model) -> str | None:
+    """Where ``model`` adds a mixture-of-experts router's auxiliary loss to its loss (a config of it
+    with ``output_router_logits`` on and a nonzero coefficient), as ``"key=value, ..."``; ``None``
+    where it adds none. The auxiliary loss is a mean over the forward's tokens: regrouping the
+    micro-batches, or splitting sequences over ranks, changes it."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    for cfg in _configs(config):
+        if not getattr(cfg, "output_router_logits", False):
+            continue
+        for key in _AUX_COEFFICIENTS:
+            coef = getattr(cfg, key, None)
+            if coef is not None and float(coef) != 0.0:
+                return f"output_router_logits=True, {key}={coef}"
+    return None
+
+
+def _label_smoothing_refusal(trainer, name: str) -> str | None:
+    smoother = getattr(trainer, "label_smoother", None)
+    if smoother is None or _takes_count(smoother.__call__):
+        return None
+    factor = getattr(getattr(trainer, "args", None), "label_smoothing_factor", None)
+    return (
+        f"{name}'s label smoothing (label_smoothing_factor={factor}) is a mean over each micro-batch in this "
+        "transformers release (its LabelSmoother takes no num_items_in_batch; 5.15 on it does), so regrouping "
+        "the micro-batches would change training"
+    )
+
+
 def regrouping_changes_loss(trainer, model) -> str | None:
     """Why regrouping ``trainer``'s micro-batches would change its loss (a sentence naming the
     trainer class, or the model), or ``None`` where its loss over the step's global token count is
@@ -134,6 +184,13 @@ def regrouping_changes_loss(trainer, model) -> str | None:
     its pairs are regrouped in micro-batches of the trainer's own number of pairs."""
     owner = loss_owner(trainer)
     name = type(trainer).__name__
+    aux = router_aux_loss(model)
+    if aux is not None:
+        return (
+            f"{type(model).__name__} adds its router's auxiliary loss ({aux}), a mean over each micro-batch's "
+            "tokens, so regrouping the micro-batches would change training; set output_router_logits=False "
+            "(LLaMA-Factory: leave moe_aux_loss_coef unset) to balance them"
+        )
     if owner in PAIR_MEAN_LOSSES:  # balanced with every micro-batch's number of pairs kept
         return _pair_refusal(trainer, name)
     if owner not in TOKEN_MEAN_LOSSES:
@@ -144,6 +201,9 @@ def regrouping_changes_loss(trainer, model) -> str | None:
             "num_items_in_batch can say so: mmbalance.integrations.hf.loss.TOKEN_MEAN_LOSSES"
             f"[{owner!r}] = False)"
         )
+    smoothing = _label_smoothing_refusal(trainer, name)
+    if smoothing is not None:
+        return smoothing
     func = getattr(trainer, "compute_loss_func", None)
     if func is not None:  # transformers hands it the step's count, where it takes one
         if _takes_count(func):

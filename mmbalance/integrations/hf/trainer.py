@@ -53,6 +53,33 @@ from .wrappers import inner_model
 __all__ = ["balance_trainer", "check_cp_budget"]
 
 
+def shared_batch_parallelism(trainer) -> str | None:
+    """The parallelism in ``trainer`` whose ranks share one batch (tensor, context or sequence
+    parallelism of accelerate's ``parallelism_config``, DeepSpeed's AutoTP, ms-swift's
+    ``sequence_parallel_size``), as ``"name=size, ..."``; ``None`` when every rank is a data-parallel
+    rank of its own."""
+    found = []
+    config = getattr(trainer.accelerator, "parallelism_config", None) or getattr(
+        trainer.args, "parallelism_config", None
+    )
+    for key in ("tp_size", "cp_size", "sp_size"):
+        size = getattr(config, key, None) if config is not None else None
+        if size is not None and int(size) > 1:
+            found.append(f"{key}={int(size)}")
+    tp = getattr(trainer, "get_tp_size", None)
+    if callable(tp) and not any(f.startswith("tp_size") for f in found):
+        try:
+            size = int(tp())
+        except (AttributeError, TypeError):  # a release whose helper needs what this trainer lacks
+            size = 1
+        if size > 1:
+            found.append(f"tensor parallelism of {size}")
+    sp = getattr(trainer.args, "sequence_parallel_size", None)
+    if sp is not None and int(sp) > 1:
+        found.append(f"sequence_parallel_size={int(sp)}")
+    return ", ".join(found) or None
+
+
 def check_cp_budget(context_parallel: bool, max_tokens_per_rank) -> None:
     """Refuse ``context_parallel`` without ``max_tokens_per_rank``, and a ``max_tokens_per_rank``
     that is not an int >= 1 (``balance_trainer`` and ``balance_every_trainer`` take both)."""
@@ -186,6 +213,13 @@ def balance_trainer(
                 f"accelerate is set to {name}=True, which splits one global batch per step over the ranks; "
                 "balanced batches are already per rank: set it to False in args.accelerator_config"
             )
+    shared = shared_batch_parallelism(trainer)
+    if shared is not None:
+        raise ValueError(
+            f"balance_trainer: the trainer runs {shared}: the ranks of one such group take the same batch, and it "
+            "gives every rank a batch of its own (balancing is over data-parallel ranks only); train without it, "
+            "or use context_parallel=True, mmbalance's own context parallelism"
+        )
     # regrouping is exact only for a loss that is the step's token sum over its global token count
     # (loss.py): that normalization is switched on here, and any other loss is refused by name
     model = inner_model(trainer.model)

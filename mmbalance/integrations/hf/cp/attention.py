@@ -38,6 +38,7 @@ from ..attention import (
     register_shard_attention,
 )
 from ..compat import language_model
+from ..loss import router_aux_loss
 from ..mixers import describe_mixers, model_mixers
 from .blocks import with_block_keys
 from .families import vlm_family
@@ -69,6 +70,12 @@ def model_refusal(model) -> str | None:
             f"{type(model).__name__}, whose decoder mixes tokens outside attention ({describe_mixers(mixers)}): "
             "those layers do not see where a split sequence continues, so each piece would restart their state "
             "(a wrong loss, without an error); train it without context parallelism"
+        )
+    aux = router_aux_loss(model)
+    if aux is not None:
+        return (
+            f"the router's auxiliary loss ({aux}): a mean over each forward's tokens, which a shard holds "
+            "pieces of; set output_router_logits=False to train it with context parallelism"
         )
     if getattr(config, "attention_chunk_size", None):
         return f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
