@@ -31,6 +31,8 @@ written yet).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -101,11 +103,27 @@ def _use_kernel(k: Tensor, backend: str) -> bool:
     return not reasons
 
 
+def _full_precision(device: torch.device):
+    """No autocast inside (a state handed along a sequence keeps its float32 under Trainer's
+    ``bf16=True``, as flash-linear-attention's kernels keep theirs)."""
+    if device.type in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def delta_rule_chunk_state_ref(
     k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, max_seqlen: int
 ) -> tuple[Tensor, Tensor]:
     """The torch reference (differentiable): every chunk padded to ``max_seqlen`` with identity
-    steps (``g = 0``, ``beta = 0``), one rank-1 update a step for all chunks and heads at once."""
+    steps (``g = 0``, ``beta = 0``), one rank-1 update a step for all chunks and heads at once, in
+    the inputs' precision whatever autocast says."""
+    with _full_precision(k.device):
+        return _chunk_state_ref(k, v, g, beta, cu_seqlens, max_seqlen)
+
+
+def _chunk_state_ref(
+    k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, max_seqlen: int
+) -> tuple[Tensor, Tensor]:
     dtype = _out_dtype(k, v, g, beta)
     pieces = cu_seqlens.numel() - 1
     heads, key_dim, value_dim = k.shape[1], k.shape[2], v.shape[2]
@@ -208,7 +226,8 @@ def delta_rule_chunk_state(
 def compose_chunk_states(m: Tensor, u: Tensor, initial: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The chunks of one sequence, in order (``m [C, H, K, K]``, ``u [C, H, K, V]``): the state
     each chunk starts from (``[C, H, K, V]``; the first starts from ``initial`` or zeros) and the
-    state the last leaves (``[H, K, V]``). Differentiable (torch), ``C`` small matrix products."""
+    state the last leaves (``[H, K, V]``). Differentiable (torch), ``C`` small matrix products, in
+    the inputs' precision whatever autocast says."""
     if m.dim() != 4 or u.dim() != 4 or m.shape[:3] != u.shape[:3] or m.shape[2] != m.shape[3]:
         raise ValueError(
             f"m must be [C, H, K, K] and u [C, H, K, V] with the same C, H, K, got {tuple(m.shape)} and "
@@ -218,7 +237,8 @@ def compose_chunk_states(m: Tensor, u: Tensor, initial: Tensor | None = None) ->
     if state.shape != u.shape[1:]:
         raise ValueError(f"initial must have shape {tuple(u.shape[1:])}, got {tuple(state.shape)}")
     starts = []
-    for c in range(m.shape[0]):
-        starts.append(state)
-        state = m[c] @ state + u[c]
+    with _full_precision(u.device):
+        for c in range(m.shape[0]):
+            starts.append(state)
+            state = m[c] @ state + u[c]
     return (torch.stack(starts) if starts else u.new_zeros(u.shape)), state

@@ -121,3 +121,23 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match=r"initial must have shape"):
         m, u = P.delta_rule_chunk_state(k, v, g, beta, cu, 6)
         P.compose_chunk_states(m, u, torch.zeros(2, 3, 3))
+
+
+def test_maps_and_their_composition_stay_in_float32_under_autocast():
+    """Trainer's ``bf16=True`` runs the forward under autocast: the maps and the composed state of
+    float32 inputs stay float32 there (against float64, as without autocast; before, the
+    composition's products ran in bfloat16, 3.8e-3 off, and the maps' 3.9e-4)."""
+    torch.manual_seed(0)
+    tokens, heads, key_dim, value_dim = 40, 2, 16, 16
+    k = torch.nn.functional.normalize(torch.randn(tokens, heads, key_dim), dim=-1)
+    v, g, beta = torch.randn(tokens, heads, value_dim), -torch.rand(tokens, heads), torch.rand(tokens, heads)
+    cu = torch.tensor([0, 13, 13, 40])
+    want_m, want_u = P.delta_rule_chunk_state(k.double(), v.double(), g.double(), beta.double(), cu, 27)
+    want = P.compose_chunk_states(want_m, want_u)[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m, u = P.delta_rule_chunk_state(k, v, g, beta, cu, 27)
+        state = P.compose_chunk_states(m, u)[1]
+    assert m.dtype == u.dtype == state.dtype == torch.float32
+    for got, ref in ((m, want_m), (u, want_u), (state, want)):
+        err = float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        assert err < 1e-5, err
