@@ -35,6 +35,8 @@ __all__ = [
     "kept_apart",
     "mixers_refusal",
     "model_mixers",
+    "unwrap_forward",
+    "wrap_forward",
 ]
 
 #: class names of decoder token mixers that are not softmax attention

@@ -50,7 +50,7 @@ from .loss import loss_unit, normalize_over_step, regrouping_changes_loss
 from .mixers import keep_sequences_apart
 from .wrappers import inner_model
 
-__all__ = ["balance_trainer", "check_cp_budget"]
+__all__ = ["balance_trainer", "check_cp_budget", "shared_batch_parallelism"]
 
 
 def shared_batch_parallelism(trainer) -> str | None:
