@@ -79,7 +79,7 @@ HOUSES = {
         # what differs between transformers releases; the model in its wrappers; the balance in the logs;
         # which trainers' losses regrouping keeps
         floor=("compat", "wrappers", "logs", "loss", "mixers", "lengths"),
-        top=("trainer", "every"),
+        top=("loaders", "trainer", "every"),
     ),  # fmt: skip
     # plan (host arithmetic, the same on every rank), the transports, the entry calls (agreement,
     # then the data moves), what drives them (a step's moves, the tensor-parallel linears)
