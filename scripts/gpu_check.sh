@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything a GPU machine should run, in about 10 minutes (the time bounds below add up to 9.8),
+# Everything a GPU machine should run, in about 10 minutes (the time bounds below add up to 11.2:
+# lower TESTS_LIMIT_S or name fewer parts where a command may run 10 minutes at most),
 # with the machine's own torch and no network access:
 #
 #   OUT=/some/folder scripts/gpu_check.sh [PART ...]   # from anywhere; JSON rows and logs to $OUT
@@ -16,7 +17,8 @@
 #    and carry the folder);
 # 2. `pytest -m gpu tests` (kernels, ops, collectives and the Hugging Face integration);
 # 3. `mmbalance bench attention varlen --quick` on CUDA (TFLOP/s against SDPA and flash-attn,
-#    bandwidth against a copy);
+#    bandwidth against a copy), and `mmbalance bench gdn --quick` (the Gated DeltaNet maps' fused
+#    backward against autograd through the reference: time and peak memory);
 # 4. `mmbalance bench hf --device cuda`: one training step of Qwen2-VL-2B's language model on 8k
 #    tokens, mmbalance_varlen against sdpa (and flash_attention_2 where installed);
 # 5. (host) scripts/host_profile.py: host time of one eager call of the varlen ops and an attention
@@ -88,6 +90,10 @@ if wants kernels; then
   timeout "${KERNELS_LIMIT_S:-130}" "$py" -m mmbalance.cli bench attention varlen --quick --device cuda --json "$out/bench.jsonl" \
     > "$out/bench-kernels.log" 2>&1 || failed+=("bench attention varlen")
   grep -E "^(attention|varlen|pack|unpack|segment)" "$out/bench-kernels.log" | head -60
+  part "mmbalance bench gdn --quick (the delta rule's maps: fused backward against autograd, on CUDA)"
+  timeout 40 "$py" -m mmbalance.cli bench gdn --quick --json "$out/bench.jsonl" \
+    > "$out/bench-gdn.log" 2>&1 || failed+=("bench gdn")
+  grep -E "^gdn_" "$out/bench-gdn.log"
 fi
 
 if wants hf; then

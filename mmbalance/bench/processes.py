@@ -291,6 +291,8 @@ def _spawned(rank, world, init, backend, pg_timeout, fn, args, queue, parent):
     import torch.distributed as dist
 
     try:
+        from mmbalance.collectives.teardown import wait_for_backend_threads
+
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
         if backend == "nccl":
@@ -302,6 +304,10 @@ def _spawned(rank, world, init, backend, pg_timeout, fn, args, queue, parent):
         try:
             value = fn(rank, world, *args)
         finally:
+            # local (a rank that failed must not wait for the others): gloo's workers first let go of
+            # what fn's last collectives held, or the release can land in the interpreter's
+            # finalization and abort the process (collectives/teardown.py)
+            wait_for_backend_threads(10)
             dist.destroy_process_group()
         send_report(queue, (rank, value, None))
     except Exception:  # noqa: BLE001 - reported to the parent

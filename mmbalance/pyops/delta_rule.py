@@ -4,6 +4,9 @@ Ops (schemas)::
 
     mmbalance::delta_rule_chunk_state(Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens,
                                       SymInt max_seqlen, str backend) -> (Tensor, Tensor)
+    mmbalance::delta_rule_chunk_state_backward(Tensor k, Tensor v, Tensor g, Tensor beta,
+                                               Tensor cu_seqlens, SymInt max_seqlen, Tensor? dm,
+                                               Tensor? du) -> (Tensor, Tensor, Tensor, Tensor)
 
 ``delta_rule_chunk_state`` gives every chunk of packed tokens (``cu_seqlens``) the affine map its
 tokens apply to a Gated DeltaNet state, ``S_out = M S_in + U`` per head (``kernels/delta_rule.py``
@@ -23,10 +26,13 @@ Inputs: ``k [T, H, K]`` (the layer's normalized keys), ``v [T, H, V]``, ``g [T, 
 
 Dispatch: ``backend="auto"`` runs the Triton kernel on CUDA tensors (and on CPU tensors under
 ``TRITON_INTERPRET=1``) and the torch reference otherwise; ``"triton"`` and ``"reference"`` force one
-(a ``ValueError`` says why it cannot run). Autograd: the backward differentiates the torch reference
-(recomputed, one rank-1 step per token of the longest chunk, all chunks and heads at once), for
-``k``, ``v``, ``g`` and ``beta``; it runs in torch on every device (a fused backward kernel is not
-written yet).
+(a ``ValueError`` says why it cannot run). Autograd, for ``k``, ``v``, ``g`` and ``beta``: where the
+forward ran the kernel, the backward is its fused kernel (``kernels/delta_rule.py``: the states
+recomputed from checkpoints every ``sqrt(max_seqlen)`` tokens, so it keeps about ``2 sqrt(max_seqlen)``
+states a chunk and head, plus per-column-block partial sums of ``K + 2`` floats a token and head,
+not a state a token); elsewhere (the torch reference, float64) it differentiates the
+reference, recomputed (one rank-1 step per token of the longest chunk, all chunks and heads at
+once; autograd keeps every step's state).
 """
 
 from __future__ import annotations
@@ -190,10 +196,52 @@ def _chunk_state_fake(k, v, g, beta, cu_seqlens, max_seqlen, backend):
     )
 
 
+def _check_backward(k, v, g, beta, cu, max_seqlen, dm, du) -> None:
+    """The forward's checks, the kernel's availability, and ``dm``/``du`` of the maps' shapes."""
+    _check(k, v, g, beta, cu, max_seqlen, "triton")
+    _use_kernel(k, "triton")
+    pieces, (heads, key_dim), value_dim = cu.shape[0] - 1, k.shape[1:], v.shape[2]
+    for name, t, shape in (
+        ("dm", dm, (pieces, heads, key_dim, key_dim)),
+        ("du", du, (pieces, heads, key_dim, value_dim)),
+    ):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point or t.device != k.device:
+            raise ValueError(f"{name} must be a floating tensor on {k.device}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (the maps'), got {tuple(t.shape)}")
+
+
+@torch.library.custom_op("mmbalance::delta_rule_chunk_state_backward", mutates_args=())
+def _chunk_state_backward_op(
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dm: Tensor | None,
+    du: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The fused backward (``kernels/delta_rule.py``): float32 ``dk``, ``dv``, ``dg``, ``dbeta``."""
+    _check_backward(k, v, g, beta, cu_seqlens, max_seqlen, dm, du)
+    k_, v_, g_, b_ = (t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous() for t in (k, v, g, beta))
+    return _kernel.delta_rule_chunk_state_bwd(k_, v_, g_, b_, cu_seqlens, max_seqlen, dm, du)
+
+
+@_chunk_state_backward_op.register_fake
+def _chunk_state_backward_fake(k, v, g, beta, cu_seqlens, max_seqlen, dm, du):
+    _check_backward(k, v, g, beta, cu_seqlens, max_seqlen, dm, du)
+    return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in (k, v, g, beta))
+
+
 def _setup(ctx, inputs, output):
-    k, v, g, beta, cu, max_seqlen, _ = inputs
+    k, v, g, beta, cu, max_seqlen, backend = inputs
     ctx.save_for_backward(k, v, g, beta, cu)
     ctx.max_seqlen = max_seqlen
+    # the fused backward wherever the forward ran the kernel
+    ctx.fused = _use_kernel(k, backend) and _out_dtype(k, v, g, beta) != torch.float64
     ctx.set_materialize_grads(False)
 
 
@@ -201,7 +249,13 @@ def _backward(ctx, dm, du):
     k, v, g, beta, cu = ctx.saved_tensors
     wanted = [i for i in range(4) if ctx.needs_input_grad[i]]
     grads: list[Tensor | None] = [None] * 4
-    if wanted and (dm is not None or du is not None):
+    if wanted and (dm is not None or du is not None) and ctx.fused:
+        dk, dv, dg, db = torch.ops.mmbalance.delta_rule_chunk_state_backward(
+            k, v, g, beta, cu, ctx.max_seqlen, dm, du
+        )
+        for i in wanted:
+            grads[i] = (dk, dv, dg, db)[i].to((k, v, g, beta)[i].dtype)
+    elif wanted and (dm is not None or du is not None):
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(i in wanted) for i, t in enumerate((k, v, g, beta))]
             m, u = delta_rule_chunk_state_ref(*leaves, cu, ctx.max_seqlen)

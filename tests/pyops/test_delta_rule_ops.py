@@ -141,3 +141,19 @@ def test_maps_and_their_composition_stay_in_float32_under_autocast():
     for got, ref in ((m, want_m), (u, want_u), (state, want)):
         err = float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         assert err < 1e-5, err
+
+
+def test_the_fused_backward_refuses_bad_input_by_name():
+    """``mmbalance::delta_rule_chunk_state_backward``: the maps' gradients of another shape, and
+    (without CUDA or the interpreter) the kernel it needs."""
+    from mmbalance.kernels.dispatch import INTERPRET
+
+    k, v, g, beta, _ = random_inputs(5, 2, 3, 4, seed=3, dtype=torch.float32)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int64)
+    op = torch.ops.mmbalance.delta_rule_chunk_state_backward
+    if not (INTERPRET or torch.cuda.is_available()):
+        with pytest.raises(ValueError, match="Triton kernel runs on CUDA"):
+            op(k, v, g, beta, cu, 3, torch.zeros(2, 2, 3, 3), None)
+        return
+    with pytest.raises(ValueError, match="du must have shape"):
+        op(k, v, g, beta, cu, 3, None, torch.zeros(2, 2, 3, 3))

@@ -18,6 +18,14 @@ the whole sequence would:
 Times are the slowest rank's median; ``ratio`` is gather over handoff, in bytes and in time, taken
 in one run on one machine (``device`` says which). The hand-off costs the same whatever the length;
 the gather grows with it.
+
+``gdn_maps_backward``: the memory of the maps' backward for one rank's piece, one process. The
+fused kernel's buffers besides its outputs (what its launcher allocates for a GPU's blocks:
+checkpoints every ``sqrt(piece)`` tokens, one segment's states, the column blocks' partial sums)
+against what autograd keeps through the torch reference for its backward (measured in the
+reference's forward: every tensor it saves, each storage once). On a GPU, forward + backward of
+each path is also timed (``time_ms``: the kernel's), with its peak memory; on a CPU no backward
+runs.
 """
 
 from __future__ import annotations
@@ -101,8 +109,78 @@ def _worker(rank, world, args):
     return rows if rank == 0 else None
 
 
+def _saved_bytes(fn) -> int:
+    """Bytes of every tensor autograd saves while ``fn()`` runs (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(storages.values())
+
+
+def _backward_rows(args) -> list[Row]:
+    """``gdn_maps_backward`` rows (module docstring) for every piece length ``length / degree``."""
+    from mmbalance.kernels.delta_rule import backward_buffers
+    from mmbalance.pyops.delta_rule import delta_rule_chunk_state, delta_rule_chunk_state_ref
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    shape = SHAPES[args.shape]
+    heads, dk, dv = shape["v_heads"], shape["key"], shape["value"]
+    rows = []
+    for local in sorted({length // d for length in args.lengths for d in args.degrees}):
+        if local > args.backward_max:
+            continue
+        g = torch.Generator(device="cpu").manual_seed(local)
+        base = [
+            torch.nn.functional.normalize(torch.randn(local, heads, dk, generator=g), dim=-1),
+            torch.randn(local, heads, dv, generator=g),
+            -torch.rand(local, heads, generator=g),
+            torch.rand(local, heads, generator=g),
+        ]
+        base = [t.to(dev) for t in base]
+        cu = torch.tensor([0, local], dtype=torch.int64, device=dev)
+        kk, vv, gg, bb = (t.clone().requires_grad_() for t in base)
+        reference = _saved_bytes(lambda: delta_rule_chunk_state_ref(kk, vv, gg, bb, cu, local))
+        shapes = backward_buffers(1, heads, dk, dv, local, local)
+        fused = 4 * sum(int(np.prod(sh)) for sh in shapes.values())
+        metrics = dict(
+            piece=local, reference_MB=reference / 1e6, fused_MB=fused / 1e6, memory_ratio=reference / fused
+        )
+        times = {}
+        if cuda:  # both backwards run: time and peak memory of forward + backward
+            for backend in ("triton", "reference"):
+
+                def step(backend=backend):
+                    xs = [t.clone().requires_grad_() for t in base]
+                    m, u = delta_rule_chunk_state(*xs, cu, local, backend=backend)
+                    (m.sum() + u.sum()).backward()
+
+                step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                for _ in range(args.reps):
+                    step()
+                torch.cuda.synchronize()
+                times[backend] = (time.perf_counter() - t0) * 1e3 / args.reps
+                metrics[f"{backend}_peak_MB"] = torch.cuda.max_memory_allocated() / 1e6
+            metrics["time_ratio"] = times["reference"] / times["triton"]
+            torch.cuda.empty_cache()  # the reference's blocks go back before the ranks start
+        dname = device_name(dev.type)
+        rows.append(Row("gdn_maps_backward", "mmbalance", f"L{local}/{args.shape}", "fp32", dname,
+                        times.get("triton", float("nan")), metrics))  # fmt: skip
+    return rows
+
+
 def run(args) -> list[Row]:
-    out = []
+    out = _backward_rows(args)
     dev = device_name("cuda" if torch.cuda.is_available() else "cpu")
     for degree in args.degrees:
         for r in spawn(_worker, degree, args, pg_timeout=120.0)[0]:
@@ -115,8 +193,16 @@ def run(args) -> list[Row]:
 def main(argv=None) -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--backward-max",
+        type=int,
+        default=None,
+        help="longest piece whose maps' backward memory is measured (default: 2048; autograd through the reference keeps several states a token)",
+    )
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
+    if args.backward_max is None:
+        args.backward_max = 2048
     if args.quick:
         args.shape, args.degrees, args.lengths = "small", [2], [1024]
     elif args.full:
@@ -128,7 +214,8 @@ def main(argv=None) -> None:
     report(
         run(args),
         args.json,
-        "Gated DeltaNet under CP: the state hand-off against gathering the sequence, per layer",
+        "Gated DeltaNet under CP: the state hand-off against gathering the sequence, per layer; the maps' "
+        "backward memory, fused kernel against autograd through the reference",
     )
 
 

@@ -127,6 +127,7 @@ def worker(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from mmbalance.collectives.teardown import wait_for_backend_threads
     from mmbalance.integrations.hf import apply_dynamic_cp, register_attention
 
     p = argparse.ArgumentParser()
@@ -200,6 +201,7 @@ def worker(argv: list[str]) -> None:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f)
     dist.barrier()
+    wait_for_backend_threads(10)  # the barrier's tensors released before the group goes (teardown.py)
     dist.destroy_process_group()
 
 

@@ -115,7 +115,8 @@ def merge_variants() -> list[dict]:
 
 # -------------------------------------------------------------------------------------- delta rule
 def delta_rule_variants() -> list[dict]:
-    """The chunk state at key and value dims 128 (Qwen3.5, Qwen3-Next) and 64, float32 and bfloat16."""
+    """The chunk state and its backward at key and value dims 128 (Qwen3.5, Qwen3-Next) and 64,
+    float32 and bfloat16."""
     kernel = delta_rule.delta_rule_chunk_state_kernel
     entries = []
     for dtype in ("fp32", "bf16"):
@@ -128,6 +129,32 @@ def delta_rule_variants() -> list[dict]:
                     signature=_signature(
                         kernel, dtype, {"cu_ptr": "*i32", "m_ptr": "*fp32", "u_ptr": "*fp32"}
                     ),
+                    constexprs=dict(
+                        KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=cfg["BLOCK_K"], BLOCK_C=cfg["BLOCK_C"]
+                    ),  # fmt: skip
+                    num_warps=cfg["num_warps"],
+                    expect={"spill_bytes": 0},
+                )
+            )
+            bwd = delta_rule.delta_rule_chunk_state_bwd_kernel
+            fp32 = {
+                n: "*fp32"
+                for n in (
+                    "dm_ptr",
+                    "du_ptr",
+                    "dk_ptr",
+                    "dv_ptr",
+                    "dg_ptr",
+                    "db_ptr",
+                    "ckpt_ptr",
+                    "scratch_ptr",
+                )
+            }
+            entries.append(
+                dict(
+                    name=f"delta_rule_chunk_state_bwd_{dtype}_k{key_dim}_v{value_dim}",
+                    kernel=bwd,
+                    signature=_signature(bwd, dtype, {"cu_ptr": "*i32", **fp32}),
                     constexprs=dict(
                         KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=cfg["BLOCK_K"], BLOCK_C=cfg["BLOCK_C"]
                     ),  # fmt: skip

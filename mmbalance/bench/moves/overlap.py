@@ -194,6 +194,8 @@ def _bench_config(cfg: Config, rank: int, world: int, device: torch.device, chun
 def _worker(rank: int, world: int, init_file: str, cfgs, chunk_list, backends, reps, queue) -> None:
     import torch.distributed as dist
 
+    from mmbalance.collectives.teardown import wait_for_backend_threads
+
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
@@ -214,6 +216,7 @@ def _worker(rank: int, world: int, init_file: str, cfgs, chunk_list, backends, r
             if rank == 0:
                 queue.put((cfg, rows))
     finally:
+        wait_for_backend_threads(10)  # the last collectives' tensors released first (teardown.py)
         dist.destroy_process_group()
     if rank == 0:  # the end of the stream, flushed before the process exits (a rank that raised sends none)
         send_report(queue, (None, None))
