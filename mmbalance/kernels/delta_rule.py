@@ -61,6 +61,7 @@ __all__ = [
     "delta_rule_chunk_state_bwd_kernel",
     "segment_length",
     "backward_buffers",
+    "backward_config",
 ]
 
 
@@ -278,6 +279,17 @@ def chunk_state_config(key_dim: int, value_dim: int) -> dict:
     return dict(BLOCK_K=bk, BLOCK_C=max(16, min(64, 4096 // bk)), num_warps=4)
 
 
+def backward_config(key_dim: int, value_dim: int) -> dict:
+    """The backward's columns per program: a ``K x BLOCK_C`` block of up to 8192 float32 values,
+    8 warps past 4096 (at keys of 128: 64 columns, 239 registers and no spills on sm_90, where 128
+    columns spill), so the column blocks' partial sums of ``dk`` are half the forward's blocks."""
+    bk = max(16, triton.next_power_of_2(key_dim))
+    if INTERPRET:
+        return dict(BLOCK_K=bk, BLOCK_C=16, num_warps=4)
+    bc = max(16, min(64, 8192 // bk))
+    return dict(BLOCK_K=bk, BLOCK_C=bc, num_warps=8 if bk * bc > 4096 else 4)
+
+
 def delta_rule_chunk_state(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -316,7 +328,7 @@ def backward_buffers(
     """The float32 buffers the backward allocates besides its outputs: every program's segment
     checkpoints (``ckpt``) and segment scratch (``scratch``), and the column blocks' partial sums
     of ``dk``, ``dg`` and ``dbeta``."""
-    cfg = chunk_state_config(key_dim, value_dim)
+    cfg = backward_config(key_dim, value_dim)
     bk, bc = cfg["BLOCK_K"], cfg["BLOCK_C"]
     blocks = triton.cdiv(key_dim + value_dim, bc)
     seg = segment_length(max_seqlen)
@@ -365,7 +377,7 @@ def delta_rule_chunk_state_bwd(
         du = torch.zeros((pieces, heads, key_dim, value_dim), dtype=torch.float32, device=dev)
     dm = dm.to(torch.float32).contiguous()
     du = du.to(torch.float32).contiguous()
-    cfg = chunk_state_config(key_dim, value_dim)
+    cfg = backward_config(key_dim, value_dim)
     shapes = backward_buffers(pieces, heads, key_dim, value_dim, tokens, max_seqlen)
     ckpt, scratch, dk_part, dg_part, db_part = (
         torch.empty(shapes[n], dtype=torch.float32, device=dev)

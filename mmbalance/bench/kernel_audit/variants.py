@@ -137,6 +137,7 @@ def delta_rule_variants() -> list[dict]:
                 )
             )
             bwd = delta_rule.delta_rule_chunk_state_bwd_kernel
+            cfg = delta_rule.backward_config(key_dim, value_dim)
             fp32 = {
                 n: "*fp32"
                 for n in (
