@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mmbalance.pyops as P
+from mmbalance.kernels.dispatch import INTERPRET
 from mmbalance.pyops.delta_rule import delta_rule_chunk_state_ref
 from tests.pyops.delta_rule_expected import chunk_maps, random_inputs, run
 
@@ -116,8 +117,9 @@ def test_bad_input_is_refused_by_name():
         P.delta_rule_chunk_state(k, v, g, beta, cu.float(), 6)
     with pytest.raises(ValueError, match="backend must be one of"):
         P.delta_rule_chunk_state(k, v, g, beta, cu, 6, backend="cuda")
-    with pytest.raises(ValueError, match="backend='triton' cannot run"):
-        P.delta_rule_chunk_state(k, v, g, beta, cu, 6, backend="triton")
+    if not (INTERPRET or torch.cuda.is_available()):  # the kernel runs nowhere here
+        with pytest.raises(ValueError, match="backend='triton' cannot run"):
+            P.delta_rule_chunk_state(k, v, g, beta, cu, 6, backend="triton")
     with pytest.raises(ValueError, match=r"initial must have shape"):
         m, u = P.delta_rule_chunk_state(k, v, g, beta, cu, 6)
         P.compose_chunk_states(m, u, torch.zeros(2, 3, 3))
@@ -146,8 +148,6 @@ def test_maps_and_their_composition_stay_in_float32_under_autocast():
 def test_the_fused_backward_refuses_bad_input_by_name():
     """``mmbalance::delta_rule_chunk_state_backward``: the maps' gradients of another shape, and
     (without CUDA or the interpreter) the kernel it needs."""
-    from mmbalance.kernels.dispatch import INTERPRET
-
     k, v, g, beta, _ = random_inputs(5, 2, 3, 4, seed=3, dtype=torch.float32)
     cu = torch.tensor([0, 2, 5], dtype=torch.int64)
     op = torch.ops.mmbalance.delta_rule_chunk_state_backward
