@@ -73,7 +73,7 @@ def test_every_kernel_of_the_kernels_package_is_audited():
             if name.endswith("_kernel") and hasattr(obj, "arg_names") and obj.__module__ == module.__name__:
                 found.append(name)
                 assert id(obj) in audited, f"{info.name}.{name} is not in the kernel audit"
-    assert len(found) == len(audited) == 9
+    assert len(found) == len(audited) == 10
 
 
 def test_a_broken_kernel_import_is_a_failed_row(monkeypatch):
