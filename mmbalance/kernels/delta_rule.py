@@ -27,8 +27,8 @@ front with ``G_t = dL/dX_t`` (``X`` the block of ``[M | U]`` columns after token
 k_t`` (``w_t = [0 | v_t]``): ``dv_t = beta_t (G_t^T k_t)`` on the value columns, ``dbeta_t = (G_t^T
 k_t) . r_t``, ``dg_t = a_t (<G_t, X_{t-1}> - beta_t (G_t^T k_t) . (X_{t-1}^T k_t))`` and ``dk_t =
 beta_t G_t r_t - a_t beta_t X_{t-1} (G_t^T k_t)``. The states ``X_{t-1}`` are recomputed, not kept:
-a first walk stores the state at the start of every segment of ``S`` tokens (``S`` about the
-square root of the longest chunk), then each segment, last first, is walked again from its
+a first walk stores the state at the start of every segment of ``S`` tokens (``S`` the square
+root of ``max_seqlen``, rounded up), then each segment, last first, is walked again from its
 checkpoint into a scratch of ``S`` states and back. The terms of ``dk``, ``dbeta`` and ``dg`` are
 sums over all columns, so every column block writes its own partial and the launcher adds them
 (deterministic, no atomics). Memory: ``(max_seqlen / S + S)`` blocks of ``K x BLOCK_C`` per
